@@ -1,0 +1,16 @@
+"""kvjax: large model reads, small model answers. KV-cache transfer between Qwen3 models in JAX."""
+
+from kvjax.cache import KVCache, init_cache
+from kvjax.generation import Sampling, generate, pad_prompts
+from kvjax.hf import CheckpointError, load_hf, load_hf_config, load_tokenizer, save_hf
+from kvjax.models.config import ConfigError, Qwen3Config
+from kvjax.models.params import Params, init_params
+from kvjax.models.qwen3 import decode_step, prefill
+from kvjax.tensorfile import SafetensorsError
+
+__version__ = "0.1.0"
+__all__ = [
+    "KVCache", "init_cache", "generate", "Sampling", "pad_prompts", "load_hf", "load_hf_config", "load_tokenizer",
+    "save_hf", "Qwen3Config", "ConfigError", "CheckpointError", "SafetensorsError", "Params", "init_params",
+    "prefill", "decode_step",
+]

@@ -1,0 +1,164 @@
+"""HF checkpoint directory <-> (Qwen3Config, Params), and the tokenizer.
+
+A checkpoint is a directory with config.json and either model.safetensors or a sharded
+model.safetensors.index.json. Tensors are streamed one at a time: each is read through a memory map, checked against
+the expected shape, converted to our layout and dtype, and placed on its devices before the next is read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.models.config import ConfigError, Qwen3Config, load_config
+from kvjax.models.params import Params, from_flat, hf_shape, param_specs, to_flat
+from kvjax.tensorfile import SafetensorsFile, save_file
+
+CONFIG = "config.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+IGNORED = ("rotary_emb.inv_freq",)  # buffers some exporters write; recomputed here
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded; the message says what to fix."""
+
+
+def resolve(path: str) -> str:
+    """A local checkpoint directory for `path`: the directory itself, or a hub snapshot (needs network)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        return path
+    if os.path.exists(path):
+        raise CheckpointError(f"{path} is a file; pass the checkpoint directory that contains {CONFIG}")
+    looks_like_hub = path.count("/") == 1 and not path.startswith((".", "/", "~"))
+    if looks_like_hub:
+        try:
+            from huggingface_hub import snapshot_download
+            return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "tokenizer*"])
+        except Exception as e:  # no network, unknown repo, ...
+            raise CheckpointError(f"{path!r} is not a local directory and could not be fetched from the hub "
+                                  f"({type(e).__name__}: {e}); download it and pass the local directory") from None
+    raise CheckpointError(f"checkpoint directory {path!r} does not exist; pass a directory with {CONFIG} and "
+                          f"{SINGLE} (or {INDEX})")
+
+
+def load_hf_config(path: str) -> Qwen3Config:
+    path = resolve(path)
+    cfg_path = os.path.join(path, CONFIG)
+    if not os.path.isfile(cfg_path):
+        raise CheckpointError(f"{path} has no {CONFIG}; an HF checkpoint directory needs config.json next to "
+                              "its .safetensors files")
+    return load_config(cfg_path)
+
+
+def _open_weights(path: str) -> dict[str, SafetensorsFile]:
+    """tensor name -> the file holding it."""
+    index_path, single = os.path.join(path, INDEX), os.path.join(path, SINGLE)
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            try:
+                weight_map = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index_path} is not a valid safetensors index ({e!r}); re-save the "
+                                      "checkpoint") from None
+        files = {}
+        for shard in sorted(set(weight_map.values())):
+            shard_path = os.path.join(path, shard)
+            if not os.path.isfile(shard_path):
+                raise CheckpointError(f"{INDEX} names shard {shard!r} but {shard_path} is missing; the download "
+                                      "is incomplete")
+            files[shard] = SafetensorsFile(shard_path)
+        out = {}
+        for name, shard in weight_map.items():
+            if name not in files[shard].keys():
+                raise CheckpointError(f"{INDEX} says {name!r} is in {shard}, but that file does not contain it")
+            out[name] = files[shard]
+        return out
+    if os.path.isfile(single):
+        f = SafetensorsFile(single)
+        return {k: f for k in f.keys()}
+    others = sorted(n for n in os.listdir(path) if n.endswith((".bin", ".pt", ".pth", ".ckpt", ".safetensors")))
+    hint = (f" It has {others}: kvjax reads only safetensors (never pickle); re-save with "
+            "`model.save_pretrained(dir, safe_serialization=True)`." if others else "")
+    raise CheckpointError(f"{path} has neither {SINGLE} nor {INDEX}.{hint}")
+
+
+def load_hf(path: str, dtype=jnp.float32, shardings=None) -> tuple[Qwen3Config, Params]:
+    """Load an HF Qwen3 checkpoint directory (or hub name, with network) into (cfg, params).
+
+    `dtype` is the parameter dtype (float32 or bfloat16). `shardings`, if given, is a Params-shaped tree of
+    jax.sharding.Sharding (e.g. from kvjax.sharding.tree_shardings) and each tensor is placed accordingly.
+    """
+    path = resolve(path)
+    cfg = load_hf_config(path)
+    tensors = _open_weights(path)
+    specs = param_specs(cfg)
+    expected = {s.hf_name for s in specs.values()}
+    allowed_extra = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    missing = sorted(expected - set(tensors))
+    unexpected = sorted(n for n in set(tensors) - expected - allowed_extra if not n.endswith(IGNORED))
+    if missing:
+        raise CheckpointError(f"{path}: missing tensors for this config ({len(missing)}): {missing[:8]}"
+                              f"{' ...' if len(missing) > 8 else ''}. Does config.json match the weights?")
+    if unexpected:
+        raise CheckpointError(f"{path}: unexpected tensors ({len(unexpected)}): {unexpected[:8]}"
+                              f"{' ...' if len(unexpected) > 8 else ''}. Is this a Qwen3 checkpoint, and does "
+                              "config.json (num_hidden_layers, tie_word_embeddings) match the weights?")
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    flat_shardings = to_flat(shardings) if shardings is not None else {}
+    flat = {}
+    for name, spec in specs.items():
+        f = tensors[spec.hf_name]
+        want = hf_shape(spec)
+        if f.shape(spec.hf_name) != want:
+            raise CheckpointError(f"{path}: tensor {spec.hf_name!r} has shape {list(f.shape(spec.hf_name))}, "
+                                  f"config.json implies {list(want)}; the config does not match the weights")
+        host = np.array(spec.from_hf(f.get(spec.hf_name)), dtype=np_dtype, order="C")
+        flat[name] = jax.device_put(host, flat_shardings.get(name))
+        del host
+    return cfg, from_flat(cfg, flat)
+
+
+def save_hf(path: str, cfg: Qwen3Config, params: Params, tokenizer_dir: str | None = None,
+            dtype=None) -> None:
+    """Write an HF checkpoint directory loadable by transformers and by load_hf."""
+    os.makedirs(path, exist_ok=True)
+    specs = param_specs(cfg)
+    flat = to_flat(params)
+    tensors = {}
+    for name, spec in specs.items():
+        a = np.asarray(jax.device_get(flat[name]))
+        if dtype is not None:
+            a = a.astype(np.dtype(jnp.dtype(dtype)))
+        tensors[spec.hf_name] = spec.to_hf(a)
+    save_file(tensors, os.path.join(path, SINGLE), metadata={"format": "pt"})
+    hf_cfg = cfg.to_hf_dict()
+    hf_cfg["torch_dtype"] = str(np.dtype(next(iter(tensors.values())).dtype).name)
+    with open(os.path.join(path, CONFIG), "w") as f:
+        json.dump(hf_cfg, f, indent=2)
+    if tokenizer_dir is not None:
+        import shutil
+        for name in TOKENIZER_FILES:
+            src = os.path.join(tokenizer_dir, name)
+            if os.path.isfile(src):
+                shutil.copyfile(src, os.path.join(path, name))
+
+
+def load_tokenizer(path: str):
+    """The `tokenizers.Tokenizer` stored with a checkpoint (tokenizer.json)."""
+    from tokenizers import Tokenizer
+    path = resolve(path)
+    tok_path = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(tok_path):
+        raise CheckpointError(f"{path} has no tokenizer.json; copy the tokenizer files of the model family next to "
+                              "config.json")
+    return Tokenizer.from_file(tok_path)
+
+
+__all__ = ["CheckpointError", "ConfigError", "load_hf", "load_hf_config", "load_tokenizer", "save_hf", "resolve"]

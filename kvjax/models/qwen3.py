@@ -1,0 +1,162 @@
+"""Qwen3 forward pass as pure functions over (Params, KVCache).
+
+One function, `forward`, serves prefill (many tokens per row) and decode (one token per row): it writes the new
+keys/values into the cache at each row's own positions and attends over a static window of the cache that covers
+every row's live part (see kvjax.cache.window_sizes), so decode cost grows with the context, not the capacity.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.cache import KVCache, window_sizes
+from kvjax.models.config import Qwen3Config
+from kvjax.models.params import LayerParams, Params
+from kvjax.models.rope import apply_rope, rope_angles
+from kvjax.sharding import constrain
+
+NEG_INF = -1e30  # finite, so fully masked (padding) rows stay NaN-free
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return w * xf.astype(x.dtype)
+
+
+def _attend_window(q, k, v, q_pos, kv_len, layer: int, window: int):
+    """Causal GQA attention of q [B, T, Hq, hd] over positions [0, window) of one layer of the cache.
+
+    k, v: [L, B, Hkv, C, hd] whole cache buffers (sliced here, so only the window is read); q_pos [B, T] absolute
+    positions; kv_len [B] valid positions per row.
+    """
+    b, t, hq, hd = q.shape
+    hkv = k.shape[2]
+    k = k[layer, :, :, :window]  # [B, Hkv, W, hd]
+    v = v[layer, :, :, :window]
+    q = q.reshape(b, t, hkv, hq // hkv, hd)  # [B, T, Hkv, G, hd]
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, k).astype(jnp.float32) * (hd ** -0.5)  # [B, Hkv, G, T, W]
+    key_pos = jnp.arange(window)
+    mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < kv_len[:, None, None])
+    scores = jnp.where(mask[:, None, None], scores, NEG_INF)  # mask [B, T, W]
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bksd->btkgd", probs, v)
+    return out.reshape(b, t, hq, hd)
+
+
+def attend(q, k, v, q_pos, kv_len, layer: int):
+    """Attention over the smallest static window of the cache that holds every row's live positions."""
+    windows = window_sizes(k.shape[3])
+    if len(windows) == 1:
+        return _attend_window(q, k, v, q_pos, kv_len, layer, windows[0])
+    index = jnp.searchsorted(jnp.asarray(windows), jnp.max(kv_len))
+    index = jnp.minimum(index, len(windows) - 1)
+    branches = [lambda q, k, v, p, n, w=w: _attend_window(q, k, v, p, n, layer, w) for w in windows]
+    return jax.lax.switch(index, branches, q, k, v, q_pos, kv_len)
+
+
+def _write(buf: jax.Array, layer: int, new: jax.Array, positions: jax.Array) -> jax.Array:
+    """buf [L, B, Hkv, C, hd] <- new [B, T, Hkv, hd] at buf[layer, b, :, positions[b, t]]; positions >= C drop."""
+    rows = jnp.arange(new.shape[0])[:, None]
+    return buf.at[layer, rows, :, positions].set(new.astype(buf.dtype), mode="drop")
+
+
+def layer_forward(lp: LayerParams, cfg: Qwen3Config, x, cos, sin, cache: KVCache, layer: int, positions, kv_len):
+    """One decoder layer. x [B, T, D]; returns (x, cache with this layer's new K/V written)."""
+    eps = cfg.rms_norm_eps
+    h = rms_norm(x, lp.attn_norm, eps)
+    q = rms_norm(jnp.einsum("btd,dhk->bthk", h, lp.q), lp.q_norm, eps)  # [B, T, Hq, hd]
+    k = rms_norm(jnp.einsum("btd,dhk->bthk", h, lp.k), lp.k_norm, eps)  # [B, T, Hkv, hd]
+    v = jnp.einsum("btd,dhk->bthk", h, lp.v)
+    q = constrain(apply_rope(q, cos, sin), ("batch", None, "heads", None))
+    k = apply_rope(k, cos, sin)
+    cache = cache.replace(k=_write(cache.k, layer, k, positions), v=_write(cache.v, layer, v, positions))
+    attn = attend(q, cache.k, cache.v, positions, kv_len, layer)  # [B, T, Hq, hd]
+    x = x + jnp.einsum("bthk,hkd->btd", attn, lp.o)
+    h = rms_norm(x, lp.mlp_norm, eps)
+    gate = jnp.einsum("btd,df->btf", h, lp.gate)
+    up = jnp.einsum("btd,df->btf", h, lp.up)
+    x = x + jnp.einsum("btf,fd->btd", constrain(jax.nn.silu(gate) * up, ("batch", None, "ffn")), lp.down)
+    return constrain(x, ("batch", None, None)), cache
+
+
+def unembed(params: Params, x: jax.Array) -> jax.Array:
+    if params.lm_head is None:
+        return jnp.einsum("btd,vd->btv", x, params.embed)
+    return jnp.einsum("btd,dv->btv", x, params.lm_head)
+
+
+def forward(params: Params, cfg: Qwen3Config, tokens: jax.Array, cache: KVCache, lengths: jax.Array | None = None,
+            last_only: bool = False) -> tuple[jax.Array, KVCache]:
+    """Run `tokens` [B, T] (right-padded; `lengths` [B] real tokens per row, default T) after each row's cached
+    positions. Returns logits [B, T, V] (or [B, V] at each row's last real token when `last_only`) and the cache with
+    `lengths` advanced."""
+    b, t = tokens.shape
+    if lengths is None:
+        lengths = jnp.full((b,), t, jnp.int32)
+    start = cache.lengths
+    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+    kv_len = start + lengths
+    cos, sin = rope_angles(positions, cfg.head_dim, cfg.rope_theta)  # [B, T, hd]
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    x = constrain(params.embed[tokens], ("batch", None, None))  # [B, T, D]
+    for i, lp in enumerate(params.layers):
+        x, cache = layer_forward(lp, cfg, x, cos, sin, cache, i, positions, kv_len)
+    if last_only:
+        x = x[jnp.arange(b), jnp.maximum(lengths - 1, 0)][:, None]  # [B, 1, D]
+    logits = unembed(params, rms_norm(x, params.final_norm, cfg.rms_norm_eps))
+    if last_only:
+        logits = logits[:, 0]
+    return logits, cache.replace(lengths=kv_len)
+
+
+# ---- public entry points (jitted, cache donated) -----------------------------------------------------------------
+
+def _prefill(params, cfg, tokens, cache, lengths, last_only):
+    return forward(params, cfg, tokens, cache, lengths, last_only)
+
+
+def _decode_step(params, cfg, tokens, cache):
+    logits, cache = forward(params, cfg, tokens[:, None], cache)
+    return logits[:, 0], cache
+
+
+_prefill_jit = jax.jit(_prefill, static_argnames=("cfg", "last_only"), donate_argnames=("cache",))
+_decode_step_jit = jax.jit(_decode_step, static_argnames=("cfg",), donate_argnames=("cache",))
+
+
+def _check_cache(cfg: Qwen3Config, cache: KVCache, tokens: jax.Array, ndim: int, what: str) -> None:
+    from kvjax.cache import check_compatible
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"{what}: cache must be a kvjax.KVCache (kvjax.init_cache), got {type(cache).__name__}")
+    check_compatible(cfg, cache)
+    if tokens.ndim != ndim or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        shape = "[B, T]" if ndim == 2 else "[B]"
+        raise ValueError(f"{what}: tokens must be an integer array of shape {shape}, got {tokens.dtype}{tokens.shape}")
+    if tokens.shape[0] != cache.batch_size:
+        raise ValueError(f"{what}: tokens have batch {tokens.shape[0]} but the cache was made for batch "
+                         f"{cache.batch_size}")
+
+
+def prefill(params: Params, cfg: Qwen3Config, tokens, cache: KVCache, lengths=None, *, last_only: bool = False):
+    """Process prompt tokens int32 [B, T] (right-padded; `lengths` [B] = real tokens per row) after what the cache
+    holds. Returns (logits [B, T, V] or, with `last_only`, [B, V] at each row's last real token; cache). The cache
+    argument is donated: use the returned one."""
+    tokens = jnp.asarray(tokens)
+    _check_cache(cfg, cache, tokens, 2, "prefill")
+    if tokens.shape[1] > cache.capacity:
+        raise ValueError(f"prefill: {tokens.shape[1]} tokens do not fit a cache of capacity {cache.capacity}; "
+                         "make the cache larger (kvjax.init_cache(cfg, batch, max_len))")
+    if lengths is not None:
+        lengths = jnp.asarray(lengths, jnp.int32)
+    return _prefill_jit(params, cfg, tokens.astype(jnp.int32), cache, lengths, last_only)
+
+
+def decode_step(params: Params, cfg: Qwen3Config, tokens, cache: KVCache):
+    """One token per row, int32 [B], appended at each row's own position. Returns (logits [B, V], cache).
+    The cache argument is donated: use the returned one. Rows whose cache is full drop the write, so size the
+    cache for prompt + new tokens."""
+    tokens = jnp.asarray(tokens)
+    _check_cache(cfg, cache, tokens, 1, "decode_step")
+    return _decode_step_jit(params, cfg, tokens.astype(jnp.int32), cache)
