@@ -1,0 +1,70 @@
+"""Shared fixtures: tiny random Qwen3 checkpoints written by transformers' save_pretrained.
+
+Tests run with 8 fake CPU devices, so the sharding tests and the single-device tests share one process.
+"""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import dataclasses  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiny:
+    """A tiny Qwen3 shape; defaults give GQA 2, untied head, head_dim != hidden / heads, odd layer count."""
+
+    name: str
+    hidden: int = 64
+    layers: int = 3
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 24
+    ffn: int = 96
+    vocab: int = 160
+    tied: bool = False
+    theta: float = 10_000.0
+
+    def hf_config(self):
+        import transformers
+        return transformers.Qwen3Config(
+            vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.ffn,
+            num_hidden_layers=self.layers, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
+            head_dim=self.head_dim, tie_word_embeddings=self.tied, max_position_embeddings=1024,
+            rope_theta=self.theta, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+TINY = {
+    "gqa2_untied_odd": Tiny("gqa2_untied_odd"),
+    "gqa1_tied": Tiny("gqa1_tied", hidden=48, layers=2, heads=3, kv_heads=3, head_dim=16, tied=True),
+    "gqa4_hd_big": Tiny("gqa4_hd_big", hidden=32, layers=1, heads=8, kv_heads=2, head_dim=32, theta=1e6),
+}
+
+
+def make_hf_model(tiny: Tiny, seed: int = 0, dtype=None):
+    import torch
+    import transformers
+    torch.manual_seed(seed)
+    model = transformers.Qwen3ForCausalLM(tiny.hf_config()).eval()
+    with torch.no_grad():  # make norm weights non-trivial so a swapped or missing norm is caught
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    if dtype is not None:
+        model = model.to(dtype)
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory):
+    """name -> (checkpoint dir, torch model) for every TINY config, written once per session."""
+    out = {}
+    for name, tiny in TINY.items():
+        model = make_hf_model(tiny)
+        path = tmp_path_factory.mktemp(name)
+        model.save_pretrained(path)
+        out[name] = (str(path), model)
+    return out

@@ -1,0 +1,152 @@
+"""Batching with unequal prompt lengths, EOS handling, sampling, and cache behaviour."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.cache import window_sizes
+
+
+@pytest.fixture(scope="module")
+def model(hf_checkpoints):
+    path, _ = hf_checkpoints["gqa2_untied_odd"]
+    return kvjax.load_hf(path)
+
+
+def prompts(cfg, lengths, seed=0):
+    rng = np.random.RandomState(seed)
+    return [rng.randint(3, cfg.vocab_size, n).tolist() for n in lengths]
+
+
+def test_batched_unequal_prompts_equal_one_by_one(model):
+    cfg, params = model
+    ps = prompts(cfg, [5, 17, 1, 11])
+    batched = np.asarray(kvjax.generate(params, cfg, ps, max_new_tokens=20, eos_token_ids=()))
+    for row, p in enumerate(ps):
+        alone = np.asarray(kvjax.generate(params, cfg, [p], max_new_tokens=20, eos_token_ids=()))
+        np.testing.assert_array_equal(batched[row], alone[0])
+
+
+def test_batched_prefill_logits_equal_one_by_one(model):
+    cfg, params = model
+    ps = prompts(cfg, [7, 3, 12], seed=1)
+    tokens, lengths = kvjax.pad_prompts(ps)
+    cache = kvjax.init_cache(cfg, 3, 32)
+    logits, cache = kvjax.prefill(params, cfg, tokens, cache, lengths)
+    nxt = np.asarray([5, 6, 7], np.int32)
+    step, _ = kvjax.decode_step(params, cfg, nxt, cache)
+    for row, p in enumerate(ps):
+        c1 = kvjax.init_cache(cfg, 1, 32)
+        l1, c1 = kvjax.prefill(params, cfg, np.asarray([p]), c1)
+        np.testing.assert_allclose(np.asarray(logits)[row, : len(p)], np.asarray(l1)[0], atol=1e-5)
+        s1, _ = kvjax.decode_step(params, cfg, nxt[row : row + 1], c1)
+        np.testing.assert_allclose(np.asarray(step)[row], np.asarray(s1)[0], atol=1e-5)
+
+
+def test_chunked_prefill_equals_one_prefill(model):
+    cfg, params = model
+    tokens = np.asarray(prompts(cfg, [30, 30], seed=2))
+    whole, _ = kvjax.prefill(params, cfg, tokens, kvjax.init_cache(cfg, 2, 40))
+    cache = kvjax.init_cache(cfg, 2, 40)
+    first, cache = kvjax.prefill(params, cfg, tokens[:, :13], cache)
+    second, cache = kvjax.prefill(params, cfg, tokens[:, 13:], cache)
+    np.testing.assert_allclose(np.concatenate([first, second], 1), whole, atol=1e-5)
+
+
+def test_rows_stop_at_eos_and_are_padded(model):
+    cfg, params = model
+    ps = prompts(cfg, [6, 9], seed=3)
+    free = np.asarray(kvjax.generate(params, cfg, ps, max_new_tokens=12, eos_token_ids=()))
+    eos = int(free[0, 5])  # row 0 emits it by step 6 at the latest
+    out = np.asarray(kvjax.generate(params, cfg, ps, max_new_tokens=12, eos_token_ids=(eos,), pad_token_id=0))
+    for row in range(2):
+        hits = np.flatnonzero(free[row] == eos)
+        stop = hits[0] + 1 if len(hits) else 12
+        np.testing.assert_array_equal(out[row, :stop], free[row, :stop])  # EOS itself is kept
+        assert (out[row, stop:] == 0).all()
+        assert row == 1 or stop <= 6
+
+
+def test_sampling_is_reproducible_and_depends_on_key(model):
+    cfg, params = model
+    ps = prompts(cfg, [4, 4], seed=4)
+    a = kvjax.generate(params, cfg, ps, 16, temperature=1.0, key=jax.random.key(1), eos_token_ids=())
+    b = kvjax.generate(params, cfg, ps, 16, temperature=1.0, key=jax.random.key(1), eos_token_ids=())
+    c = kvjax.generate(params, cfg, ps, 16, temperature=1.0, key=jax.random.key(2), eos_token_ids=())
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+    # top_p so small that only the most likely token survives: sampling becomes greedy
+    greedy = kvjax.generate(params, cfg, ps, 16, eos_token_ids=())
+    tiny_p = kvjax.generate(params, cfg, ps, 16, temperature=1.0, top_p=1e-6, key=jax.random.key(3),
+                            eos_token_ids=())
+    np.testing.assert_array_equal(greedy, tiny_p)
+
+
+def test_top_p_sampling_follows_the_truncated_distribution():
+    from kvjax.generation import Sampling, sample
+    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
+    keys = jax.random.split(jax.random.key(0), 4000)
+    draws = np.asarray(jax.vmap(lambda k: sample(logits, k, Sampling(1.0, 0.7)))(keys))[:, 0]
+    freq = np.bincount(draws, minlength=4) / len(draws)
+    np.testing.assert_allclose(freq, [0.625, 0.375, 0, 0], atol=0.03)  # 0.5 and 0.3 renormalised
+
+
+def test_bad_generate_arguments(model):
+    cfg, params = model
+    with pytest.raises(ValueError, match="explicit key"):
+        kvjax.generate(params, cfg, [[3, 4]], 4, temperature=0.7)
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 160\)"):
+        kvjax.generate(params, cfg, [[3, 400]], 4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        kvjax.generate(params, cfg, [[3, 4]], 0)
+    with pytest.raises(ValueError, match="at least one token"):
+        kvjax.generate(params, cfg, [[3, 4], []], 4)
+
+
+def test_prefill_and_decode_reject_mismatched_inputs(model):
+    cfg, params = model
+    cache = kvjax.init_cache(cfg, 2, 16)
+    with pytest.raises(ValueError, match="do not fit a cache of capacity 16"):
+        kvjax.prefill(params, cfg, np.zeros((2, 17), np.int32), cache)
+    with pytest.raises(ValueError, match="batch 3 but the cache was made for batch 2"):
+        kvjax.prefill(params, cfg, np.zeros((3, 4), np.int32), cache)
+    with pytest.raises(ValueError, match=r"shape \[B\]"):
+        kvjax.decode_step(params, cfg, np.zeros((2, 1), np.int32), cache)
+    other = kvjax.Qwen3Config(vocab_size=160, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                              num_kv_heads=2, head_dim=24)
+    with pytest.raises(ValueError, match="does not fit this model"):
+        kvjax.decode_step(params, cfg, np.zeros((2,), np.int32), kvjax.init_cache(other, 2, 16))
+
+
+def test_window_sizes_cover_capacity_with_bounded_overread():
+    for capacity in [1, 100, 128, 129, 1000, 2048, 4096 + 17, 40_000]:
+        ws = window_sizes(capacity)
+        assert ws[-1] == capacity and list(ws) == sorted(set(ws))
+        for live in range(1, capacity + 1, max(1, capacity // 97)):
+            w = next(w for w in ws if w >= live)
+            assert w <= max(128, 1.5 * live + 64), (capacity, live, w)
+
+
+def test_long_context_crosses_attention_windows(model):
+    """Decode through several window sizes; every step must match a fresh full prefill."""
+    cfg, params = model
+    tokens = np.asarray(prompts(cfg, [300], seed=5))
+    ref, _ = kvjax.prefill(params, cfg, tokens, kvjax.init_cache(cfg, 1, 300))
+    cache = kvjax.init_cache(cfg, 1, 300)
+    _, cache = kvjax.prefill(params, cfg, tokens[:, :120], cache)
+    for t in range(120, 300):
+        step, cache = kvjax.decode_step(params, cfg, tokens[:, t], cache)
+        if t in (127, 128, 191, 192, 255, 256, 299):
+            np.testing.assert_allclose(np.asarray(step)[0], np.asarray(ref)[0, t], atol=1e-4)
+
+
+def test_cache_is_a_pytree_with_static_metadata(model):
+    cfg, _ = model
+    cache = kvjax.init_cache(cfg, 2, 16)
+    leaves, treedef = jax.tree.flatten(cache)
+    assert len(leaves) == 3
+    assert "capacity=16" in repr(cache) and not cache.is_mapped
+    mapped = cache.replace(origin="mapped:test")
+    assert mapped.is_mapped and jax.tree.structure(mapped) != treedef  # origin is part of the static structure
