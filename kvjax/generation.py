@@ -87,7 +87,7 @@ def decode_loop(params: Params, cfg: Qwen3Config, cache: KVCache, logits: jax.Ar
 def _generate(params, cfg, tokens, lengths, key, *, max_new_tokens, capacity, sampling, eos_ids, pad_id,
               cache_dtype):
     cache = init_cache(cfg, tokens.shape[0], capacity, cache_dtype)
-    logits, cache = forward(params, cfg, tokens, cache, lengths, last_only=True)
+    logits, cache = forward(params, cfg, tokens, cache, lengths, last_only=True, fresh=True)
     out, _, _ = decode_loop(params, cfg, cache, logits, max_new_tokens, key, sampling, eos_ids, pad_id)
     return out
 

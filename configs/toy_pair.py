@@ -1,0 +1,46 @@
+"""Settings for training the shipped toy pair (`python -m launch.toy.train`).
+
+Two Qwen3-architecture models trained from scratch on the same corpus with the same tokenizer: a small target
+(2 layers x 128) and a larger source (6 layers x 256). Sized so both train on 2 CPU cores in about two hours.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvjax.models.config import Qwen3Config
+from kvjax.pretrain import TrainConfig
+
+VOCAB = 8192
+EOS = 0  # <|endoftext|>: end of every corpus file, also the pad token
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyPairConfig:
+    target: Qwen3Config  # the small model that decodes
+    source: Qwen3Config  # the large model that reads
+    target_train: TrainConfig
+    source_train: TrainConfig
+    data_dir: str = "work/toy/data"  # tokenized arrays from `python -m launch.toy.data`
+    tokenizer_dir: str = "checkpoints/toy/tokenizer"  # tokenizer files copied next to each exported model
+    work_dir: str = "work/toy/train"  # orbax checkpoints, metrics.jsonl, loss.png per model (resumable)
+    out_dir: str = "checkpoints/toy"  # exported HF checkpoints: {out_dir}/target, {out_dir}/source
+
+
+def _model(hidden, layers, heads, kv_heads, head_dim, ffn) -> Qwen3Config:
+    return Qwen3Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=ffn, num_layers=layers,
+                       num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rope_theta=10_000.0,
+                       tie_word_embeddings=True, max_position_embeddings=4096, eos_token_ids=(EOS,),
+                       pad_token_id=EOS)
+
+
+def get_config() -> ToyPairConfig:
+    return ToyPairConfig(
+        target=_model(hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, ffn=384),
+        source=_model(hidden=256, layers=6, heads=4, kv_heads=2, head_dim=64, ffn=768),
+        # 8 x 1024 tokens per step; ~4.6M training tokens in the corpus
+        target_train=TrainConfig(seq_len=1024, batch_size=8, steps=600, lr=3e-3, warmup_steps=50, seed=1,
+                                 eval_every=50, save_every=50),
+        source_train=TrainConfig(seq_len=1024, batch_size=8, steps=1000, lr=2e-3, warmup_steps=50, seed=2,
+                                 eval_every=50, save_every=50),
+    )
