@@ -92,7 +92,7 @@ def make_train_step(cfg: Qwen3Config, tc: TrainConfig):
         loss, grads = jax.value_and_grad(lm_loss)(state.params, cfg, windows, tc.remat)
         updates, opt_state = opt.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        return TrainState(params, opt_state, state.step + 1), {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        return TrainState(params, opt_state, state.step + 1), {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
     return jax.jit(step_fn, donate_argnums=0)
 
@@ -103,8 +103,9 @@ def evaluate(params: Params, cfg: Qwen3Config, batches: list[np.ndarray]) -> flo
 
 
 def train(cfg: Qwen3Config, tc: TrainConfig, train_tokens: np.ndarray, heldout_tokens: np.ndarray, workdir: str,
-          name: str = "model") -> Params:
-    """Train (or resume training) a model in `workdir`; returns the final params."""
+          name: str = "model", stop_at: int | None = None) -> Params:
+    """Train (or resume training) a model in `workdir`; returns the params. `stop_at` ends this run early after that
+    step (checkpointed); a later call resumes towards `tc.steps`."""
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "train_config.json"), "w") as f:
         json.dump({"model": dataclasses.asdict(cfg), "train": dataclasses.asdict(tc)}, f, indent=2)
@@ -121,7 +122,8 @@ def train(cfg: Qwen3Config, tc: TrainConfig, train_tokens: np.ndarray, heldout_t
     eval_batches = [batch_at(heldout_tokens, i, tc.batch_size, tc.seq_len, seed=10_000 + i)
                     for i in range(tc.eval_batches)]
     step_fn = make_train_step(cfg, tc)
-    bar = tqdm(range(start, tc.steps), initial=start, total=tc.steps, desc=f"train {name}", unit="step",
+    end = tc.steps if stop_at is None else min(stop_at, tc.steps)
+    bar = tqdm(range(start, end), initial=start, total=tc.steps, desc=f"train {name}", unit="step",
                dynamic_ncols=True)
     t_last = time.perf_counter()
     with open(metrics_path, "a") as metrics_file:
@@ -139,7 +141,7 @@ def train(cfg: Qwen3Config, tc: TrainConfig, train_tokens: np.ndarray, heldout_t
                 bar.set_postfix(loss=f"{record['loss']:.3f}", heldout=f"{record['heldout_loss']:.3f}")
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()
-            if done % tc.save_every == 0 or done == tc.steps:
+            if done % tc.save_every == 0 or done == end:
                 manager.save(done, args=ocp.args.StandardSave(state))
     manager.wait_until_finished()
     plot_loss(metrics_path, os.path.join(workdir, "loss.png"), title=name)
