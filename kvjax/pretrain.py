@@ -129,18 +129,19 @@ def train(cfg: Qwen3Config, tc: TrainConfig, train_tokens: np.ndarray, heldout_t
     with open(metrics_path, "a") as metrics_file:
         for step in bar:
             state, m = step_fn(state, batch_at(train_tokens, step, tc.batch_size, tc.seq_len, tc.seed))
+            loss = float(m["loss"])  # one sync per step keeps the progress bar and the timings honest
             done = step + 1
-            record = None
             if done % tc.eval_every == 0 or done == tc.steps:
-                now = time.perf_counter()
-                record = {"step": done, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
+                seconds = time.perf_counter() - t_last
+                record = {"step": done, "loss": loss, "grad_norm": float(m["grad_norm"]),
                           "heldout_loss": evaluate(state.params, cfg, eval_batches),
-                          "tokens": done * tc.batch_size * tc.seq_len, "time": time.time()}
-                record["train_tok_s"] = tc.eval_every * tc.batch_size * tc.seq_len / (now - t_last)
-                t_last = time.perf_counter()
-                bar.set_postfix(loss=f"{record['loss']:.3f}", heldout=f"{record['heldout_loss']:.3f}")
+                          "tokens": done * tc.batch_size * tc.seq_len, "time": time.time(),
+                          "train_tok_s": (done - max(start, done - tc.eval_every)) * tc.batch_size * tc.seq_len
+                          / seconds}
+                bar.set_postfix(loss=f"{loss:.3f}", heldout=f"{record['heldout_loss']:.3f}")
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()
+                t_last = time.perf_counter()
             if done % tc.save_every == 0 or done == end:
                 manager.save(done, args=ocp.args.StandardSave(state))
     manager.wait_until_finished()
