@@ -272,7 +272,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", type=Path, default=REPO / "work/toy/data", help="tokenized arrays (git-ignored)")
     p.add_argument("--manifest", type=Path, default=REPO / "checkpoints/toy/data/manifest.json")
     p.add_argument("--tokenizer-dir", type=Path, default=REPO / "checkpoints/toy/tokenizer")
-    p.add_argument("--heldout-frac", type=float, default=0.15, 
+    p.add_argument("--heldout-frac", type=float, default=0.15,
                    help="held-out share of each source's characters (0.15: text for 200 distinct 4K-token contexts)")
     p.add_argument("--min-heldout-chars", type=int, default=1_000_000)
     p.add_argument("--vocab-size", type=int, default=8192)

@@ -1,0 +1,351 @@
+"""Foundation benchmark: kvjax vs transformers (torch, CPU) on one random-init 33.6M Qwen3, float32, batch 1.
+
+    launch/venv python -m launch.bench_foundation --out bench_foundation.json   # full run, 3-5 minutes
+    launch/venv python -m launch.bench_foundation --quick                       # smoke run, ~40 seconds
+
+Reports prefill tokens/s (T=2048, full logits [1, T, V] on both sides), decode tokens/s with the cache holding
+`ctx` tokens (kvjax: decode_step called from Python, and generate's in-jit loop; transformers: DynamicCache), and
+the decode roofline: read bandwidth / bytes read per token (all weights a step touches, the live KV cache; float32).
+
+Method: transformers writes the checkpoint; both sides load it. Each side (kvjax, torch, bandwidth) is a worker
+process of this script pinned with `taskset -c CPUS`, one thread per CPU (XLA sizes its pool from the affinity
+mask), that loads and compiles once and then runs one round per request while the others sit idle. Rounds
+alternate the order of the sides; the report is the median over rounds of per-round medians. Decode holds the
+context fixed (kvjax resets the cache lengths, transformers crops its cache). OpenMP waits passively: spinning makes
+torch decode ~13x slower whenever another process takes a pinned CPU, and is no faster on an idle one. Each round
+records the share of the pinned CPUs that other processes used ("other load"): trust numbers taken with little.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+MODEL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+             num_key_value_heads=4, head_dim=64, tie_word_embeddings=False, max_position_embeddings=4096)
+BYTES = 4  # float32
+DECODE_TOKEN = 1  # fed at every timed decode step; its value does not change the cost
+WARMUP_STEPS = 3
+BANDWIDTH_BYTES = 1 << 30
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def log(msg: str) -> None:
+    print(f"[bench_foundation {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def median_seconds(fn, reps: int, warmup: int = 0) -> float:
+    """Median duration of `reps` calls of fn() after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    return statistics.median(seconds(fn) for _ in range(reps))
+
+
+def prompt_tokens(args) -> np.ndarray:
+    return np.random.default_rng(args.seed).integers(0, MODEL["vocab_size"], (1, args.prefill_len))
+
+
+# ---- workers: one per side, each in its own pinned process ------------------------------------------------------
+
+class KvjaxBench:
+    def __init__(self, args):
+        import jax.numpy as jnp
+        import kvjax
+        self.args, self.jnp, self.kvjax = args, jnp, kvjax
+        self.cfg, self.params = kvjax.load_hf(args.ckpt, dtype=jnp.float32)
+        self.prompt = prompt_tokens(args)
+        self.tokens, self.token = jnp.asarray(self.prompt, jnp.int32), jnp.asarray([DECODE_TOKEN], jnp.int32)
+        self.cache = kvjax.init_cache(self.cfg, 1, args.capacity, jnp.float32)
+        t0 = time.perf_counter()
+        logits = self._prefill()
+        first = {"prefill": time.perf_counter() - t0}
+        np.save(os.path.join(args.workdir, "kvjax_logits.npy"), np.asarray(logits[0, -1]))
+        first["decode_step"] = seconds(lambda: self._decode_step(args.contexts[0]))
+        for ctx in args.contexts if args.generate_tokens else ():
+            for n in (1, args.generate_tokens + 1):
+                first[f"generate ctx={ctx} new={n}"] = seconds(lambda: self._generate(ctx, n))
+        self.setup = {"first_call_s": first}
+
+    def _prefill(self):
+        self.cache = self.cache.replace(lengths=self.jnp.zeros((1,), self.jnp.int32))
+        logits, self.cache = self.kvjax.prefill(self.params, self.cfg, self.tokens, self.cache)
+        return logits.block_until_ready()
+
+    def _decode_step(self, ctx: int):
+        self.cache = self.cache.replace(lengths=self.jnp.full((1,), ctx, self.jnp.int32))  # back to ctx tokens
+        logits, self.cache = self.kvjax.decode_step(self.params, self.cfg, self.token, self.cache)
+        logits.block_until_ready()
+
+    def _generate(self, ctx: int, new_tokens: int):
+        out = self.kvjax.generate(self.params, self.cfg, self.prompt[:, :ctx], new_tokens, eos_token_ids=())
+        out.block_until_ready()
+
+    def round(self) -> dict:
+        a = self.args
+        out = {"prefill": a.prefill_len / median_seconds(self._prefill, a.prefill_reps), "decode": {}, "generate": {}}
+        for ctx in a.contexts:
+            out["decode"][ctx] = 1 / median_seconds(lambda: self._decode_step(ctx), a.decode_steps, WARMUP_STEPS)
+            if a.generate_tokens:  # the tokens after the first over their time: the prefill cancels out
+                n = a.generate_tokens
+                extra = (median_seconds(lambda: self._generate(ctx, n + 1), a.prefill_reps)
+                         - median_seconds(lambda: self._generate(ctx, 1), a.prefill_reps))
+                out["generate"][ctx] = n / extra
+        return out
+
+
+class TorchBench:
+    def __init__(self, args):
+        import torch
+        import transformers
+        torch.set_num_threads(args.threads)
+        self.args, self.torch, self.transformers = args, torch, transformers
+        self.model = transformers.Qwen3ForCausalLM.from_pretrained(args.ckpt, dtype=torch.float32).eval()
+        self.tokens, self.token = torch.from_numpy(prompt_tokens(args)), torch.tensor([[DECODE_TOKEN]])
+        logits, self.prompt_cache = self._prefill()
+        np.save(os.path.join(args.workdir, "torch_logits.npy"), logits[0, -1].numpy())
+        self.setup = {}
+
+    def _prefill(self):
+        with self.torch.inference_mode():
+            cache = self.transformers.DynamicCache(config=self.model.config)
+            return self.model(input_ids=self.tokens, cache=cache, use_cache=True).logits, cache
+
+    def _decode_step(self, cache):
+        cache.crop(-1)  # back to ctx tokens (the cache enters with ctx + 1)
+        with self.torch.inference_mode():
+            self.model(input_ids=self.token, cache=cache, use_cache=True)
+
+    def round(self) -> dict:
+        a = self.args
+        out = {"prefill": a.prefill_len / median_seconds(self._prefill, a.prefill_reps), "decode": {}}
+        for ctx in a.contexts:
+            cache = copy.deepcopy(self.prompt_cache)
+            cache.crop(ctx + 1 - a.prefill_len)
+            out["decode"][ctx] = 1 / median_seconds(lambda: self._decode_step(cache), a.decode_steps, WARMUP_STEPS)
+        return out
+
+
+class BandwidthBench:
+    """Read-only bandwidth (what bounds decode): numpy sums of 1 GiB float32 in `threads` threads (numpy releases
+    the GIL in reductions)."""
+
+    def __init__(self, args):
+        from concurrent.futures import ThreadPoolExecutor
+        self.pool = ThreadPoolExecutor(args.threads)
+        self.chunks = np.array_split(np.ones(BANDWIDTH_BYTES // 4, np.float32), args.threads)
+        self.setup = {}
+
+    def _read_all(self):
+        list(self.pool.map(np.sum, self.chunks))
+
+    def round(self) -> dict:
+        self._read_all()
+        return {"read_gb_s": BANDWIDTH_BYTES / median_seconds(self._read_all, 7) / 1e9}
+
+
+SIDES = {"kvjax": KvjaxBench, "torch": TorchBench, "bandwidth": BandwidthBench}
+
+
+def serve(args) -> None:
+    """Worker loop: set up, then per line on stdin one JSON line on stdout (a round, with the CPU time it used)."""
+    bench = SIDES[args.side](args)
+    print(json.dumps({"setup": bench.setup}), flush=True)
+    for _ in sys.stdin:
+        cpu0 = time.process_time()
+        print(json.dumps({**bench.round(), "cpu_s": time.process_time() - cpu0}), flush=True)
+
+
+# ---- parent: checkpoint, scheduling, report ---------------------------------------------------------------------
+
+def make_checkpoint(path: str, seed: int) -> None:
+    import torch
+    import transformers
+    transformers.utils.logging.disable_progress_bar()
+    torch.manual_seed(seed)
+    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**MODEL)).save_pretrained(path)
+
+
+def decode_bytes(ctx: int) -> tuple[int, int]:
+    """(weight bytes, KV-cache bytes) read by one decode step with `ctx` cached tokens."""
+    d, f, v, hd = MODEL["hidden_size"], MODEL["intermediate_size"], MODEL["vocab_size"], MODEL["head_dim"]
+    hq, hkv, layers = MODEL["num_attention_heads"], MODEL["num_key_value_heads"], MODEL["num_hidden_layers"]
+    per_layer = d * hd * (2 * hq + 2 * hkv) + 3 * d * f + 2 * d + 2 * hd  # q, k, v, o, MLP, norms, q/k norms
+    weights = layers * per_layer + d + d * v + d  # + final norm, lm_head, one embedding row
+    return weights * BYTES, 2 * layers * hkv * ctx * hd * BYTES
+
+
+def cpus_busy_seconds(cpus: list[str]) -> float:
+    """Busy time (all but idle and iowait) of these CPUs since boot, all processes together."""
+    with open("/proc/stat") as f:
+        rows = [[int(t) for t in line.split()[1:9]] for line in f if line.split()[0] in {f"cpu{c}" for c in cpus}]
+    return sum(sum(r) - r[3] - r[4] for r in rows) / os.sysconf("SC_CLK_TCK")
+
+
+class Worker:
+    """The parent's handle on one side's worker process."""
+
+    def __init__(self, side: str, args):
+        n = str(args.threads)
+        env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS=n, OMP_WAIT_POLICY="PASSIVE", MKL_NUM_THREADS=n,
+                   OPENBLAS_NUM_THREADS=n)
+        self.side, self.cpus, self.log_path = side, args.cpus.split(","), os.path.join(args.workdir, f"{side}.log")
+        cmd = ["taskset", "-c", args.cpus, sys.executable, "-m", "launch.bench_foundation", *sys.argv[1:],
+               "--side", side, "--workdir", args.workdir]
+        with open(self.log_path, "w") as stderr:  # from the repository root, so that kvjax imports from there
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                                         text=True, env=env, cwd=REPO)
+        self.setup = self._read()["setup"]
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            with open(self.log_path) as f:
+                raise RuntimeError(f"the {self.side} worker exited ({self.proc.wait()}); its log ends:\n"
+                                   f"{f.read()[-3000:]}")
+        return json.loads(line)
+
+    def round(self) -> dict:
+        """One measurement round, plus "other_load": the share of the pinned CPUs used by other processes."""
+        busy0, t0 = cpus_busy_seconds(self.cpus), time.perf_counter()
+        self.proc.stdin.write("round\n")
+        self.proc.stdin.flush()
+        result = self._read()
+        other = cpus_busy_seconds(self.cpus) - busy0 - result.pop("cpu_s")
+        result["other_load"] = max(0.0, other) / ((time.perf_counter() - t0) * len(self.cpus))
+        return result
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def median_over(rounds: list[dict], *keys) -> float:
+    """Median across rounds of round[keys[0]][keys[1]]... (keys are strings after the JSON round trip)."""
+    return statistics.median(functools.reduce(lambda d, k: d[str(k)], keys, r) for r in rounds)
+
+
+def run(args) -> dict:
+    log("writing the random-init checkpoint")
+    make_checkpoint(args.ckpt, args.seed)
+    workers = {}
+    try:
+        for side in SIDES:  # one at a time, so that no setup (compilation) overlaps another side
+            log(f"starting the {side} worker (load, compile, warm up)")
+            workers[side] = Worker(side, args)
+        rounds = {side: [] for side in SIDES}
+        for i in range(args.rounds):
+            log(f"round {i + 1}/{args.rounds}")
+            for side in (list(SIDES) if i % 2 == 0 else list(SIDES)[::-1]):
+                rounds[side].append(workers[side].round())
+    finally:
+        for w in workers.values():
+            w.close()
+    kvjax_logits, torch_logits = (np.load(os.path.join(args.workdir, f"{s}_logits.npy")) for s in ("kvjax", "torch"))
+    bandwidth = median_over(rounds["bandwidth"], "read_gb_s")
+    settings = {k: v for k, v in vars(args).items() if k not in ("side", "workdir", "out", "ckpt")}
+    result = {"model": MODEL, "settings": settings,
+              "read_bandwidth_gb_s": bandwidth, "kvjax_first_call_s": workers["kvjax"].setup["first_call_s"],
+              "last_logits_max_abs_diff": float(np.abs(kvjax_logits - torch_logits).max()),
+              "other_load": {s: median_over(rounds[s], "other_load") for s in SIDES},
+              "prefill_tok_s": {s: median_over(rounds[s], "prefill") for s in ("kvjax", "torch")}, "decode": {}}
+    for ctx in args.contexts:
+        weights, kv = decode_bytes(ctx)
+        result["decode"][ctx] = {"kvjax_tok_s": median_over(rounds["kvjax"], "decode", ctx),
+                                 "torch_tok_s": median_over(rounds["torch"], "decode", ctx),
+                                 "weight_bytes": weights, "kv_bytes": kv,
+                                 "roofline_tok_s": bandwidth * 1e9 / (weights + kv)}
+        if args.generate_tokens:
+            result["decode"][ctx]["kvjax_generate_tok_s"] = median_over(rounds["kvjax"], "generate", ctx)
+    return {**result, "rounds": rounds}
+
+
+def print_report(r: dict, args) -> None:
+    print(f"\nQwen3 {MODEL['hidden_size']}d x {MODEL['num_hidden_layers']} layers, vocab {MODEL['vocab_size']}, "
+          f"float32, batch 1; {args.threads} threads on CPUs {args.cpus}; median of {args.rounds} round(s)")
+    row = "{:<33}{:>9}{:>14}{:>8}{:>10}{:>12}{:>9}"
+    print(row.format("tokens/s", "kvjax", "transformers", "ratio", "roofline", "% roofline", "MB/tok"))
+    p = r["prefill_tok_s"]
+    print(row.format(f"prefill T={args.prefill_len}", f"{p['kvjax']:.0f}", f"{p['torch']:.0f}",
+                     f"{p['kvjax'] / p['torch']:.2f}x", "", "", ""))
+    for ctx, d in r["decode"].items():
+        roof, mb = d["roofline_tok_s"], (d["weight_bytes"] + d["kv_bytes"]) / 1e6
+        print(row.format(f"decode ctx={ctx} (decode_step)", f"{d['kvjax_tok_s']:.1f}", f"{d['torch_tok_s']:.1f}",
+                         f"{d['kvjax_tok_s'] / d['torch_tok_s']:.2f}x", f"{roof:.1f}",
+                         f"{100 * d['kvjax_tok_s'] / roof:.0f}%", f"{mb:.1f}"))
+        if "kvjax_generate_tok_s" in d:
+            g = d["kvjax_generate_tok_s"]
+            print(row.format(f"decode ctx={ctx} (generate loop)", f"{g:.1f}", "", "", "", f"{100 * g / roof:.0f}%", ""))
+    weights_mb = next(iter(r["decode"].values()))["weight_bytes"] / 1e6
+    kv_mb = ", ".join(f"{d['kv_bytes'] / 1e6:.1f} MB at ctx={ctx}" for ctx, d in r["decode"].items())
+    print(f"\nroofline = read bandwidth / bytes per token; read bandwidth {r['read_bandwidth_gb_s']:.1f} GB/s "
+          f"(numpy sum of 1 GiB float32, {args.threads} threads)\nbytes per token = weights {weights_mb:.1f} MB + "
+          f"live KV cache ({kv_mb})")
+    print("kvjax first calls (compile + one run; not in the throughputs): "
+          + ", ".join(f"{k} {v:.1f}s" for k, v in r["kvjax_first_call_s"].items()))
+    print("other processes' load on the pinned CPUs during the rounds (median): "
+          + ", ".join(f"{s} {100 * v:.0f}%" for s, v in r["other_load"].items()))
+    print(f"same weights: max |logits kvjax - transformers| at the last prompt position = "
+          f"{r['last_logits_max_abs_diff']:.2e}")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", help="also write the results (with every round's numbers) as JSON to this path")
+    p.add_argument("--quick", action="store_true", help="smoke run, under a minute: 1 round, 1 prefill rep, 8 decode "
+                   "steps, no generate loop (overrides those flags)")
+    p.add_argument("--rounds", type=int, default=3, help="measurement rounds per side, interleaved across sides")
+    p.add_argument("--prefill-len", type=int, default=2048, help="prompt length T for prefill (fills the cache)")
+    p.add_argument("--prefill-reps", type=int, default=3, help="timed prefills (and generate calls) per round (median)")
+    p.add_argument("--contexts", type=int, nargs="+", default=[512, 2000], help="decode contexts (< --prefill-len)")
+    p.add_argument("--decode-steps", type=int, default=64, help="timed decode steps per context per round (median)")
+    p.add_argument("--generate-tokens", type=int, default=128,
+                   help="time kvjax.generate's in-jit loop over this many tokens after the first (0: skip)")
+    p.add_argument("--capacity", type=int, default=4096, help="kvjax cache capacity (decode reads only a window)")
+    p.add_argument("--cpus", default="0,1", help="comma-separated CPUs for taskset; one thread per CPU on each side")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and of the prompt")
+    p.add_argument("--side", choices=list(SIDES), help="internal: run as the worker of one side")
+    p.add_argument("--workdir", help="internal: the directory with the checkpoint, shared with the workers")
+    args = p.parse_args()
+    if args.quick:
+        args.rounds, args.prefill_reps, args.decode_steps, args.generate_tokens = 1, 1, 8, 0
+    if max(args.contexts) >= args.prefill_len or args.prefill_len >= args.capacity:
+        p.error("need every context < --prefill-len < --capacity")
+    if not {int(c) for c in args.cpus.split(",")} <= os.sched_getaffinity(0):
+        p.error(f"--cpus {args.cpus}: this process may only use CPUs {sorted(os.sched_getaffinity(0))}")
+    args.threads = len(args.cpus.split(","))
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.side:
+        args.ckpt = os.path.join(args.workdir, "ckpt")
+        return serve(args)
+    with tempfile.TemporaryDirectory(prefix="bench_foundation_") as workdir:
+        args.workdir, args.ckpt = workdir, os.path.join(workdir, "ckpt")
+        result = run(args)
+    print_report(result, args)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"results written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
