@@ -1,0 +1,66 @@
+"""The shipped toy pair (checkpoints/toy): loads unchanged in kvjax and transformers, agrees, and is a real pair."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import kvjax
+from kvjax.eval import window_losses
+
+TOY = os.path.join(os.path.dirname(__file__), "..", "checkpoints", "toy")
+ROLES = ("target", "source")
+
+
+@pytest.fixture(scope="module", params=ROLES)
+def role(request):
+    return request.param
+
+
+def test_shipped_checkpoints_are_hf_qwen3_and_small():
+    total = 0
+    for r in ROLES:
+        cfg = json.load(open(os.path.join(TOY, r, "config.json")))
+        assert cfg["architectures"] == ["Qwen3ForCausalLM"] and cfg["eos_token_id"] == 0
+        total += sum(os.path.getsize(os.path.join(TOY, r, f)) for f in os.listdir(os.path.join(TOY, r)))
+    assert total <= 40 * 2**20
+    target, source = (kvjax.load_hf_config(os.path.join(TOY, r)) for r in ROLES)
+    assert source.num_params() > 3 * target.num_params()
+    assert source.vocab_size == target.vocab_size
+
+
+def test_tokenizer_round_trip_and_agrees_with_transformers(role):
+    import transformers
+    tok = kvjax.load_tokenizer(os.path.join(TOY, role))
+    text = 'def f(x):\n    """Return x squared."""\n    return x ** 2  # ünïcode, tabs\t and\r\n'
+    ids = tok.encode(text).ids
+    assert tok.decode(ids) == text
+    hf = transformers.AutoTokenizer.from_pretrained(os.path.join(TOY, role))
+    assert hf(text)["input_ids"] == ids
+    assert hf.eos_token_id == 0 and hf.pad_token_id == 0
+
+
+def test_kvjax_and_transformers_agree_on_heldout_loss(role):
+    import transformers
+    path = os.path.join(TOY, role)
+    windows = np.load(os.path.join(TOY, "eval", "heldout_windows.npy"))[:2, :257].astype(np.int64)
+    cfg, params = kvjax.load_hf(path)
+    ours = window_losses(params, cfg, windows, batch_size=2)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.inference_mode():
+        logits = model(torch.as_tensor(windows[:, :-1])).logits
+        theirs = torch.nn.functional.cross_entropy(logits.transpose(1, 2), torch.as_tensor(windows[:, 1:]),
+                                                   reduction="none").mean(1).numpy()
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4)
+    assert 1.0 < ours.mean() < 6.0  # trained: far below ln(8192) = 9.0
+
+
+def test_source_is_better_than_target():
+    windows = np.load(os.path.join(TOY, "eval", "heldout_windows.npy"))[:8, :513]
+    ce = {}
+    for r in ROLES:
+        cfg, params = kvjax.load_hf(os.path.join(TOY, r))
+        ce[r] = window_losses(params, cfg, windows, batch_size=8).mean()
+    assert ce["source"] < 0.9 * ce["target"], ce
