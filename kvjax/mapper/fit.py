@@ -1,0 +1,67 @@
+"""fit_map: calibration -> pairing -> ridge per target layer (K and V) with lambda chosen on held-out tokens."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from kvjax.mapper.calibrate import Model, batches_of, collect_stats
+from kvjax.mapper.kvmap import KVMap, linear_map, spec_for
+from kvjax.mapper.pairing import Pairing, check_pairing, depth_pairing, topk_pairing
+from kvjax.mapper.ridge import r2, select
+
+LAMBDAS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)
+
+
+def layer_r2(source: Model, target: Model, calib: np.ndarray, heldout: np.ndarray, batch_size: int = 8,
+             lams=LAMBDAS) -> np.ndarray:
+    """Held-out R^2 of single-source-layer ridge fits for every (target layer, source layer): [n_target, n_source],
+    mean of the key and value R^2."""
+    n_src, n_tgt = source[0].num_layers, target[0].num_layers
+    out = np.zeros((n_tgt, n_src))
+    for s in range(n_src):
+        pairing = ((s,),) * n_tgt
+        train_k, train_v = collect_stats(source, target, pairing, batches_of(calib, batch_size), f"rank src {s}")
+        held_k, held_v = collect_stats(source, target, pairing, batches_of(heldout, batch_size), f"rank src {s}")
+        for t in range(n_tgt):
+            scores = [r2(select(tr, ho, lams)[0], ho) for tr, ho in ((train_k[t], held_k[t]), (train_v[t], held_v[t]))]
+            out[t, s] = np.mean(scores)
+    return out
+
+
+def fit_map(source: Model, target: Model, calib: np.ndarray, heldout: np.ndarray, *,
+            pairing: str | int | Pairing = "depth", rank: int | None = None, lams=LAMBDAS, residual_rank: int = 16,
+            batch_size: int = 8, seed: int = 0) -> tuple[KVMap, dict]:
+    """Fit a source->target cache map on calibration windows int [N, T]; lambda per layer and kind is picked on the
+    held-out windows [M, T]. `pairing`: "depth" (nearest relative depth), k (top-k source layers by held-out R^2),
+    or an explicit tuple per target layer. Returns (map with zero-initialised residual, fit report)."""
+    (scfg, _), (tcfg, _) = source, target
+    if scfg.vocab_size != tcfg.vocab_size:
+        raise ValueError(f"source and target vocabularies differ ({scfg.vocab_size} vs {tcfg.vocab_size}); the map "
+                         "needs models that share a tokenizer")
+    report: dict = {}
+    if pairing == "depth":
+        pairing = depth_pairing(scfg.num_layers, tcfg.num_layers)
+    elif isinstance(pairing, int):
+        report["layer_r2"] = layer_r2(source, target, calib, heldout, batch_size, lams).tolist()
+        pairing = topk_pairing(np.asarray(report["layer_r2"]), pairing)
+    pairing = check_pairing(pairing, scfg.num_layers, tcfg.num_layers)
+    train_k, train_v = collect_stats(source, target, pairing, batches_of(calib, batch_size), "calibrate",
+                                     total=-(-len(calib) // batch_size))
+    held_k, held_v = collect_stats(source, target, pairing, batches_of(heldout, batch_size), "held-out stats")
+    keys, values, layers = [], [], []
+    rng = jax.random.split(jax.random.key(seed), 2 * len(pairing))
+    for t in range(len(pairing)):
+        row = {"source_layers": list(pairing[t])}
+        for kind, tr, ho, out, key in (("key", train_k[t], held_k[t], keys, rng[2 * t]),
+                                       ("value", train_v[t], held_v[t], values, rng[2 * t + 1])):
+            fit, scores = select(tr, ho, lams, rank)
+            scale = float(np.sqrt(max(np.trace(tr.cov_xx()) / len(tr.sx), 1e-12)))
+            out.append(linear_map(fit, residual_rank, key, scale))
+            row[kind] = {"lambda": fit.lam, "heldout_r2": r2(fit, ho), "train_r2": r2(fit, tr),
+                         "heldout_mse_by_lambda": {str(k): v for k, v in scores.items()}}
+        layers.append(row)
+    report.update(pairing=[list(p) for p in pairing], layers=layers, calib_tokens=int(train_k[0].n),
+                  heldout_tokens=int(held_k[0].n), rank=rank)
+    spec = spec_for(scfg, tcfg, pairing, rank, residual_rank)
+    return KVMap(keys=tuple(keys), values=tuple(values), spec=spec), report

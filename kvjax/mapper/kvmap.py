@@ -1,0 +1,128 @@
+"""The map artifact as a pytree, and applying it: source cache -> target cache.
+
+Per target layer, keys and values each get an affine low-rank map (the frozen ridge fit) plus a small residual
+network whose output projection starts at zero, so a fresh residual leaves the ridge map unchanged:
+
+    y = (x - mu) @ w_in @ w_out + bias + up(gelu(down((x - mu) / scale)))
+
+x is the concatenation of the paired source layers' features (keys un-rotated), y the target layer's features
+(keys rotated back with the target's RoPE when written into the cache).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from kvjax.cache import KVCache
+from kvjax.mapper.features import paired_features, to_cache_layout
+from kvjax.mapper.pairing import Pairing
+from kvjax.mapper.ridge import RidgeFit
+from kvjax.models.config import Qwen3Config
+
+
+@struct.dataclass
+class LinearMap:
+    """One target layer, keys or values. Ridge part frozen; residual part (down, up, res_bias) trainable."""
+
+    mu: jax.Array  # [Fx]
+    scale: jax.Array  # [] input scale for the residual
+    w_in: jax.Array  # [Fx, r]
+    w_out: jax.Array  # [r, Fy]
+    bias: jax.Array  # [Fy]
+    down: jax.Array  # [Fx, h]
+    res_bias: jax.Array  # [h]
+    up: jax.Array  # [h, Fy], zero at init
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xc = x - self.mu
+        y = (xc @ self.w_in) @ self.w_out + self.bias
+        return y + jax.nn.gelu(xc @ (self.down / self.scale) + self.res_bias) @ self.up
+
+
+@dataclasses.dataclass(frozen=True)
+class MapSpec:
+    """Static description of a map: which models it joins and how (part of the jit cache key; hashable)."""
+
+    pairing: Pairing
+    source_fingerprint: str
+    target_fingerprint: str
+    source_theta: float
+    target_theta: float
+    source_kv: tuple[int, int]  # (kv_heads, head_dim)
+    target_kv: tuple[int, int]
+    rank: int | None
+    residual_rank: int
+
+
+@struct.dataclass
+class KVMap:
+    keys: tuple[LinearMap, ...]  # one per target layer
+    values: tuple[LinearMap, ...]
+    spec: MapSpec = struct.field(pytree_node=False)
+
+    @property
+    def map_id(self) -> str:
+        return f"{self.spec.source_fingerprint[:8]}->{self.spec.target_fingerprint[:8]}"
+
+
+def spec_for(source: Qwen3Config, target: Qwen3Config, pairing: Pairing, rank: int | None,
+             residual_rank: int) -> MapSpec:
+    return MapSpec(pairing=pairing, source_fingerprint=source.fingerprint(), target_fingerprint=target.fingerprint(),
+                   source_theta=source.rope_theta, target_theta=target.rope_theta,
+                   source_kv=(source.num_kv_heads, source.head_dim), target_kv=(target.num_kv_heads, target.head_dim),
+                   rank=rank, residual_rank=residual_rank)
+
+
+def linear_map(fit: RidgeFit, residual_rank: int, key: jax.Array, scale: float) -> LinearMap:
+    fx, fy = fit.w_in.shape[0], fit.w_out.shape[1]
+    down = jax.random.normal(key, (fx, residual_rank), jnp.float32) / np.sqrt(fx)
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    return LinearMap(mu=f32(fit.mu), scale=f32(scale), w_in=f32(fit.w_in), w_out=f32(fit.w_out), bias=f32(fit.bias),
+                     down=down, res_bias=jnp.zeros((residual_rank,), jnp.float32),
+                     up=jnp.zeros((residual_rank, fy), jnp.float32))
+
+
+def check_models(kvmap: KVMap, source: Qwen3Config, target: Qwen3Config) -> None:
+    """A map is only valid for the models it was fitted on."""
+    got = (source.fingerprint(), target.fingerprint())
+    want = (kvmap.spec.source_fingerprint, kvmap.spec.target_fingerprint)
+    if got != want:
+        raise ValueError(f"this map was fitted for source/target models {want} but is applied to {got}; fit a map "
+                         "for these models (kvjax.fit_map) or load the map that belongs to them")
+
+
+def map_features(kvmap: KVMap, source_cache: KVCache, t: int) -> list[tuple[jax.Array, jax.Array]]:
+    """Mapped (keys, values) target features [B, t, Fy] per target layer (keys still in content space)."""
+    out = []
+    for layers, kmap, vmap in zip(kvmap.spec.pairing, kvmap.keys, kvmap.values):
+        xk, xv = paired_features(source_cache, layers, kvmap.spec.source_theta, t)
+        out.append((kmap(xk), vmap(xv)))
+    return out
+
+
+def apply_map(kvmap: KVMap, source_cache: KVCache, capacity: int | None = None, dtype=None,
+              length: int | None = None) -> KVCache:
+    """Translate a source cache into a target cache (traceable; jit it with `length`/`capacity` static).
+
+    The first `length` positions (default: the whole source capacity) are mapped; rows keep their lengths. The
+    result is tagged origin="mapped:<map id>" so it can never pass for a natively computed cache.
+    """
+    t = source_cache.capacity if length is None else length
+    capacity = t if capacity is None else capacity
+    if capacity < t:
+        raise ValueError(f"target capacity {capacity} is smaller than the {t} mapped positions")
+    dtype = dtype or source_cache.dtype
+    hkv, _ = kvmap.spec.target_kv
+    ks, vs = [], []
+    for yk, yv in map_features(kvmap, source_cache, t):
+        ks.append(to_cache_layout(yk, hkv, kvmap.spec.target_theta).astype(dtype))
+        vs.append(to_cache_layout(yv, hkv, None).astype(dtype))
+    pad = [(0, 0), (0, 0), (0, 0), (0, capacity - t), (0, 0)]
+    k = jnp.pad(jnp.stack(ks), pad)
+    v = jnp.pad(jnp.stack(vs), pad)
+    return KVCache(k=k, v=v, lengths=jnp.minimum(source_cache.lengths, t), origin=f"mapped:{kvmap.map_id}")
