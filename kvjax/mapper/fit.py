@@ -56,7 +56,7 @@ def fit_map(source: Model, target: Model, calib: np.ndarray, heldout: np.ndarray
         for kind, tr, ho, out, key in (("key", train_k[t], held_k[t], keys, rng[2 * t]),
                                        ("value", train_v[t], held_v[t], values, rng[2 * t + 1])):
             fit, scores = select(tr, ho, lams, rank)
-            scale = float(np.sqrt(max(np.trace(tr.cov_xx()) / len(tr.sx), 1e-12)))
+            scale = float(np.sqrt(max(np.trace(tr.cov_xx()) / len(tr.mx), 1e-12)))
             out.append(linear_map(fit, residual_rank, key, scale))
             row[kind] = {"lambda": fit.lam, "heldout_r2": r2(fit, ho), "train_r2": r2(fit, tr),
                          "heldout_mse_by_lambda": {str(k): v for k, v in scores.items()}}

@@ -16,14 +16,15 @@ import numpy as np
 
 @dataclasses.dataclass
 class Stats:
-    """Sums over tokens for x [Fx] -> y [Fy]: n, sum x, sum y, sum x x^T, sum x y^T, sum y*y (per dim)."""
+    """Token count, means and *centred* scatter sums for x [Fx] -> y [Fy]. Chunks are centred on their own means
+    (no cancellation in float32) and merged exactly in float64 (Chan et al.'s pairwise update)."""
 
     n: float
-    sx: np.ndarray
-    sy: np.ndarray
-    xx: np.ndarray
-    xy: np.ndarray
-    yy: np.ndarray
+    mx: np.ndarray  # [Fx] mean of x
+    my: np.ndarray  # [Fy]
+    cxx: np.ndarray  # [Fx, Fx] sum (x - mx)(x - mx)^T
+    cxy: np.ndarray  # [Fx, Fy] sum (x - mx)(y - my)^T
+    cyy: np.ndarray  # [Fy] sum (y - my)^2
 
     @classmethod
     def zeros(cls, fx: int, fy: int) -> "Stats":
@@ -31,34 +32,38 @@ class Stats:
         return cls(0.0, z(fx), z(fy), z(fx, fx), z(fx, fy), z(fy))
 
     def __iadd__(self, other: "Stats") -> "Stats":
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        n = self.n + other.n
+        if other.n == 0:
+            return self
+        dx, dy = other.mx - self.mx, other.my - self.my
+        w = self.n * other.n / n
+        self.cxx = self.cxx + other.cxx + w * np.outer(dx, dx)
+        self.cxy = self.cxy + other.cxy + w * np.outer(dx, dy)
+        self.cyy = self.cyy + other.cyy + w * dy * dy
+        self.mx = self.mx + dx * other.n / n
+        self.my = self.my + dy * other.n / n
+        self.n = n
         return self
 
-    @property
-    def mean_x(self):
-        return self.sx / self.n
-
-    @property
-    def mean_y(self):
-        return self.sy / self.n
-
     def cov_xx(self):
-        return self.xx / self.n - np.outer(self.mean_x, self.mean_x)
+        return self.cxx / self.n
 
     def cov_xy(self):
-        return self.xy / self.n - np.outer(self.mean_x, self.mean_y)
+        return self.cxy / self.n
 
     def var_y(self) -> float:
         """Total variance of y (summed over dims)."""
-        return float(np.sum(self.yy / self.n - self.mean_y ** 2))
+        return float(self.cyy.sum() / self.n)
 
 
 def chunk_stats(x: jax.Array, y: jax.Array, mask: jax.Array):
-    """Traceable float32 sums for one chunk: x [N, Fx], y [N, Fy], mask [N] (1 = a real token)."""
+    """Traceable float32 statistics of one chunk: x [N, Fx], y [N, Fy], mask [N] (1 = a real token)."""
     m = mask.astype(jnp.float32)[:, None]
-    xm = x * m
-    return (m.sum(), xm.sum(0), (y * m).sum(0), xm.T @ x, xm.T @ y, (y * y * m).sum(0))
+    n = m.sum()
+    safe = jnp.maximum(n, 1.0)
+    mx, my = (x * m).sum(0) / safe, (y * m).sum(0) / safe
+    xc, yc = (x - mx) * m, (y - my) * m
+    return n, mx, my, xc.T @ xc, xc.T @ yc, (yc * yc).sum(0)
 
 
 def to_stats(sums) -> Stats:
@@ -92,16 +97,15 @@ def solve(stats: Stats, lam: float, rank: int | None = None) -> RidgeFit:
     fitted_cov = w.T @ cxx @ w  # covariance of the fitted values, [Fy, Fy]
     evals, evecs = np.linalg.eigh((fitted_cov + fitted_cov.T) / 2)
     basis = evecs[:, np.argsort(evals)[::-1][:r]]  # [Fy, r]
-    return RidgeFit(mu=stats.mean_x, w_in=w @ basis, w_out=basis.T, bias=stats.mean_y, lam=float(lam))
+    return RidgeFit(mu=stats.mx, w_in=w @ basis, w_out=basis.T, bias=stats.my, lam=float(lam))
 
 
 def mse(fit: RidgeFit, stats: Stats) -> float:
     """Mean over tokens of ||y - f(x)||^2 for the tokens summarised by `stats` (e.g. held-out)."""
     w = fit.weight
-    b = fit.bias - fit.mu @ w  # f(x) = x @ w + b
-    total = (stats.yy.sum() - 2 * np.sum(w * stats.xy) - 2 * b @ stats.sy + np.sum(w * (stats.xx @ w))
-             + 2 * b @ (w.T @ stats.sx) + stats.n * b @ b)
-    return float(total / stats.n)
+    offset = stats.my - (stats.mx - fit.mu) @ w - fit.bias  # error of the mean prediction
+    spread = stats.cyy.sum() - 2 * np.sum(w * stats.cxy) + np.sum(w * (stats.cxx @ w))
+    return float(offset @ offset + spread / stats.n)
 
 
 def r2(fit: RidgeFit, stats: Stats) -> float:

@@ -1,0 +1,78 @@
+"""Map artifacts on disk: an orbax checkpoint of the arrays plus manifest.json saying what the map belongs to."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+from kvjax.mapper.kvmap import KVMap, LinearMap, MapSpec
+from kvjax.models.config import Qwen3Config
+
+MANIFEST = "manifest.json"
+ARRAYS = "arrays"
+FORMAT = "kvjax-map-v1"
+
+
+def _shapes(m: LinearMap) -> dict:
+    return {"fx": m.w_in.shape[0], "r": m.w_in.shape[1], "fy": m.w_out.shape[1], "h": m.down.shape[1]}
+
+
+def save_map(path: str, kvmap: KVMap, info: dict | None = None) -> None:
+    """Write the map to `path` (a directory; replaced atomically). `info` (JSON-able) goes into the manifest: model
+    names, tokenizer hash, calibration data hash and token count, fit metrics."""
+    path = os.path.abspath(path)
+    tmp = path + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(os.path.join(tmp, ARRAYS), {"keys": kvmap.keys, "values": kvmap.values})
+    ckptr.wait_until_finished()
+    manifest = {"format": FORMAT, "spec": dataclasses.asdict(kvmap.spec),
+                "layers": [_shapes(m) for m in kvmap.keys], "value_layers": [_shapes(m) for m in kvmap.values],
+                "info": info or {}}
+    with open(os.path.join(tmp, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=2)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+
+
+def _abstract(shapes: dict) -> LinearMap:
+    s = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.float32)  # noqa: E731
+    return LinearMap(mu=s(shapes["fx"]), scale=s(), w_in=s(shapes["fx"], shapes["r"]), w_out=s(shapes["r"], shapes["fy"]),
+                     bias=s(shapes["fy"]), down=s(shapes["fx"], shapes["h"]), res_bias=s(shapes["h"]),
+                     up=s(shapes["h"], shapes["fy"]))
+
+
+def read_manifest(path: str) -> dict:
+    mpath = os.path.join(path, MANIFEST)
+    if not os.path.isfile(mpath):
+        raise FileNotFoundError(f"{path} is not a kvjax map (no {MANIFEST}); fit one with kvjax.fit_map and save it "
+                                "with kvjax.save_map")
+    with open(mpath) as f:
+        manifest = json.load(f)
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{mpath}: unknown map format {manifest.get('format')!r} (this kvjax reads {FORMAT})")
+    return manifest
+
+
+def load_map(path: str, source: Qwen3Config | None = None, target: Qwen3Config | None = None) -> KVMap:
+    """Load a map; with `source`/`target` configs, refuse (clearly) a map fitted for other models."""
+    manifest = read_manifest(path)
+    spec_d = manifest["spec"]
+    spec_d["pairing"] = tuple(tuple(p) for p in spec_d["pairing"])
+    spec_d["source_kv"], spec_d["target_kv"] = tuple(spec_d["source_kv"]), tuple(spec_d["target_kv"])
+    spec = MapSpec(**spec_d)
+    for cfg, want, role in ((source, spec.source_fingerprint, "source"), (target, spec.target_fingerprint, "target")):
+        if cfg is not None and cfg.fingerprint() != want:
+            raise ValueError(f"map {path} was fitted for a {role} model with config hash {want}, not this one "
+                             f"({cfg.fingerprint()}); fit a map for these models or load the matching map")
+    abstract = {"keys": tuple(_abstract(s) for s in manifest["layers"]),
+                "values": tuple(_abstract(s) for s in manifest["value_layers"])}
+    arrays = ocp.StandardCheckpointer().restore(os.path.join(os.path.abspath(path), ARRAYS), abstract)
+    return KVMap(keys=tuple(arrays["keys"]), values=tuple(arrays["values"]), spec=spec)

@@ -1,0 +1,146 @@
+"""Train the residual on top of the frozen ridge map with source-teacher KL.
+
+A training window is prefix + continuation. The source reads the whole window (the teacher's next-token
+distributions on the continuation). The target reads the continuation from the *mapped* cache of the prefix
+(the student). Only the residual parameters (down, res_bias, up) move; the ridge part stays frozen. With
+`rollout`, the continuation is the target's own greedy rollout from the mapped cache (seed 004's rollout-aware
+correction), so the residual learns on the states it will actually decode from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from tqdm import tqdm
+
+from kvjax.generation import Sampling, decode_loop
+from kvjax.mapper.calibrate import Model, native_cache
+from kvjax.mapper.kvmap import KVMap, apply_map
+from kvjax.models.qwen3 import forward, forward_nocache
+
+log = logging.getLogger(__name__)
+TRAINABLE = ("down", "res_bias", "up")
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualConfig:
+    steps: int = 200  # optimizer steps
+    batch_size: int = 8  # windows per step
+    prefix_len: int = 256  # tokens the source reads and the map translates (the target's cache)
+    cont_len: int = 64  # continuation tokens scored by KL
+    lr: float = 1e-3  # peak learning rate (warmup + cosine)
+    warmup_steps: int = 20
+    grad_clip: float = 1.0
+    rollout: bool = False  # continuation = the target's own greedy rollout from the mapped cache
+    seed: int = 0  # batch order
+    save_every: int = 50  # checkpoint interval (steps)
+
+
+def _labels(kvmap: KVMap):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: "train" if getattr(path[-1], "name", None) in TRAINABLE else "freeze", kvmap)
+
+
+def make_optimizer(rc: ResidualConfig, kvmap: KVMap) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(0.0, rc.lr, rc.warmup_steps, max(rc.steps, rc.warmup_steps + 1),
+                                                  end_value=rc.lr * 0.1)
+    train = optax.chain(optax.clip_by_global_norm(rc.grad_clip), optax.adam(schedule))
+    return optax.multi_transform({"train": train, "freeze": optax.set_to_zero()}, _labels(kvmap))
+
+
+def kl(teacher_logits: jax.Array, student_logits: jax.Array) -> jax.Array:
+    """KL(teacher || student) per position, in nats: [..., V] -> [...]."""
+    p_log = jax.nn.log_softmax(teacher_logits.astype(jnp.float32), -1)
+    q_log = jax.nn.log_softmax(student_logits.astype(jnp.float32), -1)
+    return jnp.sum(jnp.exp(p_log) * (p_log - q_log), -1)
+
+
+def student_logits(kvmap: KVMap, target: Model, source_cache, tokens: jax.Array, prefix: int) -> jax.Array:
+    """The target's logits [B, T', V] for tokens[:, prefix-1:-1] read after the mapped cache of tokens[:, :prefix-1]."""
+    tcfg, tparams = target
+    mapped = apply_map(kvmap, source_cache, capacity=tokens.shape[1], length=prefix - 1)
+    return forward(tparams, tcfg, tokens[:, prefix - 1 : -1], mapped)[0]
+
+
+def window_kl(kvmap: KVMap, source: Model, target: Model, tokens: jax.Array, prefix: int) -> jax.Array:
+    """Mean KL per window [B] of the target-from-mapped-cache vs the source, over the continuation tokens[:, prefix:]
+    (traceable)."""
+    scfg, sparams = source
+    teacher = jax.lax.stop_gradient(forward_nocache(sparams, scfg, tokens[:, :-1])[:, prefix - 1 :])
+    src_cache = jax.lax.stop_gradient(native_cache(sparams, scfg, tokens[:, : prefix - 1]))
+    return kl(teacher, student_logits(kvmap, target, src_cache, tokens, prefix)).mean(-1)
+
+
+def rollout_windows(kvmap: KVMap, source: Model, target: Model, prefix_tokens: jax.Array, n: int) -> jax.Array:
+    """prefix + the target's greedy continuation of n tokens from the mapped prefix cache (traceable)."""
+    (scfg, sparams), (tcfg, tparams) = source, target
+    b, p = prefix_tokens.shape
+    mapped = apply_map(kvmap, native_cache(sparams, scfg, prefix_tokens[:, :-1]), capacity=p + n, length=p - 1)
+    logits, mapped = forward(tparams, tcfg, prefix_tokens[:, -1:], mapped)
+    out, _, _ = decode_loop(tparams, tcfg, mapped, logits[:, 0], n, jax.random.key(0), Sampling(), (), 0)
+    return jnp.concatenate([prefix_tokens, out], axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("source_cfg", "target_cfg", "prefix"))
+def heldout_window_kl(kvmap, source_params, target_params, source_cfg, target_cfg, tokens, prefix: int):
+    return window_kl(kvmap, (source_cfg, source_params), (target_cfg, target_params), tokens, prefix)
+
+
+def evaluate_kl(kvmap: KVMap, source: Model, target: Model, windows: np.ndarray, prefix: int,
+                batch_size: int = 8) -> np.ndarray:
+    """Per-window KL [N] (nats/token) on held-out windows int [N, prefix + cont]."""
+    (scfg, sparams), (tcfg, tparams) = source, target
+    out = []
+    for i in range(0, len(windows), batch_size):
+        batch = jnp.asarray(windows[i : i + batch_size], jnp.int32)
+        out.append(np.asarray(heldout_window_kl(kvmap, sparams, tparams, scfg, tcfg, batch, prefix)))
+    return np.concatenate(out)
+
+
+def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarray, rc: ResidualConfig,
+                   workdir: str | None = None, stop_at: int | None = None) -> tuple[KVMap, list[dict]]:
+    """Train the residual on windows cut from a token array (uniformly, a pure function of (seed, step)); resumes
+    from `workdir` checkpoints; `stop_at` ends this run early after that step. Returns (map, this run's log)."""
+    from kvjax.pretrain import batch_at
+    (scfg, sparams), (tcfg, tparams) = source, target
+    opt = make_optimizer(rc, kvmap)
+    window = rc.prefix_len + rc.cont_len
+
+    @jax.jit
+    def step(kvmap, opt_state, tokens):
+        if rc.rollout:
+            tokens = rollout_windows(kvmap, source, target, tokens[:, : rc.prefix_len], rc.cont_len)
+        loss, grads = jax.value_and_grad(lambda m: window_kl(m, source, target, tokens, rc.prefix_len).mean())(kvmap)
+        updates, opt_state = opt.update(grads, opt_state, kvmap)
+        return optax.apply_updates(kvmap, updates), opt_state, loss
+
+    opt_state, start, manager = opt.init(kvmap), 0, None
+    if workdir is not None:
+        manager = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "residual_ckpt")),
+                                        options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+        if manager.latest_step() is not None:
+            start = manager.latest_step()
+            kvmap, opt_state = manager.restore(start, args=ocp.args.StandardRestore((kvmap, opt_state)))
+            log.info("residual: resumed from step %d", start)
+    history = []
+    end = rc.steps if stop_at is None else min(stop_at, rc.steps)
+    for i in tqdm(range(start, end), initial=start, total=rc.steps, desc="train residual", unit="step"):
+        batch = batch_at(tokens, i, rc.batch_size, window - 1, rc.seed)
+        kvmap, opt_state, loss = step(kvmap, opt_state, jnp.asarray(batch))
+        history.append({"step": i + 1, "kl": float(loss)})
+        if manager is not None and ((i + 1) % rc.save_every == 0 or i + 1 == end):
+            manager.save(i + 1, args=ocp.args.StandardSave((kvmap, opt_state)))
+    if manager is not None:
+        manager.wait_until_finished()
+        with open(os.path.join(workdir, "residual_log.jsonl"), "a") as f:
+            f.writelines(json.dumps(h) + "\n" for h in history)
+    return kvmap, history
