@@ -41,6 +41,6 @@ def get_config() -> ToyPairConfig:
         # 8 x 1024 tokens per step; ~4.6M training tokens in the corpus
         target_train=TrainConfig(seq_len=1024, batch_size=8, steps=600, lr=3e-3, warmup_steps=50, seed=1,
                                  eval_every=50, save_every=50),
-        source_train=TrainConfig(seq_len=1024, batch_size=8, steps=1000, lr=2e-3, warmup_steps=50, seed=2,
+        source_train=TrainConfig(seq_len=1024, batch_size=8, steps=800, lr=2e-3, warmup_steps=50, seed=2,
                                  eval_every=50, save_every=50),
     )
