@@ -130,3 +130,39 @@ def test_residual_training_resumes_exactly(pair, tmp_path):
     assert [h["step"] for h in hist] == [3, 4]  # picked up at the checkpoint
     for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_topk_pairing_concatenates_the_best_source_layers(pair):
+    source, target = pair
+    kvmap, report = kvjax.fit_map(source, target, windows(8, 32), windows(8, 32, seed=1), pairing=2, batch_size=8)
+    r2 = np.asarray(report["layer_r2"])
+    assert r2.shape == (2, 3)
+    for t, layers in enumerate(report["pairing"]):
+        assert len(layers) == 2 and set(layers) == set(np.argsort(-r2[t])[:2].tolist())
+    assert kvmap.keys[0].w_in.shape[0] == 2 * 2 * 16  # two source layers of 2 kv heads x 16
+
+
+def test_direct_injection_baseline_copies_the_source_cache():
+    from kvjax.mapper.kvmap import direct_map
+    a, b = model(2, 32, 2, 1, 16, seed=0, theta=1e4), model(2, 48, 4, 1, 16, seed=1, theta=1e4)
+    kvmap = direct_map(a[0], b[0], ((0,), (1,)))
+    cache = native_cache(a[1], a[0], jnp.asarray(windows(2, 24)))
+    mapped = kvjax.apply_map(kvmap, cache)
+    np.testing.assert_allclose(mapped.k, cache.k, atol=1e-5)
+    np.testing.assert_allclose(mapped.v, cache.v, atol=1e-6)
+    with pytest.raises(ValueError, match="equal KV shapes"):
+        direct_map(a[0], model(2, 32, 2, 2, 16, seed=0)[0], ((0,), (1,)))
+
+
+def test_calibration_windows_from_tokens_and_files(tmp_path):
+    from kvjax.mapper.data import tokens_from_files, windows_from_tokens
+    w = windows_from_tokens(np.arange(1000), 5, 64, seed=1)
+    assert w.shape == (5, 64) and (np.diff(w, axis=1) == 1).all()
+    np.testing.assert_array_equal(w, windows_from_tokens(np.arange(1000), 5, 64, seed=1))
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({"a": 1, "b": 2, "[UNK]": 3}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    (tmp_path / "c.jsonl").write_text('{"text": "a b a"}\n{"text": "b b"}\n')
+    np.testing.assert_array_equal(tokens_from_files(str(tmp_path / "c.jsonl"), tok, eos_id=0), [1, 2, 1, 0, 2, 2, 0])
+    with pytest.raises(ValueError, match="no 'body' field"):
+        tokens_from_files(str(tmp_path / "c.jsonl"), tok, text_field="body")

@@ -87,6 +87,23 @@ def linear_map(fit: RidgeFit, residual_rank: int, key: jax.Array, scale: float) 
                      up=jnp.zeros((residual_rank, fy), jnp.float32))
 
 
+def direct_map(source: Qwen3Config, target: Qwen3Config, pairing: Pairing) -> KVMap:
+    """The direct-injection baseline: copy each paired source layer's K/V unchanged (keys re-rotated with the
+    target's RoPE). Only defined when a pairing has one source layer and the KV shapes agree."""
+    if (source.num_kv_heads, source.head_dim) != (target.num_kv_heads, target.head_dim):
+        raise ValueError(f"direct injection needs equal KV shapes; source has {source.num_kv_heads} x "
+                         f"{source.head_dim}, target {target.num_kv_heads} x {target.head_dim}")
+    if any(len(p) != 1 for p in pairing):
+        raise ValueError("direct injection takes exactly one source layer per target layer")
+    f = source.num_kv_heads * source.head_dim
+    eye, zeros = jnp.eye(f, dtype=jnp.float32), jnp.zeros((f,), jnp.float32)
+    ident = LinearMap(mu=zeros, scale=jnp.ones((), jnp.float32), w_in=eye, w_out=eye, bias=zeros,
+                      down=jnp.zeros((f, 1), jnp.float32), res_bias=jnp.zeros((1,), jnp.float32),
+                      up=jnp.zeros((1, f), jnp.float32))
+    layers = (ident,) * target.num_layers
+    return KVMap(keys=layers, values=layers, spec=spec_for(source, target, pairing, None, 1))
+
+
 def check_models(kvmap: KVMap, source: Qwen3Config, target: Qwen3Config) -> None:
     """A map is only valid for the models it was fitted on."""
     got = (source.fingerprint(), target.fingerprint())
