@@ -80,8 +80,10 @@ def batch_at(data: np.ndarray, step: int, batch_size: int, seq_len: int, seed: i
     return np.stack([data[s : s + seq_len + 1] for s in starts]).astype(np.int32)
 
 
-def init_state(cfg: Qwen3Config, tc: TrainConfig) -> TrainState:
-    params = init_params(cfg, jax.random.key(tc.seed), std=tc.init_std)
+def init_state(cfg: Qwen3Config, tc: TrainConfig, params: Params | None = None) -> TrainState:
+    """Fresh optimizer state and step 0, on random weights or on `params` (continued training, new schedule)."""
+    if params is None:
+        params = init_params(cfg, jax.random.key(tc.seed), std=tc.init_std)
     return TrainState(params, make_optimizer(tc).init(params), jnp.zeros((), jnp.int32))
 
 
@@ -103,15 +105,16 @@ def evaluate(params: Params, cfg: Qwen3Config, batches: list[np.ndarray]) -> flo
 
 
 def train(cfg: Qwen3Config, tc: TrainConfig, train_tokens: np.ndarray, heldout_tokens: np.ndarray, workdir: str,
-          name: str = "model", stop_at: int | None = None) -> Params:
+          name: str = "model", stop_at: int | None = None, init: Params | None = None) -> Params:
     """Train (or resume training) a model in `workdir`; returns the params. `stop_at` ends this run early after that
-    step (checkpointed); a later call resumes towards `tc.steps`."""
+    step (checkpointed); a later call resumes towards `tc.steps`. `init` starts from given weights instead of random
+    ones (a second training phase with its own schedule; a checkpoint in `workdir` still takes precedence)."""
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "train_config.json"), "w") as f:
         json.dump({"model": dataclasses.asdict(cfg), "train": dataclasses.asdict(tc)}, f, indent=2)
     manager = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "ckpt")),
                                     options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
-    state = init_state(cfg, tc)
+    state = init_state(cfg, tc, init)
     start = 0
     if manager.latest_step() is not None:
         start = manager.latest_step()

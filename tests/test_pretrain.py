@@ -55,3 +55,15 @@ def test_training_learns_and_resumes_exactly(tmp_path):
     resumed = train(CFG, tc, data, heldout, str(tmp_path / "b"))
     for x, y in zip(to_flat(straight).values(), to_flat(resumed).values()):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_second_phase_starts_from_given_weights(tmp_path):
+    data, heldout = corpus(), corpus(seed=1)
+    tc = TrainConfig(seq_len=32, batch_size=4, steps=6, lr=1e-2, warmup_steps=2, eval_every=2, eval_batches=2,
+                     save_every=6)
+    first = train(CFG, tc, data, heldout, str(tmp_path / "phase1"))
+    train(CFG, TrainConfig(**{**tc.__dict__, "steps": 2, "lr": 1e-4}), data, heldout, str(tmp_path / "phase2"),
+          init=first)
+    p1 = [json.loads(line) for line in open(tmp_path / "phase1" / "metrics.jsonl")]
+    p2 = [json.loads(line) for line in open(tmp_path / "phase2" / "metrics.jsonl")]
+    assert abs(p2[0]["heldout_loss"] - p1[-1]["heldout_loss"]) < 0.05 < p1[0]["heldout_loss"] - p1[-1]["heldout_loss"]
