@@ -61,6 +61,8 @@ def main() -> None:
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--rank", type=int, default=None)
     p.add_argument("--residual-steps", type=int, default=200)
+    p.add_argument("--residual-lr", type=float, default=1e-3, help="peak learning rate of the residual")
+    p.add_argument("--residual-rank", type=int, default=16)
     p.add_argument("--prefix", type=int, default=256, help="prefix tokens mapped for KL (held-out windows)")
     p.add_argument("--cont", type=int, default=64, help="continuation tokens scored by KL")
     args = p.parse_args()
@@ -72,7 +74,7 @@ def main() -> None:
     select = windows_from_tokens(train_tokens, 32, args.window, seed=2)
     heldout = np.load(os.path.join(args.toy_dir, "eval", "heldout_windows.npy")).astype(np.int32)
 
-    kvmap, report = kvjax.fit_map(source, target, calib, select, rank=args.rank)
+    kvmap, report = kvjax.fit_map(source, target, calib, select, rank=args.rank, residual_rank=args.residual_rank)
     dist_windows = heldout[:32, : args.window]
     kl_windows = heldout[32:160, : args.prefix + args.cont]
     report["distances_ridge"] = distances(kvmap, source, target, dist_windows)
@@ -80,7 +82,7 @@ def main() -> None:
     report["kl_ridge"] = float(kl_ridge.mean())
     log.info("ridge: %s, KL %.4f", report["distances_ridge"]["mapped"], report["kl_ridge"])
     if args.residual_steps:
-        rc = ResidualConfig(steps=args.residual_steps, prefix_len=args.prefix, cont_len=args.cont)
+        rc = ResidualConfig(steps=args.residual_steps, prefix_len=args.prefix, cont_len=args.cont, lr=args.residual_lr)
         kvmap, _ = kvjax.train_residual(kvmap, source, target, train_tokens, rc, workdir=args.out)
         report["distances_residual"] = distances(kvmap, source, target, dist_windows)
         kl_res = evaluate_kl(kvmap, source, target, kl_windows, args.prefix)
