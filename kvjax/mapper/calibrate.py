@@ -21,10 +21,10 @@ from kvjax.models.qwen3 import forward
 Model = tuple[Qwen3Config, Params]
 
 
-def native_cache(params: Params, cfg: Qwen3Config, tokens: jax.Array) -> KVCache:
-    """The model's own cache after prefilling whole windows int [B, T] (traceable)."""
+def native_cache(params: Params, cfg: Qwen3Config, tokens: jax.Array, lengths: jax.Array | None = None) -> KVCache:
+    """The model's own cache after prefilling windows int [B, T] (right-padded to `lengths`; traceable)."""
     cache = init_cache(cfg, tokens.shape[0], tokens.shape[1], params.embed.dtype)
-    return forward(params, cfg, tokens, cache, last_only=True, fresh=True)[1]
+    return forward(params, cfg, tokens, cache, lengths, last_only=True, fresh=True)[1]
 
 
 @functools.partial(jax.jit, static_argnames=("scfg", "tcfg", "pairing"))

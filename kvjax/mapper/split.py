@@ -10,17 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache import init_cache
 from kvjax.generation import CACHE_ALIGN, Sampling, decode_loop, pad_prompts
-from kvjax.mapper.calibrate import Model
+from kvjax.mapper.calibrate import Model, native_cache
 from kvjax.mapper.kvmap import KVMap, apply_map, check_models
 from kvjax.models.qwen3 import forward
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _source_prefill(params, cfg, tokens, lengths):
-    cache = init_cache(cfg, tokens.shape[0], tokens.shape[1], params.embed.dtype)
-    return forward(params, cfg, tokens, cache, lengths, last_only=True, fresh=True)[1]
+_source_prefill = jax.jit(native_cache, static_argnames=("cfg",))
 
 
 @functools.partial(jax.jit, static_argnames=("capacity", "length"))
