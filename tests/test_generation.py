@@ -150,3 +150,15 @@ def test_cache_is_a_pytree_with_static_metadata(model):
     assert "capacity=16" in repr(cache) and not cache.is_mapped
     mapped = cache.replace(origin="mapped:test")
     assert mapped.is_mapped and jax.tree.structure(mapped) != treedef  # origin is part of the static structure
+
+
+def test_cache_slice_and_inspect_helpers(model):
+    from kvjax.cache import slice_batch, valid
+    cfg, params = model
+    tokens, lengths = kvjax.pad_prompts(prompts(cfg, [5, 9, 3], seed=6))
+    _, cache = kvjax.prefill(params, cfg, tokens, kvjax.init_cache(cfg, 3, 16), lengths)
+    sub = slice_batch(cache, np.asarray([2, 0]))
+    assert sub.batch_size == 2 and np.asarray(sub.lengths).tolist() == [3, 5]
+    k, v = valid(cache, 1)
+    assert k.shape == (cfg.num_layers, cfg.num_kv_heads, 9, cfg.head_dim) and v.shape == k.shape
+    np.testing.assert_array_equal(valid(sub, 1)[0], valid(cache, 0)[0])

@@ -111,7 +111,6 @@ def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarra
     """Train the residual on windows cut from a token array (uniformly, a pure function of (seed, step)); resumes
     from `workdir` checkpoints; `stop_at` ends this run early after that step. Returns (map, this run's log)."""
     from kvjax.pretrain import batch_at
-    (scfg, sparams), (tcfg, tparams) = source, target
     opt = make_optimizer(rc, kvmap)
     window = rc.prefix_len + rc.cont_len
 
