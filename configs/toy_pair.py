@@ -1,7 +1,7 @@
 """Settings for training the shipped toy pair (`python -m launch.toy.train`).
 
 Two Qwen3-architecture models trained from scratch on the same corpus with the same tokenizer: a small target
-(2 layers x 128) and a larger source (6 layers x 256). Sized so both train on 2 CPU cores in about two hours.
+(2 layers x 64) and a larger source (6 layers x 256). Sized so both train on 2 CPU cores in about two hours.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ class ToyPairConfig:
     source: Qwen3Config  # the large model that reads
     target_train: TrainConfig
     source_train: TrainConfig
+    # optional second phase for the source: starts from phase 1's weights with a fresh optimizer and schedule
+    source_continue: TrainConfig | None = None
     data_dir: str = "work/toy/data"  # tokenized arrays from `python -m launch.toy.data`
     tokenizer_dir: str = "checkpoints/toy/tokenizer"  # tokenizer files copied next to each exported model
     work_dir: str = "work/toy/train"  # orbax checkpoints, metrics.jsonl, loss.png per model (resumable)
@@ -36,11 +38,16 @@ def _model(hidden, layers, heads, kv_heads, head_dim, ffn) -> Qwen3Config:
 
 def get_config() -> ToyPairConfig:
     return ToyPairConfig(
-        target=_model(hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, ffn=384),
+        target=_model(hidden=64, layers=2, heads=2, kv_heads=1, head_dim=32, ffn=192),
         source=_model(hidden=256, layers=6, heads=4, kv_heads=2, head_dim=64, ffn=768),
         # 8 x 1024 tokens per step; ~4.6M training tokens in the corpus
         target_train=TrainConfig(seq_len=1024, batch_size=8, steps=600, lr=3e-3, warmup_steps=50, seed=1,
-                                 eval_every=50, save_every=50),
+                                 eval_every=50, save_every=50, copy_prob=0.5),
         source_train=TrainConfig(seq_len=1024, batch_size=8, steps=800, lr=2e-3, warmup_steps=50, seed=2,
                                  eval_every=50, save_every=50),
+        # phase 1 left the source still improving and no better than the target; a second, hotter cosine cycle
+        # (the 60-step LR probe preferred 6e-3 over 2e-3 for this shape)
+        # over ~1.3 more epochs of the corpus, with copy augmentation (TrainConfig.copy_prob) as for the target
+        source_continue=TrainConfig(seq_len=1024, batch_size=8, steps=800, lr=4e-3, warmup_steps=50, seed=3,
+                                    eval_every=50, save_every=50, copy_prob=0.5),
     )

@@ -45,6 +45,13 @@ class TrainConfig:
     eval_batches: int = 4  # fixed held-out batches per evaluation
     save_every: int = 100  # steps between checkpoints
     remat: bool = False  # recompute activations in the backward pass (less memory, ~30% more compute)
+    # copy augmentation: this fraction of training windows gets `copy_spans` spans of copy_len[0]..copy_len[1]
+    # tokens repeated verbatim later in the same window. Small models on a few million tokens of text never form
+    # induction heads (measured: a repeated held-out passage is barely easier the second time); repeats make copying
+    # pay off early, which in-context retrieval needs. 0 = plain windows.
+    copy_prob: float = 0.0
+    copy_spans: int = 4
+    copy_len: tuple[int, int] = (16, 64)
 
 
 @dataclasses.dataclass
@@ -71,13 +78,28 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
                        optax.adamw(schedule, b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay, mask=decay_mask))
 
 
-def batch_at(data: np.ndarray, step: int, batch_size: int, seq_len: int, seed: int) -> np.ndarray:
-    """Windows [B, seq_len + 1] drawn uniformly from `data`; a pure function of (seed, step) so runs resume exactly."""
+def batch_at(data: np.ndarray, step: int, batch_size: int, seq_len: int, seed: int, copy_prob: float = 0.0,
+             copy_spans: int = 4, copy_len: tuple[int, int] = (16, 64)) -> np.ndarray:
+    """Windows [B, seq_len + 1] drawn uniformly from `data`; a pure function of (seed, step) so runs resume exactly.
+    With copy_prob > 0, that fraction of windows gets `copy_spans` spans repeated later in the window (see
+    TrainConfig.copy_prob)."""
     if len(data) < seq_len + 2:
         raise ValueError(f"token array of {len(data)} tokens is shorter than one window of {seq_len + 1}")
     rng = np.random.default_rng([seed, step])
     starts = rng.integers(0, len(data) - seq_len - 1, batch_size)
-    return np.stack([data[s : s + seq_len + 1] for s in starts]).astype(np.int32)
+    batch = np.stack([data[s : s + seq_len + 1] for s in starts]).astype(np.int32)
+    if copy_prob > 0:
+        lo, hi = copy_len
+        if not 0 < lo <= hi or 2 * hi >= seq_len:
+            raise ValueError(f"copy_len {copy_len} must satisfy 0 < lo <= hi < seq_len / 2 = {seq_len / 2}")
+        aug = np.random.default_rng([seed, step, 1])
+        for row in np.flatnonzero(aug.random(batch_size) < copy_prob):
+            for _ in range(copy_spans):
+                n = int(aug.integers(lo, hi + 1))
+                src = int(aug.integers(0, seq_len + 1 - 2 * n))
+                dst = int(aug.integers(src + n, seq_len + 2 - n))
+                batch[row, dst : dst + n] = batch[row, src : src + n]
+    return batch
 
 
 def init_state(cfg: Qwen3Config, tc: TrainConfig, params: Params | None = None) -> TrainState:
@@ -131,7 +153,8 @@ def train(cfg: Qwen3Config, tc: TrainConfig, train_tokens: np.ndarray, heldout_t
     t_last = time.perf_counter()
     with open(metrics_path, "a") as metrics_file:
         for step in bar:
-            state, m = step_fn(state, batch_at(train_tokens, step, tc.batch_size, tc.seq_len, tc.seed))
+            state, m = step_fn(state, batch_at(train_tokens, step, tc.batch_size, tc.seq_len, tc.seed, tc.copy_prob,
+                                                        tc.copy_spans, tc.copy_len))
             loss = float(m["loss"])  # one sync per step keeps the progress bar and the timings honest
             done = step + 1
             if done % tc.eval_every == 0 or done == tc.steps:
@@ -162,21 +185,36 @@ def _truncate_metrics(path: str, step: int) -> None:
         f.writelines(keep)
 
 
-def plot_loss(metrics_paths: str | list[str], out: str, title: str = "", labels: list[str] | None = None) -> None:
+def plot_loss(metrics_paths, out: str, title: str = "", labels: list[str] | None = None) -> None:
+    """Loss curves (train and held-out) against training tokens. Each entry of `metrics_paths` is one model: a
+    metrics.jsonl path, or a list of them for consecutive training phases (drawn as one curve, tokens accumulated,
+    with a dotted line where each later phase starts)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    paths = [metrics_paths] if isinstance(metrics_paths, str) else metrics_paths
+    entries = [metrics_paths] if isinstance(metrics_paths, str) else metrics_paths
     fig, ax = plt.subplots(figsize=(7, 4))
-    for i, path in enumerate(paths):
-        with open(path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        if not rows:
+    for i, entry in enumerate(entries):
+        phases = [entry] if isinstance(entry, str) else list(entry)
+        tokens, train_loss, heldout, starts, offset = [], [], [], [], 0
+        for path in phases:
+            with open(path) as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+            if not rows:
+                continue
+            if tokens:
+                starts.append(offset / 1e6)
+            tokens += [(offset + r["tokens"]) / 1e6 for r in rows]
+            train_loss += [r["loss"] for r in rows]
+            heldout += [r["heldout_loss"] for r in rows]
+            offset += rows[-1]["tokens"]
+        if not tokens:
             continue
-        label = labels[i] if labels else os.path.basename(os.path.dirname(path))
-        tokens = [r["tokens"] / 1e6 for r in rows]
-        line, = ax.plot(tokens, [r["loss"] for r in rows], alpha=0.5, label=f"{label} train")
-        ax.plot(tokens, [r["heldout_loss"] for r in rows], color=line.get_color(), label=f"{label} held-out")
+        label = labels[i] if labels else os.path.basename(os.path.dirname(phases[0]))
+        line, = ax.plot(tokens, train_loss, alpha=0.5, label=f"{label} train")
+        ax.plot(tokens, heldout, color=line.get_color(), label=f"{label} held-out")
+        for x in starts:
+            ax.axvline(x, color=line.get_color(), linestyle=":", alpha=0.7)
     ax.set_xlabel("training tokens (M)")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title(title)

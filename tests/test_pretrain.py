@@ -40,6 +40,23 @@ def test_batches_are_a_pure_function_of_seed_and_step():
         batch_at(data[:10], 0, 4, 16, seed=3)
 
 
+def test_copy_augmentation_repeats_spans_and_is_deterministic():
+    data = np.arange(50_000)  # consecutive ids: every break in the sequence is a copied span
+    plain = batch_at(data, 3, 16, 256, seed=1)
+    aug = batch_at(data, 3, 16, 256, seed=1, copy_prob=0.5, copy_spans=2, copy_len=(8, 16))
+    np.testing.assert_array_equal(aug, batch_at(data, 3, 16, 256, seed=1, copy_prob=0.5, copy_spans=2,
+                                                copy_len=(8, 16)))
+    changed = [r for r in range(16) if not np.array_equal(plain[r], aug[r])]
+    assert 0 < len(changed) < 16  # about half the windows, the rest untouched
+    for r in changed:
+        row, orig = aug[r], plain[r]
+        # every overwritten token repeats a token from earlier in the same window
+        for t in np.flatnonzero(row != orig):
+            assert row[t] in set(row[:t].tolist()) | set(orig[:t].tolist())
+    with pytest.raises(ValueError, match="copy_len"):
+        batch_at(data, 0, 4, 16, seed=3, copy_prob=0.5, copy_len=(8, 16))
+
+
 def test_training_learns_and_resumes_exactly(tmp_path):
     data, heldout = corpus(), corpus(seed=1)
     tc = TrainConfig(seq_len=32, batch_size=4, steps=8, lr=1e-2, warmup_steps=2, eval_every=2, eval_batches=2,

@@ -47,13 +47,21 @@ def main() -> None:
         log.info("%s: %.2fM params, %d steps x %d x %d tokens", role, model_cfg.num_params() / 1e6, tc.steps,
                  tc.batch_size, tc.seq_len)
         params = train(model_cfg, tc, train_tokens, heldout_tokens, os.path.join(cfg.work_dir, role), name=role)
+        phase2 = getattr(cfg, f"{role}_continue", None)
+        if phase2 is not None:
+            log.info("%s: phase 2, %d more steps from phase 1's weights at lr %g", role, phase2.steps, phase2.lr)
+            params = train(model_cfg, phase2, train_tokens, heldout_tokens,
+                           os.path.join(cfg.work_dir, f"{role}_phase2"), name=f"{role} phase 2", init=params)
         if not args.no_export:
             out = os.path.join(cfg.out_dir, role)
             save_hf(out, model_cfg, params, tokenizer_dir=cfg.tokenizer_dir)
             load_hf(out)  # the exported directory must load back
             log.info("%s exported to %s", role, out)
-    metrics = [os.path.join(cfg.work_dir, r, "metrics.jsonl") for r in ("target", "source")]
-    if all(os.path.isfile(m) for m in metrics):
+    metrics = []
+    for role in ("target", "source"):
+        phases = [role] + ([f"{role}_phase2"] if getattr(cfg, f"{role}_continue", None) is not None else [])
+        metrics.append([os.path.join(cfg.work_dir, p, "metrics.jsonl") for p in phases])
+    if all(os.path.isfile(m) for phases in metrics for m in phases):
         plot_loss(metrics, os.path.join(cfg.out_dir, "loss.png"), title="toy pair training",
                   labels=["target", "source"])
 
