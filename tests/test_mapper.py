@@ -166,3 +166,22 @@ def test_calibration_windows_from_tokens_and_files(tmp_path):
     np.testing.assert_array_equal(tokens_from_files(str(tmp_path / "c.jsonl"), tok, eos_id=0), [1, 2, 1, 0, 2, 2, 0])
     with pytest.raises(ValueError, match="no 'body' field"):
         tokens_from_files(str(tmp_path / "c.jsonl"), tok, text_field="body")
+
+
+def test_next_token_agreement(pair):
+    from kvjax.eval import next_token_agreement
+    (cfg, params), target = pair
+    m = (cfg, params)
+    self_map, _ = kvjax.fit_map(m, m, windows(16, 64), windows(8, 64, seed=1), batch_size=8)
+    held = windows(6, 40, seed=4)
+    same = next_token_agreement(self_map, m, m, held, prefix=24, batch_size=4)
+    assert set(same) == {"with_source", "with_target", "target_with_source", "kl_mapped", "kl_native"}
+    assert same["with_source"].shape == (6,)
+    np.testing.assert_allclose(same["with_source"], 1.0)  # a model mapped onto itself reproduces itself
+    np.testing.assert_allclose(same["kl_native"], 0.0, atol=1e-5)
+    assert same["kl_mapped"].max() < 1e-2
+    kvmap, _ = kvjax.fit_map(m, target, windows(16, 64), windows(8, 64, seed=1), batch_size=8)
+    cross = next_token_agreement(kvmap, m, target, held, prefix=24)
+    assert np.all((cross["with_target"] >= 0) & (cross["with_target"] <= 1)) and cross["kl_native"].min() > 0
+    with pytest.raises(ValueError, match="prefix"):
+        next_token_agreement(kvmap, m, target, held, prefix=40)
