@@ -1,0 +1,126 @@
+"""What the cache map costs on the toy pair: fit time and memory against calibration size, and applying the map
+against the source prefill it follows.
+
+    python -m launch.bench_map                  # both parts
+    python -m launch.bench_map --part fit       # fit at 3 calibration sizes (4x steps), one subprocess each
+    python -m launch.bench_map --part apply     # apply_map vs source prefill at 2K tokens
+
+Fit: each size runs in its own process (peak RSS is per process); a warm-up fit on a few windows compiles
+everything first, so the timed parts are streaming
+(the statistics, which grow with tokens) and the whole fit_map (statistics + lambda selection + solve). Expect time ~ proportional to tokens and memory flat
+(the statistics are fixed-size; batches are streamed). Apply: medians of interleaved repeats, batch 1. Weights do not
+change either cost, only shapes: by default the shipped pair in checkpoints/toy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+
+def fit_one(args) -> dict:
+    import jax
+
+    import kvjax
+    from kvjax.mapper.calibrate import batches_of, collect_stats
+    from kvjax.mapper.data import windows_from_tokens
+    from kvjax.mapper.pairing import depth_pairing
+    source, target = (kvjax.load_hf(f"{args.toy_dir}/{r}") for r in ("source", "target"))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, source[0].vocab_size, 4_000_000).astype(np.int32)
+    held = windows_from_tokens(tokens, 8, args.window, seed=2)
+    kvjax.fit_map(source, target, windows_from_tokens(tokens, 8, args.window, seed=3), held, residual_rank=16)
+    calib = windows_from_tokens(tokens, args.fit_one, args.window, seed=1)
+    pairing = depth_pairing(source[0].num_layers, target[0].num_layers)
+    t0 = time.perf_counter()
+    collect_stats(source, target, pairing, batches_of(calib, 8))  # the part that grows with calibration tokens
+    t1 = time.perf_counter()
+    jax.block_until_ready(kvjax.fit_map(source, target, calib, held, residual_rank=16)[0])
+    t2 = time.perf_counter()
+    return {"windows": args.fit_one, "tokens": args.fit_one * args.window, "stats_seconds": t1 - t0,
+            "fit_seconds": t2 - t1, "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def bench_fit(args) -> list[dict]:
+    rows = []
+    for n in args.sizes:
+        cmd = [sys.executable, "-m", "launch.bench_map", "--fit-one", str(n), "--window", str(args.window),
+               "--toy-dir", args.toy_dir]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            sys.exit(f"fit at {n} windows failed:\n{out.stderr[-2000:]}")
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    base = rows[0]
+    print(f"\nfit_map on the toy pair (window {args.window}; time excludes compilation)")
+    print("| calibration tokens | statistics s | x tokens | x time | whole fit_map s | peak RSS MB |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['tokens']:,} | {r['stats_seconds']:.1f} | {r['tokens'] / base['tokens']:.0f} | "
+              f"{r['stats_seconds'] / base['stats_seconds']:.2f} | {r['fit_seconds']:.1f} | {r['max_rss_mb']:.0f} |")
+    return rows
+
+
+def bench_apply(args) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    import kvjax
+    from kvjax.mapper.calibrate import native_cache
+    from kvjax.mapper.data import windows_from_tokens
+    source, target = (kvjax.load_hf(f"{args.toy_dir}/{r}") for r in ("source", "target"))
+    (scfg, sparams) = source
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, scfg.vocab_size, 400_000).astype(np.int32)
+    kvmap, _ = kvjax.fit_map(source, target, windows_from_tokens(tokens, 16, 256, seed=1),
+                             windows_from_tokens(tokens, 8, 256, seed=2))
+    prompt = jnp.asarray(tokens[None, : args.apply_tokens])
+    prefill = jax.jit(lambda p, t: native_cache(p, scfg, t))
+    apply = jax.jit(lambda m, c: kvjax.apply_map(m, c))
+    cache = jax.block_until_ready(prefill(sparams, prompt))
+    jax.block_until_ready(apply(kvmap, cache))
+    t_prefill, t_apply = [], []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        cache = jax.block_until_ready(prefill(sparams, prompt))
+        t1 = time.perf_counter()
+        jax.block_until_ready(apply(kvmap, cache))
+        t2 = time.perf_counter()
+        t_prefill.append(t1 - t0)
+        t_apply.append(t2 - t1)
+    row = {"tokens": args.apply_tokens, "prefill_s": statistics.median(t_prefill),
+           "apply_s": statistics.median(t_apply)}
+    row["ratio"] = row["apply_s"] / row["prefill_s"]
+    print(f"\napply_map vs source prefill at {args.apply_tokens} tokens (batch 1, median of {args.repeats}): "
+          f"prefill {row['prefill_s'] * 1e3:.1f} ms, map {row['apply_s'] * 1e3:.2f} ms, "
+          f"ratio {row['ratio']:.3f} (goal <= 0.05)")
+    return row
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", choices=["fit", "apply", "all"], default="all")
+    p.add_argument("--toy-dir", default="checkpoints/toy")
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--sizes", type=int, nargs="+", default=[16, 64, 256], help="calibration windows per fit")
+    p.add_argument("--apply-tokens", type=int, default=2048)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--fit-one", type=int, help=argparse.SUPPRESS)  # internal: one fit in this process
+    args = p.parse_args(argv)
+    if args.fit_one:
+        print(json.dumps(fit_one(args)))
+        return
+    if args.part in ("fit", "all"):
+        bench_fit(args)
+    if args.part in ("apply", "all"):
+        bench_apply(args)
+
+
+if __name__ == "__main__":
+    main()
