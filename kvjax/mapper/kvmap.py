@@ -19,6 +19,7 @@ import numpy as np
 from flax import struct
 
 from kvjax.cache import KVCache
+from kvjax.kernels.map_insert import insert_layers, resolve_impl
 from kvjax.mapper.features import paired_features, to_cache_layout
 from kvjax.mapper.pairing import Pairing
 from kvjax.mapper.ridge import RidgeFit
@@ -123,18 +124,28 @@ def map_features(kvmap: KVMap, source_cache: KVCache, t: int) -> list[tuple[jax.
 
 
 def apply_map(kvmap: KVMap, source_cache: KVCache, capacity: int | None = None, dtype=None,
-              length: int | None = None) -> KVCache:
-    """Translate a source cache into a target cache (traceable; jit it with `length`/`capacity` static).
+              length: int | None = None, impl: str = "xla", interpret: bool = False) -> KVCache:
+    """Translate a source cache into a target cache (traceable; jit it with `length`/`capacity`/`impl` static).
 
     The first `length` positions (default: the whole source capacity) are mapped; rows keep their lengths. The
     result is tagged origin="mapped:<map id>" so it can never pass for a natively computed cache.
+    `impl`: "xla" (jnp), "pallas" (the fused map-and-insert kernel of kvjax.kernels.map_insert, one call for all
+    layers; on CPU only with `interpret=True`) or "auto" (the kernel on GPU/TPU where it supports the shape, XLA on
+    CPU).
     """
     t = source_cache.capacity if length is None else length
     capacity = t if capacity is None else capacity
     if capacity < t:
         raise ValueError(f"target capacity {capacity} is smaller than the {t} mapped positions")
     dtype = dtype or source_cache.dtype
-    hkv, _ = kvmap.spec.target_kv
+    hkv, hd = kvmap.spec.target_kv
+    if resolve_impl(impl, source_cache.head_dim, hd, t, interpret) == "pallas":
+        shape = (len(kvmap.keys), source_cache.batch_size, hkv, capacity, hd)
+        k, v = insert_layers(source_cache.k, source_cache.v, jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                             kvmap.keys, kvmap.values, pairing=kvmap.spec.pairing,
+                             tgt_layers=tuple(range(len(kvmap.keys))), length=t, src_theta=kvmap.spec.source_theta,
+                             tgt_theta=kvmap.spec.target_theta, impl="pallas", interpret=interpret)
+        return KVCache(k=k, v=v, lengths=jnp.minimum(source_cache.lengths, t), origin=f"mapped:{kvmap.map_id}")
     ks, vs = [], []
     for yk, yv in map_features(kvmap, source_cache, t):
         ks.append(to_cache_layout(yk, hkv, kvmap.spec.target_theta).astype(dtype))

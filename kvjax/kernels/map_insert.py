@@ -1,0 +1,420 @@
+"""Fused cache map-and-insert: target layers' keys and values computed from the paired source layers' cache blocks
+and written straight into the target cache buffers, in place.
+
+Per target layer, batch row and block of `bt` positions (values skip both rotations):
+
+    x   = concat over paired source layers and their heads of unrope(k_src)      [bt, Fx]  (Fx = P * Hs * hds)
+    y   = (x - mu) @ w_in @ w_out + bias + gelu((x - mu) @ (down / scale) + res_bias) @ up   [bt, Fy]
+    out = rope(y) per target head                                                  -> tgt[layer, b, :, pos, :]
+
+i.e. `kvjax.mapper.kvmap.LinearMap` applied to the features of `kvjax.mapper.features` (keys un-rotated with the
+source's RoPE, rotated back with the target's). The feature concatenation and the head split are never
+materialised: the first projection is a sum of per-source-head matmuls, the second one matmul per target head.
+RoPE angles are computed in the kernel from the block's positions (slot i of a cache holds position i).
+
+One kernel call maps any number of target layers (grid: layers x batch x blocks; each layer's weights and source
+layers are picked by the index maps), so a whole map is one call and one compile. Pieces, as in
+jax/experimental/pallas/ops:
+- `map_insert`: the jitted wrapper (target buffers donated and aliased to the outputs), with `backend`
+  ("triton" for GPU, "mosaic_tpu" for TPU; default: the current platform) and `interpret` (on CPU: the generic
+  interpreter for the GPU body, `pltpu.InterpretParams()` for the TPU body).
+- `map_insert_reference`: the same operation in plain jnp, from the unpacked maps.
+- `insert_layers`: the `impl="xla" | "pallas" | "auto"` switch used by apply_map and the pipelined prefill.
+
+The two lowerings share the kernel body; they differ in how a vector's halves are swapped for RoPE (`pltpu.roll`
+on TPU, split/stack on GPU) and in their layout constraints (see `check_supported`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax.experimental import pallas as pl
+
+from kvjax.models.rope import apply_rope, rope_angles, unapply_rope
+
+BACKENDS = ("triton", "mosaic_tpu")
+IMPLS = ("xla", "pallas", "auto")
+DEFAULT_BLOCK = {"triton": 64, "mosaic_tpu": 256}
+Pairing = tuple[tuple[int, ...], ...]
+_NEEDS_DEVICE = "Pallas kernels need a GPU or TPU; on CPU pass interpret=True (slow, for tests) or use impl='xla'"
+
+
+@struct.dataclass
+class PackedMap:
+    """Key or value maps of n target layers in kernel layout (head-major blocks of each LinearMap's matrices)."""
+
+    mu: jax.Array  # [n, Hin, 1, hds] f32, Hin = paired source layers x source kv heads
+    w_in: jax.Array  # [n, Hin, hds, R]
+    down: jax.Array  # [n, Hin, hds, H], already divided by the residual's input scale
+    res_bias: jax.Array  # [n, 1, H] f32
+    w_out: jax.Array  # [n, Ht, R, hdt]
+    up: jax.Array  # [n, Ht, H, hdt]
+    bias: jax.Array  # [n, Ht, 1, hdt] f32
+
+    def leaves(self) -> tuple[jax.Array, ...]:
+        return (self.mu, self.w_in, self.down, self.res_bias, self.w_out, self.up, self.bias)
+
+
+def padded_size(n: int, backend: str | None) -> int:
+    """Inner dimensions (ridge rank R, residual width H) are zero-padded for the backend (exact: the padded columns
+    stay 0 through gelu): triton dots need powers of two >= 16, the TPU's lanes multiples of 128."""
+    if backend == "triton":
+        return max(16, 1 << (n - 1).bit_length())
+    if backend == "mosaic_tpu":
+        return -(-n // 128) * 128
+    return n
+
+
+def _pad_to(a: jax.Array, axis: int, size: int) -> jax.Array:
+    pad = [(0, 0)] * a.ndim
+    pad[axis] = (0, size - a.shape[axis])
+    return jnp.pad(a, pad)
+
+
+def pack_maps(maps: Sequence, in_heads: int, out_heads: int, *, dtype=jnp.float32,
+              backend: str | None = None) -> PackedMap:
+    """Per-target-layer `LinearMap`s (fields mu, scale, w_in, w_out, bias, down, res_bias, up; features head-major,
+    as kvjax.mapper.features) -> one PackedMap stacked over the layers (traceable). `dtype`: matmul operand dtype
+    (accumulation is always float32). `backend`: pad R and H as that backend's kernel needs (see padded_size)."""
+    shapes = {(m.w_in.shape, m.w_out.shape, m.down.shape) for m in maps}
+    if len(shapes) != 1:
+        raise ValueError(f"one kernel call maps layers of one shape; got maps of shapes {sorted(shapes)} (call it "
+                         "once per shape)")
+    (fx, r), (_, fy), (_, h) = shapes.pop()
+    if fx % in_heads or fy % out_heads:
+        raise ValueError(f"map of {fx} -> {fy} features does not split into {in_heads} source / {out_heads} target "
+                         "heads; check the pairing and the caches' kv head counts")
+    hds, hdt = fx // in_heads, fy // out_heads
+    rp, hp = padded_size(r, backend), padded_size(h, backend)
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+
+    def one(m):
+        w_in = _pad_to(f32(m.w_in), 1, rp).reshape(in_heads, hds, rp)
+        down = _pad_to(f32(m.down) / f32(m.scale), 1, hp).reshape(in_heads, hds, hp)
+        w_out = _pad_to(f32(m.w_out), 0, rp).reshape(rp, out_heads, hdt).transpose(1, 0, 2)
+        up = _pad_to(f32(m.up), 0, hp).reshape(hp, out_heads, hdt).transpose(1, 0, 2)
+        return PackedMap(mu=f32(m.mu).reshape(in_heads, 1, hds), w_in=w_in.astype(dtype), down=down.astype(dtype),
+                         res_bias=_pad_to(f32(m.res_bias), 0, hp)[None], w_out=w_out.astype(dtype),
+                         up=up.astype(dtype), bias=f32(m.bias).reshape(out_heads, 1, hdt))
+
+    return jax.tree.map(lambda *a: jnp.stack(a), *[one(m) for m in maps])
+
+
+def inv_freq_row(head_dim: int, theta: float) -> jax.Array:
+    """[1, hd] f32: the per-lane rotary frequency, duplicated over the two halves as in rope_angles."""
+    inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    return jnp.concatenate([inv, inv])[None]
+
+
+# ---- the kernel ----------------------------------------------------------------------------------------------------
+
+def _rotate_half(x: jax.Array, backend: str) -> jax.Array:
+    """[..., hd] -> [-x2, x1] (the RoPE partner of each lane)."""
+    half = x.shape[-1] // 2
+    if backend == "mosaic_tpu":
+        from jax.experimental.pallas import tpu as pltpu
+        lane = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+        return pltpu.roll(x, half, x.ndim - 1) * jnp.where(lane < half, -1.0, 1.0).astype(x.dtype)
+    a, b = jnp.split(x, 2, axis=-1)  # triton has no lane slicing or general concatenate, but split/join/trans
+    return jnp.stack([-b, a], axis=-1).swapaxes(-1, -2).reshape(x.shape)
+
+
+def _kernel(*refs, n_src: int, src_heads: int, out_heads: int, bt: int, length: int, dst_offset: int,
+            backend: str):
+    src_k, src_v = refs[:n_src], refs[n_src:2 * n_src]  # each [Hs, bt, hds]
+    inv_s, inv_t = refs[2 * n_src:2 * n_src + 2]
+    kpack, vpack = refs[2 * n_src + 2:2 * n_src + 9], refs[2 * n_src + 9:2 * n_src + 16]
+    out_k, out_v = refs[-2:]  # [Ht, bt, hdt]; refs[-4:-2] are the aliased target buffers, never read
+
+    start = dst_offset + jnp.minimum(pl.program_id(2) * bt, length - bt)  # the last block ends at `length`
+
+    def angles(inv_ref):
+        pos = (jax.lax.broadcasted_iota(jnp.int32, (bt, inv_ref.shape[1]), 0) + start).astype(jnp.float32)
+        ang = pos * inv_ref[...]
+        return jnp.cos(ang), jnp.sin(ang)
+
+    cos_s, sin_s = angles(inv_s)
+    cos_t, sin_t = angles(inv_t)
+
+    def project(srcs, pack, out, keys: bool):
+        mu, w_in, down, res_bias, w_out, up, bias = pack
+        wdt = w_in.dtype
+        zl = jnp.zeros((bt, w_in.shape[2]), jnp.float32)  # ridge low-rank code
+        zr = jnp.zeros((bt, down.shape[2]), jnp.float32)  # residual pre-activation
+        for p, ref in enumerate(srcs):
+            for h in range(src_heads):
+                j = p * src_heads + h
+                x = ref[h].astype(jnp.float32)  # [bt, hds]
+                if keys:
+                    x = x * cos_s - _rotate_half(x, backend) * sin_s  # RoPE by the negative angle
+                xc = (x - mu[j]).astype(wdt)
+                zl += jnp.dot(xc, w_in[j], preferred_element_type=jnp.float32)
+                zr += jnp.dot(xc, down[j], preferred_element_type=jnp.float32)
+        a = jax.nn.gelu(zr + res_bias[...]).astype(wdt)  # LinearMap's gelu (tanh approximation)
+        zl = zl.astype(wdt)
+        for g in range(out_heads):
+            y = (jnp.dot(zl, w_out[g], preferred_element_type=jnp.float32)
+                 + jnp.dot(a, up[g], preferred_element_type=jnp.float32) + bias[g])  # [bt, hdt]
+            if keys:
+                y = y * cos_t + _rotate_half(y, backend) * sin_t
+            out[g] = y.astype(out.dtype)
+
+    project(src_k, kpack, out_k, keys=True)
+    project(src_v, vpack, out_v, keys=False)
+
+
+def check_supported(backend: str, src_head_dim: int, tgt_head_dim: int, length: int) -> str | None:
+    """Why the compiled kernel cannot run this shape on `backend` (None when it can). Interpret mode runs any."""
+    if backend == "triton":
+        pow2 = lambda n: n & (n - 1) == 0  # noqa: E731
+        if not (pow2(src_head_dim) and pow2(tgt_head_dim) and min(src_head_dim, tgt_head_dim) >= 16):
+            return f"the triton kernel needs power-of-two head dims >= 16, got {src_head_dim} and {tgt_head_dim}"
+        if length < 16:
+            return f"the triton kernel needs >= 16 positions per call, got {length}"
+    elif backend == "mosaic_tpu":
+        if src_head_dim % 128 or tgt_head_dim % 128:
+            return f"the TPU kernel needs head dims that are multiples of 128, got {src_head_dim} and {tgt_head_dim}"
+        if length < 16:
+            return f"the TPU kernel needs >= 16 positions per call, got {length}"
+    else:
+        return f"unknown Pallas backend {backend!r}; use one of {BACKENDS}"
+    return None
+
+
+def platform_backend() -> str | None:
+    """The Pallas backend of the default device ("triton" on GPU, "mosaic_tpu" on TPU), None on CPU."""
+    return {"gpu": "triton", "cuda": "triton", "rocm": "triton", "tpu": "mosaic_tpu"}.get(jax.default_backend())
+
+
+def _lookup(table: tuple[int, ...], i):
+    """table[i] for a traced scalar i, as scalar selects (index maps cannot read constant arrays)."""
+    if len(set(table)) == 1:
+        return table[0]
+    steps = {b - a for a, b in zip(table, table[1:])}
+    if len(steps) == 1:
+        return table[0] + steps.pop() * i
+    out = jnp.int32(table[0])
+    for j, v in enumerate(table[1:], 1):
+        out = jnp.where(i == j, v, out)
+    return out
+
+
+def _check_shapes(src_k, src_v, pairing, tgt_k, tgt_v, kpack, vpack, tgt_layers, length, src_offset, dst_offset):
+    n_src = len(pairing[0])
+    if not pairing or any(len(p) != n_src for p in pairing) or len(pairing) != len(tgt_layers):
+        raise ValueError(f"one tuple of source layers, all of one length, per mapped target layer: got "
+                         f"pairing={pairing} for tgt_layers={tgt_layers}")
+    if len(src_k) != n_src or len(src_v) != n_src:
+        raise ValueError(f"one source K and V array per pairing position: got {len(src_k)} K, {len(src_v)} V arrays "
+                         f"for {n_src} source layers per target layer")
+    _, b, hs, ts, hds = src_k[0].shape
+    for p, a in enumerate(tuple(src_k) + tuple(src_v)):
+        layers = [pl_[p % n_src] for pl_ in pairing]
+        if a.ndim != 5 or a.shape[1:] != (b, hs, ts, hds) or min(layers) < 0 or max(layers) >= a.shape[0]:
+            raise ValueError(f"source blocks must be [L, B, Hkv, T, hd] arrays of one shape with the paired layers "
+                             f"inside L; got {a.shape} for layers {layers} (expected [*, {b}, {hs}, {ts}, {hds}])")
+    if tgt_k.shape != tgt_v.shape or tgt_k.ndim != 5 or tgt_k.shape[1] != b:
+        raise ValueError(f"target buffers must be [L, B, Hkv, T, hd] of one shape with batch {b}; got "
+                         f"{tgt_k.shape} and {tgt_v.shape}")
+    _, _, ht, tt, hdt = tgt_k.shape
+    want = (len(tgt_layers), n_src * hs, hds, ht, hdt)
+    for name, pack in (("keys", kpack), ("values", vpack)):
+        got = (*pack.w_in.shape[:3], pack.w_out.shape[1], pack.w_out.shape[3])
+        if got != want:
+            raise ValueError(f"{name} packed as (layers, in heads, hd, out heads, hd) {got}, but the caches need "
+                             f"{want}; pack with pack_maps(maps, {n_src * hs}, {ht})")
+    if min(tgt_layers) < 0 or max(tgt_layers) >= tgt_k.shape[0]:
+        raise ValueError(f"tgt_layers {tgt_layers} outside the target's {tgt_k.shape[0]} layers")
+    if length < 1 or src_offset < 0 or dst_offset < 0 or src_offset + length > ts or dst_offset + length > tt:
+        raise ValueError(f"cannot map {length} positions from source slot {src_offset} (of {ts}) into target slot "
+                         f"{dst_offset} (of {tt})")
+    if hds % 2 or hdt % 2:
+        raise ValueError(f"head dims must be even for RoPE, got {hds} and {hdt}")
+
+
+def map_insert_call(src_k, src_v, tgt_k, tgt_v, kpack: PackedMap, vpack: PackedMap, *, pairing: Pairing,
+                    tgt_layers: tuple[int, ...], length: int, src_theta: float, tgt_theta: float,
+                    src_offset: int = 0, dst_offset: int = 0, block_t: int | None = None,
+                    backend: str | None = None, interpret: bool = False):
+    """Traceable body of `map_insert`: use it inside other jitted functions (the buffers are updated in place when
+    the outermost jit donates them)."""
+    src_k = (src_k,) * len(pairing[0]) if isinstance(src_k, jax.Array) else tuple(src_k)
+    src_v = (src_v,) * len(pairing[0]) if isinstance(src_v, jax.Array) else tuple(src_v)
+    pairing, tgt_layers = tuple(tuple(int(s) for s in p) for p in pairing), tuple(int(t) for t in tgt_layers)
+    _check_shapes(src_k, src_v, pairing, tgt_k, tgt_v, kpack, vpack, tgt_layers, length, src_offset, dst_offset)
+    backend = backend or platform_backend()
+    if backend is None:
+        if not interpret:
+            raise ValueError(_NEEDS_DEVICE)
+        backend = "triton"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown Pallas backend {backend!r}; use one of {BACKENDS}")
+    if not interpret and (why := check_supported(backend, src_k[0].shape[4], tgt_k.shape[4], length)):
+        raise ValueError(f"{why}; use impl='xla' (or impl='auto', which falls back to it) for this shape")
+    n_src, (_, b, hs, _, hds), (_, _, ht, _, hdt) = len(pairing[0]), src_k[0].shape, tgt_k.shape
+    bt = max(1, min(block_t or DEFAULT_BLOCK[backend], 1 << (length.bit_length() - 1)))  # a power of two <= length
+    grid = (len(tgt_layers), b, pl.cdiv(length, bt))
+    block_start = lambda i: jnp.minimum(i * bt, length - bt)  # noqa: E731
+
+    def src_spec(p):
+        layers = tuple(pr[p] for pr in pairing)
+        return pl.BlockSpec((None, None, pl.Element(hs), pl.Element(bt), pl.Element(hds)),
+                            lambda l, bi, i: (_lookup(layers, l), bi, 0, src_offset + block_start(i), 0))
+
+    out_spec = pl.BlockSpec((None, None, pl.Element(ht), pl.Element(bt), pl.Element(hdt)),
+                            lambda l, bi, i: (_lookup(tgt_layers, l), bi, 0, dst_offset + block_start(i), 0))
+    rows = (inv_freq_row(hds, src_theta), inv_freq_row(hdt, tgt_theta))
+    weights = kpack.leaves() + vpack.leaves()
+    row_spec = lambda a: pl.BlockSpec(a.shape, lambda l, bi, i: (0, 0))  # noqa: E731
+    layer_spec = lambda a, **kw: pl.BlockSpec(  # noqa: E731
+        (None, *a.shape[1:]), lambda l, bi, i, n=a.ndim: (l,) + (0,) * (n - 1), **kw)
+
+    r, h = kpack.w_in.shape[3], kpack.down.shape[3]
+    n_tok = len(tgt_layers) * b * length
+    io = 2 * n_tok * (n_src * hs * hds * src_k[0].dtype.itemsize + ht * hdt * tgt_k.dtype.itemsize)
+    cost = pl.CostEstimate(flops=2 * 2 * n_tok * (r + h) * (n_src * hs * hds + ht * hdt),
+                           transcendentals=n_tok * (2 * hds + 2 * hdt + 2 * h),
+                           bytes_accessed=io + sum(w.nbytes for w in weights))
+    if backend == "mosaic_tpu":
+        from jax.experimental.pallas import tpu as pltpu
+        w_specs = [layer_spec(w, pipeline_mode=pl.Buffered(1)) for w in weights]  # change once per layer
+        alias_spec = pl.BlockSpec(memory_space=pl.ANY)
+        block_bytes = 2 * 2 * bt * (n_src * hs * hds + ht * hdt) * 4
+        vmem = min(100 << 20, max(32 << 20, 2 * (block_bytes + sum(w.nbytes for w in weights) // len(tgt_layers))))
+        params = pltpu.CompilerParams(dimension_semantics=("parallel",) * 3, vmem_limit_bytes=vmem)
+        interpret_arg = pltpu.InterpretParams() if interpret else False
+    else:
+        from jax.experimental.pallas import triton as pltr
+        w_specs = [layer_spec(w) for w in weights]
+        alias_spec = out_spec  # triton passes pointers: an aliased input the kernel never loads costs nothing
+        params = pltr.CompilerParams(num_warps=8, num_stages=1)
+        interpret_arg = bool(interpret)
+    kernel = functools.partial(_kernel, n_src=n_src, src_heads=hs, out_heads=ht, bt=bt, length=length,
+                               dst_offset=dst_offset, backend=backend)
+    n_in = 2 * n_src + len(rows) + len(weights)
+    return pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct(tgt_k.shape, tgt_k.dtype), jax.ShapeDtypeStruct(tgt_v.shape, tgt_v.dtype)),
+        grid=grid,
+        in_specs=[src_spec(p) for p in range(n_src)] * 2 + [row_spec(a) for a in rows] + w_specs
+        + [alias_spec, alias_spec],
+        out_specs=(out_spec, out_spec),
+        input_output_aliases={n_in: 0, n_in + 1: 1},
+        compiler_params=params,
+        cost_estimate=cost,
+        interpret=interpret_arg,
+        name="map_insert",
+    )(*src_k, *src_v, *rows, *weights, tgt_k, tgt_v)
+
+
+_STATIC = ("pairing", "tgt_layers", "length", "src_theta", "tgt_theta", "src_offset", "dst_offset", "block_t",
+           "backend", "interpret")
+_map_insert_jit = jax.jit(map_insert_call, donate_argnames=("tgt_k", "tgt_v"), static_argnames=_STATIC)
+
+
+def map_insert(src_k, src_v, tgt_k, tgt_v, kpack: PackedMap, vpack: PackedMap, *, pairing, tgt_layers,
+               length: int, src_theta: float, tgt_theta: float, src_offset: int = 0, dst_offset: int = 0,
+               block_t: int | None = None, backend: str | None = None, interpret: bool = False):
+    """Map target layers `tgt_layers` in one kernel call: layer tgt_layers[j] reads source layers pairing[j]
+    (position p of that tuple indexes src_k[p] / src_v[p]; pass one array to use it for every p), `length`
+    positions from slot `src_offset`, and writes the mapped keys (with the target's RoPE) and values into
+    tgt_k / tgt_v at slots `dst_offset ...`. Slot dst_offset + j holds position dst_offset + j in both models.
+
+    src_k, src_v: [Ls, B, Hs, Ts, hds] (keys post-RoPE); tgt_k, tgt_v: [Lt, B, Ht, Tt, hdt], donated: use the
+    returned (tgt_k, tgt_v). kpack, vpack: pack_maps(maps of tgt_layers, P * Hs, Ht, backend=...). `backend`
+    defaults to the platform's; `interpret` runs on CPU (the TPU body under pltpu.InterpretParams when
+    backend="mosaic_tpu")."""
+    return _map_insert_jit(src_k, src_v, tgt_k, tgt_v, kpack, vpack,
+                           pairing=tuple(tuple(int(s) for s in p) for p in pairing),
+                           tgt_layers=tuple(int(t) for t in tgt_layers), length=int(length),
+                           src_theta=float(src_theta), tgt_theta=float(tgt_theta), src_offset=int(src_offset),
+                           dst_offset=int(dst_offset), block_t=block_t, backend=backend, interpret=bool(interpret))
+
+
+# ---- reference and the impl switch ---------------------------------------------------------------------------------
+
+def map_insert_reference(src_k, src_v, tgt_k, tgt_v, keys: Sequence, values: Sequence, *, pairing,
+                         tgt_layers, length: int, src_theta: float, tgt_theta: float, src_offset: int = 0,
+                         dst_offset: int = 0):
+    """Plain-jnp `map_insert` from the unpacked per-layer maps (callables [..., Fx] -> [..., Fy], e.g. LinearMap):
+    the math of kvjax.mapper.features and LinearMap, written into the target buffers with dynamic_update_slice."""
+    n_src = len(pairing[0])
+    src_k = (src_k,) * n_src if isinstance(src_k, jax.Array) else tuple(src_k)
+    src_v = (src_v,) * n_src if isinstance(src_v, jax.Array) else tuple(src_v)
+    pos = dst_offset + jnp.arange(length)
+
+    def features(arrays, layers, theta):
+        out = []
+        for a, layer in zip(arrays, layers):
+            x = a[layer, :, :, src_offset:src_offset + length].astype(jnp.float32)  # [B, Hs, n, hds]
+            if theta is not None:
+                x = unapply_rope(x, *rope_angles(pos, x.shape[-1], theta))
+            out.append(x.transpose(0, 2, 1, 3).reshape(x.shape[0], length, -1))
+        return jnp.concatenate(out, -1)  # [B, n, P*Hs*hds]
+
+    def cache_layout(y, like, theta):
+        b, n, f = y.shape
+        y = y.reshape(b, n, like.shape[2], f // like.shape[2]).transpose(0, 2, 1, 3)  # [B, Ht, n, hdt]
+        if theta is not None:
+            y = apply_rope(y, *rope_angles(pos, y.shape[-1], theta))
+        return y.astype(like.dtype)[None]
+
+    for layers, t, km, vm in zip(pairing, tgt_layers, keys, values):
+        yk = cache_layout(km(features(src_k, layers, src_theta)), tgt_k, tgt_theta)
+        yv = cache_layout(vm(features(src_v, layers, None)), tgt_v, None)
+        tgt_k = jax.lax.dynamic_update_slice(tgt_k, yk, (t, 0, 0, dst_offset, 0))
+        tgt_v = jax.lax.dynamic_update_slice(tgt_v, yv, (t, 0, 0, dst_offset, 0))
+    return tgt_k, tgt_v
+
+
+def resolve_impl(impl: str, src_head_dim: int | None = None, tgt_head_dim: int | None = None,
+                 length: int | None = None, interpret: bool = False) -> str:
+    """"xla" | "pallas" | "auto" -> "xla" or "pallas". auto: the kernel on GPU/TPU where it supports the shape,
+    XLA on CPU; with `interpret`, the kernel everywhere."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl != "auto":
+        return impl
+    if interpret:
+        return "pallas"
+    backend = platform_backend()
+    if backend is None:
+        return "xla"
+    if None not in (src_head_dim, tgt_head_dim, length) and check_supported(backend, src_head_dim, tgt_head_dim,
+                                                                            length):
+        return "xla"
+    return "pallas"
+
+
+def insert_layers(src_k, src_v, tgt_k, tgt_v, keys: Sequence, values: Sequence, *, pairing, tgt_layers,
+                  length: int, src_theta: float, tgt_theta: float, impl: str = "auto", weight_dtype=jnp.float32,
+                  src_offset: int = 0, dst_offset: int = 0, block_t: int | None = None,
+                  backend: str | None = None, interpret: bool = False):
+    """`map_insert` (impl "pallas"), `map_insert_reference` (impl "xla") or the platform's choice ("auto"), from
+    unpacked per-layer maps (traceable). Returns (tgt_k, tgt_v)."""
+    src0 = src_k if isinstance(src_k, jax.Array) else src_k[0]
+    impl = resolve_impl(impl, src0.shape[4], tgt_k.shape[4], length, interpret)
+    args = dict(pairing=tuple(tuple(p) for p in pairing), tgt_layers=tuple(tgt_layers), length=length,
+                src_theta=src_theta, tgt_theta=tgt_theta, src_offset=src_offset, dst_offset=dst_offset)
+    if impl == "xla":
+        return map_insert_reference(src_k, src_v, tgt_k, tgt_v, keys, values, **args)
+    backend = backend or platform_backend() or ("triton" if interpret else None)
+    if backend is None:
+        raise ValueError(_NEEDS_DEVICE)
+    groups: dict[tuple, list[int]] = {}  # one kernel call per (pairing width, map shapes)
+    for j, (p, km, vm) in enumerate(zip(args.pop("pairing"), keys, values)):
+        groups.setdefault((len(p), km.w_in.shape, km.down.shape, vm.w_in.shape, vm.down.shape), []).append(j)
+    layers = args.pop("tgt_layers")
+    for (width, *_), js in groups.items():
+        pack = functools.partial(pack_maps, in_heads=width * src0.shape[2], out_heads=tgt_k.shape[2],
+                                 dtype=weight_dtype, backend=backend)
+        tgt_k, tgt_v = map_insert_call(src_k, src_v, tgt_k, tgt_v, pack([keys[j] for j in js]),
+                                       pack([values[j] for j in js]), pairing=tuple(tuple(pairing[j]) for j in js),
+                                       tgt_layers=tuple(layers[j] for j in js), block_t=block_t, backend=backend,
+                                       interpret=interpret, **args)
+    return tgt_k, tgt_v

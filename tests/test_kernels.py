@@ -1,0 +1,203 @@
+"""Pallas map-and-insert kernel (interpret mode: the GPU body and the TPU body under the TPU interpreter) against
+its jnp reference, the apply_map impl switch, lowering for GPU/TPU, and the pipelined prefill + map."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.kernels import map_insert as mi
+from kvjax.kernels.pipeline import pipelined_prefill_map
+from kvjax.mapper.calibrate import native_cache
+from kvjax.mapper.kvmap import KVMap, LinearMap, spec_for
+
+VOCAB = 96
+
+
+def random_map(key, fx, fy, r, h, scale=1.0):
+    ks = jax.random.split(key, 7)
+    n = lambda k, shape, s: jax.random.normal(k, shape, jnp.float32) * s  # noqa: E731
+    return LinearMap(mu=n(ks[0], (fx,), 0.5), scale=jnp.float32(1.7), w_in=n(ks[1], (fx, r), scale * fx ** -0.5),
+                     w_out=n(ks[2], (r, fy), r ** -0.5), bias=n(ks[3], (fy,), 0.1),
+                     down=n(ks[4], (fx, h), fx ** -0.5), res_bias=n(ks[5], (h,), 0.1),
+                     up=n(ks[6], (h, fy), 0.5 * h ** -0.5))
+
+
+# (src layers, B, Hs, Ts, hds, tgt layers, Ht, Tt, hdt, pairing, tgt_layers, rank, residual, length, src_off, dst_off)
+CASES = {
+    "gqa2to1_hd16to32_offsets": (3, 2, 2, 40, 16, 3, 1, 48, 32, ((1,), (2,)), (0, 2), 8, 4, 33, 3, 5),
+    "gqa1to4_top2_hd32to16": (3, 1, 1, 24, 32, 2, 4, 30, 16, ((0, 2), (2, 1)), (1, 0), 12, 16, 24, 0, 0),
+    "gqa4to2_short_block": (2, 2, 4, 16, 16, 1, 2, 24, 16, ((1,),), (0,), 8, 4, 7, 0, 9),
+}
+
+
+def run_case(case, dtype, backend, weight_dtype=jnp.float32):
+    ls, b, hs, ts, hds, lt, ht, tt, hdt, pairing, tgt_layers, r, h, n, so, do = CASES[case]
+    ks = jax.random.split(jax.random.key(list(CASES).index(case)), 5)
+    src_k, src_v = (jax.random.normal(k, (ls, b, hs, ts, hds)).astype(dtype) for k in ks[:2])
+    tgt_k, tgt_v = (jax.random.normal(k, (lt, b, ht, tt, hdt)).astype(dtype) for k in ks[2:4])
+    fx, fy = len(pairing[0]) * hs * hds, ht * hdt
+    keys = [random_map(jax.random.fold_in(ks[4], 2 * j), fx, fy, r, h) for j in range(len(pairing))]
+    values = [random_map(jax.random.fold_in(ks[4], 2 * j + 1), fx, fy, r, h) for j in range(len(pairing))]
+    args = dict(pairing=pairing, tgt_layers=tgt_layers, length=n, src_theta=1e4, tgt_theta=5e5, src_offset=so,
+                dst_offset=do)
+    ref = mi.map_insert_reference(src_k, src_v, tgt_k, tgt_v, keys, values, **args)
+    pack = lambda maps: mi.pack_maps(maps, fx // hds, ht, dtype=weight_dtype, backend=backend)  # noqa: E731
+    out = mi.map_insert(src_k, src_v, jnp.array(tgt_k), jnp.array(tgt_v), pack(keys), pack(values), block_t=16,
+                        backend=backend, interpret=True, **args)
+    return (tgt_k, tgt_v), ref, out, (tgt_layers, do, n)
+
+
+@pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_kernel_matches_reference(case, dtype, backend):
+    if backend == "mosaic_tpu" and dtype == jnp.bfloat16 and case != "gqa2to1_hd16to32_offsets":
+        pytest.skip("one bf16 case under the TPU interpreter is enough (slow)")
+    before, ref, out, (tgt_layers, do, n) = run_case(case, dtype, backend)
+    atol = 1e-5 if dtype == jnp.float32 else 0.0625  # bf16: one rounding step of values of magnitude ~4
+    for b0, r, o in zip(before, ref, out):
+        assert o.dtype == r.dtype and o.shape == r.shape
+        np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(r, np.float32), atol=atol, rtol=1e-2)
+        mask = np.zeros(o.shape, bool)
+        mask[list(tgt_layers), :, :, do:do + n] = True
+        # everything outside the written window is the old buffer, bit for bit
+        np.testing.assert_array_equal(np.asarray(o, np.float32)[~mask], np.asarray(b0, np.float32)[~mask])
+        assert not np.allclose(np.asarray(o, np.float32)[mask], np.asarray(b0, np.float32)[mask])
+    if dtype == jnp.float32:  # mismatch of a few ulps only: the same math, summed in another order
+        assert float(jnp.max(jnp.abs(out[0] - ref[0]))) < 1e-4
+
+
+def test_bf16_weights_stay_close():
+    _, ref, out, _ = run_case("gqa2to1_hd16to32_offsets", jnp.float32, "triton", weight_dtype=jnp.bfloat16)
+    for r, o in zip(ref, out):
+        err = np.abs(np.asarray(o) - np.asarray(r)).max() / np.abs(np.asarray(r)).max()
+        assert 0 < err < 2e-2
+
+
+def test_donates_and_validates():
+    b, hs, t, hd = 1, 2, 32, 16
+    src = jnp.ones((2, b, hs, t, hd))
+    tgt_k, tgt_v = jnp.zeros((1, b, hs, t, hd)), jnp.zeros((1, b, hs, t, hd))
+    maps = [random_map(jax.random.key(0), hs * hd, hs * hd, 4, 2)]
+    pack = mi.pack_maps(maps, hs, hs, backend="triton")
+    args = dict(pairing=((1,),), tgt_layers=(0,), length=t, src_theta=1e4, tgt_theta=1e4, interpret=True)
+    out = mi.map_insert(src, src, tgt_k, tgt_v, pack, pack, **args)
+    assert tgt_k.is_deleted() and tgt_v.is_deleted()  # donated: written in place
+    with pytest.raises(ValueError, match="cannot map 32 positions"):
+        mi.map_insert(src, src, *out, pack, pack, **{**args, "length": 32}, dst_offset=1)
+    with pytest.raises(ValueError, match="pack with pack_maps"):
+        mi.map_insert(src, src, *out, mi.pack_maps(maps + maps, hs, hs), pack, **args)
+    with pytest.raises(ValueError, match="interpret=True"):
+        mi.map_insert(src, src, *out, pack, pack, **{**args, "interpret": False})
+    with pytest.raises(ValueError, match="impl must be one of"):
+        mi.resolve_impl("triton")
+    assert mi.check_supported("triton", 128, 128, 1024) is None and mi.check_supported("mosaic_tpu", 128, 128, 16) is None
+    assert "power-of-two" in mi.check_supported("triton", 24, 128, 1024)
+    assert "multiples of 128" in mi.check_supported("mosaic_tpu", 64, 128, 1024)
+
+
+@pytest.mark.parametrize("platform,backend", [("cuda", "triton"), ("tpu", "mosaic_tpu")])
+def test_lowers_for_gpu_and_tpu(platform, backend):
+    """The real (non-interpret) lowerings on Qwen3-32B->8B-like shapes: Pallas -> Triton IR / Mosaic, from CPU.
+    (Compiling that IR to the device needs the device; launch/bench_kernel.py does it there.)"""
+    from jax import export
+    hs, hd, n, r, h = 8, 128, 300, 256, 16
+    src = jax.ShapeDtypeStruct((4, 1, hs, 512, hd), jnp.bfloat16)
+    tgt = jax.ShapeDtypeStruct((3, 1, hs, 512, hd), jnp.bfloat16)
+    maps = [random_map(jax.random.key(j), hs * hd, hs * hd, r, h) for j in range(2)]
+    pack = mi.pack_maps(maps, hs, hs, dtype=jnp.bfloat16, backend=backend)
+
+    def f(sk, sv, tk, tv, pk, pv):
+        return mi.map_insert_call(sk, sv, tk, tv, pk, pv, pairing=((3,), (1,)), tgt_layers=(2, 0), length=n,
+                                  src_theta=1e6, tgt_theta=1e6, src_offset=5, dst_offset=5, backend=backend)
+
+    exp = export.export(jax.jit(f, donate_argnums=(2, 3)), platforms=[platform],
+                        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+        src, src, tgt, tgt, pack, pack)
+    text = exp.mlir_module()
+    assert ("tpu_custom_call" if backend == "mosaic_tpu" else "triton") in text
+    assert text.count("tf.aliasing_output") == 2  # both target buffers updated in place
+
+
+# ---- apply_map switch and the pipelined prefill -----------------------------------------------------------------
+
+def model(layers, hidden, heads, kv_heads, head_dim, seed, theta):
+    cfg = kvjax.Qwen3Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_layers=layers,
+                            num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rope_theta=theta,
+                            tie_word_embeddings=True, eos_token_ids=(), pad_token_id=0)
+    return cfg, kvjax.init_params(cfg, jax.random.key(seed), std=0.1)
+
+
+def random_kvmap(source, target, pairing, rank=8, residual=4, seed=0) -> KVMap:
+    (scfg, _), (tcfg, _) = source, target
+    fx = len(pairing[0]) * scfg.num_kv_heads * scfg.head_dim
+    fy = tcfg.num_kv_heads * tcfg.head_dim
+    key = jax.random.key(seed)
+    maps = [random_map(jax.random.fold_in(key, j), fx, fy, rank, residual, scale=3.0) for j in range(2 * len(pairing))]
+    return KVMap(keys=tuple(maps[0::2]), values=tuple(maps[1::2]),
+                 spec=spec_for(scfg, tcfg, pairing, rank, residual))
+
+
+@pytest.fixture(scope="module")
+def pair():
+    source = model(4, 64, 4, 2, 16, seed=0, theta=1e4)
+    target = model(2, 32, 4, 1, 32, seed=1, theta=5e3)
+    return source, target, random_kvmap(source, target, ((0, 1), (1, 2)))  # source layer 3 is never needed
+
+
+def test_apply_map_impls_agree(pair):
+    source, _, kvmap = pair
+    tokens = np.random.RandomState(0).randint(1, VOCAB, (2, 37)).astype(np.int32)
+    cache = native_cache(source[1], source[0], jnp.asarray(tokens), jnp.asarray([37, 30]))
+    ref = kvjax.apply_map(kvmap, cache, capacity=48)
+    auto = kvjax.apply_map(kvmap, cache, capacity=48, impl="auto")  # XLA on CPU
+    pallas = kvjax.apply_map(kvmap, cache, capacity=48, impl="pallas", interpret=True)
+    np.testing.assert_array_equal(auto.k, ref.k)
+    for got in (pallas, auto):
+        np.testing.assert_allclose(got.k, ref.k, atol=1e-5)
+        np.testing.assert_allclose(got.v, ref.v, atol=1e-5)
+        np.testing.assert_array_equal(got.lengths, ref.lengths)
+        assert got.origin == ref.origin and got.is_mapped
+    with pytest.raises(ValueError, match="interpret=True"):
+        kvjax.apply_map(kvmap, cache, impl="pallas")
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_pipelined_prefill_map_equals_prefill_then_map(pair, impl):
+    source, _, kvmap = pair
+    tokens = np.random.RandomState(1).randint(1, VOCAB, (2, 37)).astype(np.int32)
+    lengths = jnp.asarray([37, 29])
+    ref = kvjax.apply_map(kvmap, native_cache(source[1], source[0], jnp.asarray(tokens), lengths), capacity=64,
+                          length=37)
+    got = pipelined_prefill_map(source, kvmap, tokens, lengths, capacity=64, impl=impl, interpret=impl == "pallas")
+    assert got.k.shape == ref.k.shape and got.origin == ref.origin
+    np.testing.assert_allclose(got.k, ref.k, atol=2e-5)
+    np.testing.assert_allclose(got.v, ref.v, atol=2e-5)
+    np.testing.assert_array_equal(got.lengths, lengths)
+    with pytest.raises(ValueError, match="fitted for source model"):
+        pipelined_prefill_map(pair[1], kvmap, tokens)
+
+
+def test_pipelined_split_path_gives_the_same_tokens(pair):
+    """split_generate's phases with the pipelined prefill+map in place of prefill-then-map: same greedy tokens."""
+    import math
+    from kvjax.generation import CACHE_ALIGN, Sampling, pad_prompts
+    from kvjax.mapper.split import _decode, _first
+    source, target, kvmap = pair
+    prompts = [list(p) for p in np.random.RandomState(2).randint(1, VOCAB, (3, 30))]
+    prompts[1] = prompts[1][:17]
+    n_new = 10
+    want = kvjax.split_generate(source, target, kvmap, prompts, n_new)
+
+    tokens, lengths = pad_prompts(prompts)
+    t = tokens.shape[1] - 1
+    capacity = math.ceil((t + 1 + n_new) / CACHE_ALIGN) * CACHE_ALIGN
+    last = jnp.asarray(tokens[np.arange(len(tokens)), lengths - 1])
+    for impl in ("xla", "pallas"):
+        cache = pipelined_prefill_map(source, kvmap, tokens[:, :t], lengths - 1, capacity=capacity, impl=impl,
+                                      interpret=impl == "pallas")
+        logits, cache = _first(target[1], target[0], last, cache)
+        got = _decode(target[1], target[0], cache, logits, jax.random.key(0), n_new, Sampling(0.0, 1.0), (), 0)
+        np.testing.assert_array_equal(got, want)
