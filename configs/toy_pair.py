@@ -47,7 +47,7 @@ def get_config() -> ToyPairConfig:
                                  eval_every=50, save_every=50),
         # phase 1 left the source still improving and no better than the target; a second, hotter cosine cycle
         # (the 60-step LR probe preferred 6e-3 over 2e-3 for this shape)
-        # over ~1.3 more epochs of the corpus, with copy augmentation (TrainConfig.copy_prob) as for the target
-        source_continue=TrainConfig(seq_len=1024, batch_size=8, steps=800, lr=4e-3, warmup_steps=50, seed=3,
+        # over ~1.6 more epochs of the corpus, with copy augmentation (TrainConfig.copy_prob) as for the target
+        source_continue=TrainConfig(seq_len=1024, batch_size=8, steps=900, lr=4e-3, warmup_steps=50, seed=3,
                                     eval_every=50, save_every=50, copy_prob=0.5),
     )
