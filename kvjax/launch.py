@@ -1,73 +1,560 @@
-"""`python -m kvjax.launch`: the main job.
+"""`python -m kvjax.launch [--config=NAME] [--config.FIELD=VALUE ...] [--redo=STAGE,...]`: the end-to-end job.
 
-Until the cache-map job lands (issue 5), this runs the foundation end to end as a user would: it writes a small
-random Qwen3 checkpoint in HF format (or takes --checkpoint), loads it through kvjax.load_hf, and generates from a
-batch of prompts of different lengths, reporting compile, prefill and decode times.
+The source model reads, a fitted map translates its KV cache, the target model answers; this job fits the map and
+measures what the seed paper reports. Stages, each skipped when its artifact already exists in the run directory
+(config.output_dir) with the same settings:
+
+  calibrate   tokenize the calibration text; draw calibration, lambda-selection and held-out windows   data/
+  ridge       run both models over the calibration windows, ridge per target layer (K and V)           map_ridge/
+  residual    train the residual on source-teacher KL (resumable: orbax checkpoints in residual/)     map/
+  evaluate    distances, kl, mc, retrieval, throughput (each its own stage, each selectable)          eval/*.json
+  report      metrics.json, report.md, charts, gate.json                                              (run dir)
+
+NAME is configs/NAME.py (default: toy, the shipped pair on CPU). --redo recomputes the named stages and every
+stage after them. `--help` lists every config field with its value.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from absl import app, flags
-
-import kvjax
-from kvjax.models.params import init_params
-
-CHECKPOINT = flags.DEFINE_string("checkpoint", None, "HF Qwen3 checkpoint dir; default: a random one made under --out")
-OUT = flags.DEFINE_string("out", "runs/demo", "Directory for artifacts of this run")
-NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate per prompt")
-DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and cache dtype")
+from kvjax.config_flags import ConfigFlagError, build, describe_config, parse_argv, to_dict
+from kvjax.gate import GateConfig
+from kvjax.run_config import ARMS, RunConfig
+from kvjax.stages import RunDir, Stage, StageConflict, model_identity, read_json, write_json
 
 log = logging.getLogger("kvjax.launch")
-
-DEMO_CONFIG = kvjax.Qwen3Config(vocab_size=8192, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=8,
-                                num_kv_heads=4, head_dim=32, rope_theta=1e6, eos_token_ids=(), pad_token_id=0)
-
-
-def demo_checkpoint(out: str) -> str:
-    path = os.path.join(out, "random-qwen3")
-    if not os.path.isfile(os.path.join(path, "model.safetensors")):
-        log.info("writing a random Qwen3 checkpoint (%.1fM params) to %s", DEMO_CONFIG.num_params() / 1e6, path)
-        kvjax.save_hf(path, DEMO_CONFIG, init_params(DEMO_CONFIG, jax.random.key(0)))
-    return path
+DEFAULT_CONFIG = "toy"
+EVALS = ("distances", "kl", "mc", "retrieval", "throughput")
+STAGES = ("calibrate", "ridge", "residual", *EVALS, "report")
 
 
-def main(argv):
-    del argv
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    log.info("process %d of %d, devices: %s", jax.process_index(), jax.process_count(), jax.devices())
-    path = CHECKPOINT.value or demo_checkpoint(OUT.value)
-    t0 = time.perf_counter()
-    cfg, params = kvjax.load_hf(path, dtype=jnp.dtype(DTYPE.value))
-    log.info("loaded %s in %.2fs: %d layers, hidden %d, %.1fM params", path, time.perf_counter() - t0,
-             cfg.num_layers, cfg.hidden_size, cfg.num_params() / 1e6)
+class LaunchError(Exception):
+    """A problem the user can fix; the message says how. Raised before any work whenever possible."""
 
-    rng = np.random.RandomState(0)
-    prompts = [rng.randint(1, cfg.vocab_size, n).tolist() for n in (200, 57, 130, 9)]
-    n = NEW_TOKENS.value
-    t0 = time.perf_counter()
-    out = jax.block_until_ready(kvjax.generate(params, cfg, prompts, max_new_tokens=n, eos_token_ids=()))
-    first = time.perf_counter() - t0
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        jax.block_until_ready(kvjax.generate(params, cfg, prompts, max_new_tokens=n, eos_token_ids=()))
-        times.append(time.perf_counter() - t0)
-    run = float(np.median(times))
-    log.info("generate: batch %d, prompts %s tokens, %d new tokens each", len(prompts),
-             [len(p) for p in prompts], n)
-    log.info("first call (with compile) %.2fs; then %.3fs per call = %.0f new tokens/s", first, run,
-             len(prompts) * n / run)
-    for p, row in zip(prompts, np.asarray(out)):
-        print(f"prompt[{len(p):3d} tok] ... -> {row[:12].tolist()} ...")
-    print("kvjax foundation demo OK (the cache-map job lands with `python -m kvjax.launch --config=toy`).")
+
+# ---- configuration: resolve and validate before any work -----------------------------------------------------------
+
+def resolve_models(cfg: RunConfig) -> RunConfig:
+    """Fill empty model paths from their environment variables; a missing checkpoint is an error naming both."""
+    out = {}
+    for role in ("source", "target"):
+        mc = getattr(cfg, role)
+        path = mc.path or (os.environ.get(mc.env, "") if mc.env else "")
+        if not path:
+            how = f"set {mc.env}=/path/to/{mc.name or role} or pass" if mc.env else "pass"
+            raise LaunchError(f"no {role} checkpoint given for {mc.name or role}: {how} "
+                              f"--config.{role}.path=/path/to/{mc.name or role} (an HF directory with config.json "
+                              "and *.safetensors)")
+        if not os.path.isdir(path):
+            via = f" (from ${mc.env})" if not mc.path and mc.env else ""
+            raise LaunchError(f"{role} checkpoint directory {path!r}{via} does not exist; set "
+                              f"--config.{role}.path{' or ' + mc.env if mc.env else ''} to an HF checkpoint directory")
+        out[role] = dataclasses.replace(mc, path=path, name=mc.name or os.path.basename(os.path.normpath(path)))
+    return dataclasses.replace(cfg, **out)
+
+
+def validate(cfg: RunConfig) -> None:
+    """Every check that needs no computation; all problems are reported at once."""
+    import numpy as np
+
+    from kvjax.corpus import CorpusError, check_source
+    from kvjax.eval.multiple_choice import NORMALIZE
+    from kvjax.eval.suite import check_sources, retrieval_file
+    from kvjax.hf import CheckpointError, load_hf_config
+    from kvjax.models.config import ConfigError
+
+    problems = []
+    cfgs = {}
+    for role in ("source", "target"):
+        mc = getattr(cfg, role)
+        try:
+            cfgs[role] = load_hf_config(mc.path)
+        except (CheckpointError, ConfigError) as e:
+            problems.append(f"{role}: {e}")
+        if mc.dtype not in ("float32", "bfloat16"):
+            problems.append(f"{role}.dtype={mc.dtype!r}: use float32 or bfloat16")
+    if not os.path.isfile(os.path.join(cfg.target.path, "tokenizer.json")):
+        problems.append(f"target checkpoint {cfg.target.path} has no tokenizer.json (the pair's shared tokenizer)")
+    if len(cfgs) == 2 and cfgs["source"].vocab_size != cfgs["target"].vocab_size:
+        problems.append(f"source and target vocabularies differ ({cfgs['source'].vocab_size} vs "
+                        f"{cfgs['target'].vocab_size}); a cache map needs models that share a tokenizer")
+    d = cfg.data
+    for source in d.train_text + (d.heldout_text if not d.heldout_windows else ()):
+        try:
+            check_source(source, d.manifest)
+        except CorpusError as e:
+            problems.append(f"data: {e}")
+    if not d.train_text:
+        problems.append("data.train_text is empty: give the calibration text (e.g. stdlib:train)")
+    ev = cfg.eval
+    rows_needed = (ev.distances.windows if ev.distances.enabled else 0) + (ev.kl.windows if ev.kl.enabled else 0)
+    len_needed = max(ev.distances.window_len if ev.distances.enabled else 0,
+                     ev.kl.prefix_len + ev.kl.cont_len if ev.kl.enabled else 0)
+    if d.heldout_windows:
+        if not os.path.isfile(d.heldout_windows):
+            problems.append(f"data.heldout_windows: no such file {d.heldout_windows}")
+        else:
+            shape = np.load(d.heldout_windows, mmap_mode="r").shape
+            if len(shape) != 2 or shape[0] < rows_needed or shape[1] < len_needed:
+                problems.append(f"data.heldout_windows {d.heldout_windows} has shape {shape}; the distance + KL "
+                                f"evaluations need >= {rows_needed} rows of >= {len_needed} tokens")
+    elif d.heldout_window_len < len_needed:
+        problems.append(f"data.heldout_window_len={d.heldout_window_len} is shorter than the {len_needed} tokens the "
+                        "distance / KL windows need")
+    m = cfg.map
+    if m.pairing != "depth" and not (m.pairing.startswith("top") and m.pairing[3:].isdigit()):
+        problems.append(f"map.pairing={m.pairing!r}: use 'depth' or 'topK' (e.g. top2)")
+    elif m.pairing != "depth" and "source" in cfgs and not 1 <= int(m.pairing[3:]) <= cfgs["source"].num_layers:
+        problems.append(f"map.pairing={m.pairing}: K must be in 1..{cfgs['source'].num_layers}")
+    for name, value in (("map.calib_windows", m.calib_windows), ("map.select_windows", m.select_windows),
+                        ("map.window_len", m.window_len), ("map.batch_size", m.batch_size),
+                        ("map.residual_rank", m.residual_rank)):
+        if value < 1:
+            problems.append(f"{name} must be >= 1, got {value}")
+    if cfg.residual.steps < 0:
+        problems.append(f"residual.steps must be >= 0, got {cfg.residual.steps}")
+    for name, arms in (("eval.mc.arms", ev.mc.arms), ("eval.retrieval.arms", ev.retrieval.arms)):
+        bad = [a for a in arms if a not in ARMS]
+        if bad:
+            problems.append(f"{name}: unknown arms {bad}; choose from {list(ARMS)}")
+    if ev.mc.enabled:
+        problems += check_sources(ev.mc)
+        if ev.mc.normalize not in NORMALIZE:
+            problems.append(f"eval.mc.normalize={ev.mc.normalize!r}: choose from {list(NORMALIZE)}")
+    if ev.retrieval.enabled:
+        if ev.retrieval.files:
+            for length in ev.retrieval.lengths:
+                path = retrieval_file(ev.retrieval, length)
+                if not os.path.isfile(path):
+                    problems.append(f"eval.retrieval.files: no {path} for length {length} (or set "
+                                    "eval.retrieval.files='' to generate needle items from the held-out text)")
+        if not ev.retrieval.lengths or min(ev.retrieval.lengths) < 16:
+            problems.append("eval.retrieval.lengths must be lengths >= 16 tokens")
+    if ev.throughput.enabled and (not ev.throughput.lengths or min(ev.throughput.lengths) < 2
+                                  or ev.throughput.new_tokens < 2 or ev.throughput.repeats < 1):
+        problems.append("eval.throughput needs lengths >= 2, new_tokens >= 2 and repeats >= 1")
+    for f in dataclasses.fields(GateConfig):
+        value = getattr(cfg.gate, f.name)
+        if value is not None and ("cos" in f.name or "retention" in f.name) and not -1 <= value <= 10:
+            problems.append(f"gate.{f.name}={value} is out of range")
+    if problems:
+        raise LaunchError("the config has problems (nothing was run):\n  - " + "\n  - ".join(problems))
+
+
+def make_mesh(cfg: RunConfig):
+    import jax
+
+    from kvjax.sharding import make_mesh as mesh_of
+    try:
+        return mesh_of(cfg.mesh.data, cfg.mesh.model or None)
+    except ValueError as e:
+        raise LaunchError(f"mesh: {e} (devices: {jax.device_count()}; set --config.mesh.data / --config.mesh.model)")
+
+
+# ---- stages ------------------------------------------------------------------------------------------------------
+
+def final_arm(cfg: RunConfig) -> str:
+    return "residual" if cfg.residual.steps > 0 else "ridge"
+
+
+def plan(cfg: RunConfig) -> dict[str, Stage]:
+    """Every stage with the settings it depends on (hashes are known before any work)."""
+    models = {role: {"path": getattr(cfg, role).path, "dtype": getattr(cfg, role).dtype,
+                     "identity": model_identity(getattr(cfg, role).path)} for role in ("source", "target")}
+    d = to_dict(cfg)
+    calibrate = Stage("calibrate", {"data": d["data"], "tokenizer": models["target"]["identity"].get("tokenizer.json"),
+                                    "windows": {k: d["map"][k] for k in ("calib_windows", "select_windows",
+                                                                          "window_len")},
+                                    "seed": cfg.seed}, [], ["data"])
+    ridge = Stage("ridge", {"models": models, "map": d["map"], "seed": cfg.seed}, [calibrate], ["map_ridge"])
+    stages = {"calibrate": calibrate, "ridge": ridge}
+    final = ridge
+    if cfg.residual.steps > 0:
+        final = stages["residual"] = Stage("residual", {"residual": d["residual"]}, [ridge], ["map", "residual"])
+    evals = []
+    for name in EVALS:
+        ec = getattr(cfg.eval, name)
+        if ec.enabled:
+            settings = {name: d["eval"][name], "final": final.name}
+            if name in ("mc", "retrieval"):
+                settings["arms"] = [a for a in ec.arms if a != "residual" or cfg.residual.steps > 0]
+            if name == "kl":
+                settings["skip_rows"] = cfg.eval.distances.windows
+            if name == "retrieval":
+                settings["seed"] = cfg.seed
+            stages[name] = Stage(name, settings, [calibrate, ridge, final], [f"eval/{name}.json"])
+            evals.append(stages[name])
+    stages["report"] = Stage("report", {"gate": d["gate"], "bootstrap": cfg.eval.bootstrap,
+                                        "names": [cfg.source.name, cfg.target.name]},
+                             evals + [final], ["report.md", "metrics.json", "gate.json"])
+    return stages
+
+
+class Job:
+    def __init__(self, cfg: RunConfig, redo: tuple[str, ...] = ()):
+        self.cfg = cfg
+        self.run = RunDir(cfg.output_dir)
+        self.stages = plan(cfg)
+        self.redo = redo
+        self._models = None
+        self._maps = {}
+        self._mesh = None
+        self.seconds: dict[str, float] = {}
+        self.reused: list[str] = []
+
+    # -- shared resources, loaded on first use --
+
+    def mesh(self):
+        if self._mesh is None:
+            self._mesh = make_mesh(self.cfg)
+        return self._mesh
+
+    def models(self):
+        if self._models is None:
+            import jax.numpy as jnp
+
+            import kvjax
+            from kvjax.models.params import abstract_params, param_axes
+            from kvjax.sharding import tree_shardings
+            out = []
+            for role in ("source", "target"):
+                mc = getattr(self.cfg, role)
+                mcfg = kvjax.load_hf_config(mc.path)
+                shardings = tree_shardings(abstract_params(mcfg), param_axes(mcfg), self.mesh())
+                t0 = time.perf_counter()
+                out.append(kvjax.load_hf(mc.path, dtype=jnp.dtype(mc.dtype), shardings=shardings))
+                log.info("loaded %s %s (%.1fM params, %d layers, %d kv heads x %d) in %.1fs", role, mc.path,
+                         mcfg.num_params() / 1e6, mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim,
+                         time.perf_counter() - t0)
+            self._models = tuple(out)
+        return self._models
+
+    def tokenizer(self):
+        import kvjax
+        return kvjax.load_tokenizer(self.cfg.target.path)
+
+    def data(self, name: str):
+        import numpy as np
+        return np.load(self.run.path("data", f"{name}.npy"), mmap_mode="r")
+
+    def replicated(self, tree):
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec
+        mesh = self.mesh()
+        if mesh.size == 1:
+            return tree
+        return jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))
+
+    def map(self, name: str):
+        if name not in self._maps:
+            import kvjax
+            from kvjax.eval.arms import injection_map
+            source, target = self.models()
+            if name in ("direct", "raw"):
+                kvmap = injection_map(source[0], target[0])
+            else:
+                kvmap = kvjax.load_map(self.run.path("map_ridge" if name == "ridge" else "map"), source[0], target[0])
+            self._maps[name] = self.replicated(kvmap)
+        return self._maps[name]
+
+    # -- the pipeline --
+
+    def check(self) -> None:
+        """Apply --redo, then make sure no finished stage conflicts with these settings (before any work)."""
+        names = list(self.stages)
+        for r in self.redo:
+            if r not in self.stages:
+                raise LaunchError(f"--redo={r}: not a stage of this config; stages: {', '.join(names)}")
+            for later in names[names.index(r):]:
+                if later == r or r in ("calibrate", "ridge", "residual") or later == "report":
+                    self.run.forget(self.stages[later])
+        for stage in self.stages.values():
+            try:
+                self.run.done(stage)
+            except StageConflict as e:
+                raise LaunchError(str(e)) from None
+
+    def execute(self) -> dict:
+        import jax
+        from tqdm import tqdm
+        self.check()
+        os.makedirs(self.run.root, exist_ok=True)
+        write_json(self.run.path("config.json"), to_dict(self.cfg))
+        t_start = time.perf_counter()
+        with jax.set_mesh(self.mesh()):
+            for name, stage in tqdm(self.stages.items(), desc="stages", unit="stage", leave=False):
+                if self.run.done(stage):
+                    self.reused.append(name)
+                    log.info("stage %-10s reused (%s)", name, self.run.marker(stage))
+                    continue
+                log.info("stage %-10s running", name)
+                t0, c0 = time.perf_counter(), time.process_time()
+                getattr(self, f"stage_{name}" if hasattr(self, f"stage_{name}") else "stage_eval")(stage)
+                self.seconds[name] = time.perf_counter() - t0
+                cpu = time.process_time() - c0
+                self.run.finish(stage, self.seconds[name], cpu)
+                log.info("stage %-10s done in %.1fs (%.1f CPU s)", name, self.seconds[name], cpu)
+        total = time.perf_counter() - t_start
+        if not os.path.isfile(self.run.path("gate.json")):
+            raise LaunchError(f"{self.run.path('gate.json')} is missing although the report stage is marked done; "
+                              "pass --redo=report")
+        gate = read_json(self.run.path("gate.json"))
+        log.info("finished in %.1fs (%d stages run, %d reused); report: %s; quality gate: %s", total,
+                 len(self.seconds), len(self.reused), self.run.path("report.md"), "PASS" if gate["passed"] else "FAIL")
+        return {"seconds": total, "ran": list(self.seconds), "reused": self.reused, "gate": gate}
+
+    def stage_calibrate(self, stage: Stage) -> None:
+        import numpy as np
+
+        from kvjax import corpus
+        from kvjax.hf import load_hf_config
+        from kvjax.mapper.data import windows_from_tokens
+        cfg, d = self.cfg, self.cfg.data
+        tcfg = load_hf_config(cfg.target.path)
+        eos = tcfg.eos_token_ids[0] if tcfg.eos_token_ids else (tcfg.pad_token_id or 0)
+        tok = self.tokenizer()
+        train = corpus.read_tokens(d.train_text, tok, eos, d.max_train_tokens, d.manifest, d.text_field)
+        need = max(cfg.map.window_len, cfg.residual.prefix_len + cfg.residual.cont_len) + 2
+        if len(train) < 2 * need:
+            raise LaunchError(f"data.train_text gave {len(train)} tokens; calibration and residual windows need at "
+                              f"least {2 * need}; add text or raise data.max_train_tokens")
+        calib = windows_from_tokens(train, cfg.map.calib_windows, cfg.map.window_len, seed=cfg.seed + 1)
+        select = windows_from_tokens(train, cfg.map.select_windows, cfg.map.window_len, seed=cfg.seed + 2)
+        if d.heldout_windows:
+            heldout = np.asarray(np.load(d.heldout_windows), np.int32)
+        else:
+            flat = corpus.read_tokens(d.heldout_text, tok, eos, d.max_heldout_tokens, d.manifest, d.text_field)
+            heldout = corpus.windows(flat, d.heldout_window_len)
+        for name, arr in (("train text", train), ("held-out windows", heldout)):
+            if arr.min() < 0 or arr.max() >= tcfg.vocab_size:
+                raise LaunchError(f"{name} hold token ids outside the vocabulary [0, {tcfg.vocab_size}): "
+                                  "they were made with another tokenizer")
+        out = self.run.path("data")
+        tmp = out + ".tmp"
+        os.makedirs(tmp, exist_ok=True)
+        for name, arr in (("train_tokens", train), ("calib", calib), ("select", select), ("heldout", heldout)):
+            np.save(os.path.join(tmp, f"{name}.npy"), np.asarray(arr, np.int32))
+        write_json(os.path.join(tmp, "data.json"), {
+            "train_text": list(d.train_text), "train_tokens": int(len(train)), "calib_windows": list(calib.shape),
+            "select_windows": list(select.shape), "heldout_windows": list(heldout.shape),
+            "heldout_from": d.heldout_windows or list(d.heldout_text),
+            "sha256": {"train": corpus.sha256(train), "calib": corpus.sha256(calib), "heldout": corpus.sha256(heldout)}})
+        _replace_dir(tmp, out)
+        log.info("calibration text: %d tokens from %s; calib %s, select %s, held-out windows %s", len(train),
+                 list(d.train_text), calib.shape, select.shape, heldout.shape)
+
+    def stage_ridge(self, stage: Stage) -> None:
+        import numpy as np
+
+        import kvjax
+        cfg = self.cfg
+        source, target = self.models()
+        pairing = "depth" if cfg.map.pairing == "depth" else int(cfg.map.pairing[3:])
+        calib, select = np.asarray(self.data("calib")), np.asarray(self.data("select"))
+        kvmap, report = kvjax.fit_map(source, target, calib, select, pairing=pairing, rank=cfg.map.rank,
+                                      residual_rank=cfg.map.residual_rank, batch_size=cfg.map.batch_size,
+                                      seed=cfg.seed)
+        data = read_json(self.run.path("data", "data.json"))
+        info = {"source": cfg.source.path, "target": cfg.target.path, "config": cfg.name,
+                "calib_sha256": data["sha256"]["calib"], "calib_tokens": report["calib_tokens"],
+                "heldout_tokens": report["heldout_tokens"], "pairing": report["pairing"], "rank": cfg.map.rank,
+                "lambdas": [[r["key"]["lambda"], r["value"]["lambda"]] for r in report["layers"]],
+                "heldout_r2": [[r["key"]["heldout_r2"], r["value"]["heldout_r2"]] for r in report["layers"]],
+                "residual_steps": 0}
+        kvjax.save_map(self.run.path("map_ridge"), kvmap, info=info)
+        log.info("ridge: pairing %s, held-out R^2 (key, value) per layer %s", report["pairing"],
+                 [[round(x, 3) for x in r] for r in info["heldout_r2"]])
+
+    def stage_residual(self, stage: Stage) -> None:
+        import numpy as np
+
+        import kvjax
+        from kvjax.mapper.artifact import read_manifest
+        source, target = self.models()
+        workdir = self.run.path("residual")
+        self.run.claim_workdir(stage, workdir)
+        ridge = self.map("ridge")
+        kvmap, history = kvjax.train_residual(ridge, source, target, np.asarray(self.data("train_tokens")),
+                                              self.cfg.residual, workdir=workdir)
+        info = dict(read_manifest(self.run.path("map_ridge"))["info"], residual_steps=self.cfg.residual.steps,
+                    residual=dataclasses.asdict(self.cfg.residual))
+        kvjax.save_map(self.run.path("map"), kvmap, info=info)
+        self._maps.pop("residual", None)
+        if history:
+            log.info("residual: training KL %.4f -> %.4f over steps %d..%d", history[0]["kl"], history[-1]["kl"],
+                     history[0]["step"], history[-1]["step"])
+
+    def stage_eval(self, stage: Stage) -> None:
+        import numpy as np
+
+        from kvjax.eval import suite
+        cfg, name = self.cfg, stage.name
+        source, target = self.models()
+        heldout = np.asarray(self.data("heldout"))
+        final = final_arm(cfg)
+        mapped = ["ridge"] + (["residual"] if final == "residual" else [])
+        if name == "distances":
+            result = suite.run_distances(cfg.eval.distances, source, target,
+                                         {"raw": self.map("raw"), **{m: self.map(m) for m in mapped}}, heldout)
+        elif name == "kl":
+            result = suite.run_kl(cfg.eval.kl, source, target, {m: self.map(m) for m in mapped}, heldout,
+                                  skip=cfg.eval.distances.windows)
+        elif name in ("mc", "retrieval"):
+            ec = getattr(cfg.eval, name)
+            arms = tuple(a for a in ec.arms if a != "residual" or final == "residual")
+            ec = dataclasses.replace(ec, arms=arms)
+            maps = {a: self.map(a) for a in arms if a in ("direct", "ridge", "residual")}
+            result = (suite.run_mc(ec, source, target, maps, self.tokenizer()) if name == "mc" else
+                      suite.run_retrieval(ec, source, target, maps, self.tokenizer(), heldout, cfg.seed))
+        else:
+            result = suite.run_throughput(cfg.eval.throughput, source, target, self.map(final), heldout)
+        write_json(self.run.path("eval", f"{name}.json"), result)
+
+    def stage_report(self, stage: Stage) -> None:
+        from kvjax.eval import charts, report
+        from kvjax.gate import evaluate_gate, save_gate
+        cfg = self.cfg
+        evals = {name: read_json(self.run.path("eval", f"{name}.json")) for name in EVALS if name in self.stages}
+        final = final_arm(cfg)
+        metrics = report.build_metrics(evals, self.run_info(), cfg.eval.bootstrap, final)
+        gate = evaluate_gate(metrics, cfg.gate, final)
+        metrics["gate"] = gate.to_json()
+        names = {"source": f"native {cfg.source.name}", "target": f"native {cfg.target.name}",
+                 "mapped": f"{cfg.source.name} prefill -> {cfg.target.name} decode"}
+        drawn = charts.draw_all(metrics, self.run.root, names)
+        metrics["run"]["charts"] = drawn
+        write_json(self.run.path("metrics.json"), metrics)
+        save_gate(self.run.path("gate.json"), gate)
+        text = report.render_report(metrics, drawn)
+        tmp = self.run.path("report.md.tmp")
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, self.run.path("report.md"))
+        log.info("quality gate: %s", gate.summary())
+
+    def run_info(self) -> dict:
+        import jax
+
+        import kvjax
+        from kvjax.mapper.artifact import read_manifest
+        cfg = self.cfg
+        manifest = read_manifest(self.run.path("map" if final_arm(cfg) == "residual" else "map_ridge"))
+        data = read_json(self.run.path("data", "data.json"))
+        info = {"config": cfg.name, "output_dir": cfg.output_dir, "settings": to_dict(cfg)}
+        for role in ("source", "target"):
+            mc = getattr(cfg, role)
+            mcfg = kvjax.load_hf_config(mc.path)
+            info[role] = {"name": mc.name, "path": mc.path, "dtype": mc.dtype, "params_m": mcfg.num_params() / 1e6,
+                          "layers": mcfg.num_layers, "kv_heads": mcfg.num_kv_heads, "head_dim": mcfg.head_dim,
+                          "fingerprint": mcfg.fingerprint()}
+        mi = manifest["info"]
+        info["map"] = {"pairing": mi["pairing"], "rank": mi["rank"], "lambdas": mi["lambdas"],
+                       "heldout_r2": mi["heldout_r2"], "residual_rank": manifest["spec"]["residual_rank"],
+                       "residual_steps": mi.get("residual_steps", 0), "final": final_arm(cfg)}
+        info["data"] = {"train_text": data["train_text"], "train_tokens": data["train_tokens"],
+                        "calib_tokens": mi["calib_tokens"], "heldout_windows": data["heldout_windows"]}
+        info["devices"] = f"{jax.device_count()} x {jax.devices()[0].platform} ({jax.devices()[0].device_kind})"
+        info["versions"] = {"kvjax": kvjax.__version__, "jax": jax.__version__}
+        info["stage_seconds"] = {name: self.run.seconds(s) or self.seconds.get(name, 0.0)
+                                 for name, s in self.stages.items() if name != "report"}
+        info["finished_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        return info
+
+
+def _replace_dir(tmp: str, out: str) -> None:
+    import shutil
+    if os.path.isdir(out):
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+
+
+# ---- command line ------------------------------------------------------------------------------------------------
+
+USAGE = """usage: python -m kvjax.launch [--config=NAME] [--config.FIELD=VALUE ...] [--redo=STAGE[,STAGE]]
+
+  --config=NAME          configs/NAME.py (default: toy); available: {configs}
+  --config.a.b=VALUE     override a field (typed; tuples as comma-separated lists, None for optional fields)
+  --redo=STAGE,...       recompute these stages and every stage after them; stages: {stages}
+"""
+
+
+def setup_logging(run_dir: str) -> None:
+    os.makedirs(run_dir, exist_ok=True)
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    for h in list(root.handlers):
+        if getattr(h, "_kvjax_launch", False):
+            root.removeHandler(h)
+            h.close()
+    for handler in (logging.StreamHandler(sys.stderr), logging.FileHandler(os.path.join(run_dir, "run.log"))):
+        handler.setFormatter(fmt)
+        handler._kvjax_launch = True
+        root.addHandler(handler)
+    for noisy in ("absl", "jax._src", "orbax"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def parse(argv: list[str]) -> tuple[RunConfig | None, tuple[str, ...], bool]:
+    """(resolved and validated config, stages to redo, help requested)."""
+    from kvjax.config_flags import available_configs
+    name, overrides, rest = parse_argv(argv)
+    redo: tuple[str, ...] = ()
+    help_ = False
+    for arg in rest:
+        if arg in ("-h", "--help"):
+            help_ = True
+        elif arg.startswith("--redo="):
+            redo += tuple(s.strip() for s in arg[len("--redo="):].split(",") if s.strip())
+        else:
+            raise LaunchError(f"unknown argument {arg!r}\n" + USAGE.format(configs=", ".join(available_configs()),
+                                                                         stages=", ".join(STAGES)))
+    if "all" in redo:
+        redo = ("calibrate",)
+    cfg = build(name or DEFAULT_CONFIG, overrides, RunConfig)
+    if help_:
+        print(USAGE.format(configs=", ".join(available_configs()), stages=", ".join(STAGES)))
+        print(f"config {name or DEFAULT_CONFIG}:\n{describe_config(cfg)}")
+        return None, redo, True
+    cfg = resolve_models(cfg)
+    validate(cfg)
+    return cfg, redo, False
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    from kvjax.corpus import CorpusError
+    try:
+        cfg, redo, help_ = parse(argv)
+        if help_:
+            return 0
+        job = Job(cfg, redo)
+        job.check()  # conflicts with an earlier run are reported before anything is written
+    except (ConfigFlagError, LaunchError, CorpusError) as e:
+        print(f"kvjax.launch: error: {e}", file=sys.stderr)
+        return 2
+    setup_logging(cfg.output_dir)
+    import jax
+    log.info("kvjax.launch --config=%s -> %s (process %d of %d, %d devices: %s)", cfg.name, cfg.output_dir,
+             jax.process_index(), jax.process_count(), jax.device_count(), jax.devices()[0].device_kind)
+    log.info("settings:\n%s", describe_config(cfg))
+    try:
+        summary = job.execute()
+    except (LaunchError, CorpusError) as e:
+        log.error("%s", e)
+        print(f"kvjax.launch: error: {e}", file=sys.stderr)
+        return 1
+    print(f"report: {os.path.join(cfg.output_dir, 'report.md')}  metrics: "
+          f"{os.path.join(cfg.output_dir, 'metrics.json')}  quality gate: "
+          f"{'PASS' if summary['gate']['passed'] else 'FAIL'}  ({summary['seconds']:.1f}s, "
+          f"{len(summary['ran'])} stages run, {len(summary['reused'])} reused)")
+    return 0
 
 
 if __name__ == "__main__":
-    app.run(main)
+    sys.exit(main())

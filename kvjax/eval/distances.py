@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache import KVCache
+from kvjax.mapper.calibrate import native_cache
 from kvjax.mapper.features import layer_features
+from kvjax.mapper.kvmap import apply_map
 
 
 def _valid_rows(feat, lengths) -> np.ndarray:
@@ -43,3 +46,58 @@ def raw_features(source: KVCache, layer: int, theta: float, width: int) -> jnp.n
 
     k, v = layer_features(source, layer, theta)
     return fit(k), fit(v)
+
+
+class _Accumulator:
+    """Streaming cosine / NRMSE over token rows (the same numbers as `feature_distances` on all rows at once)."""
+
+    def __init__(self):
+        self.n, self.cos, self.err, self.sq, self.sum = 0, 0.0, 0.0, 0.0, 0.0
+
+    def add(self, pred: np.ndarray, true: np.ndarray) -> None:
+        pred, true = np.asarray(pred, np.float64), np.asarray(true, np.float64)
+        norms = np.maximum(np.linalg.norm(pred, axis=1) * np.linalg.norm(true, axis=1), 1e-12)
+        self.cos += float(np.sum(np.sum(pred * true, 1) / norms))
+        self.err += float(np.sum((pred - true) ** 2))
+        self.sq += float(np.sum(true ** 2))
+        self.sum = self.sum + true.sum(0)
+        self.n += len(true)
+
+    def result(self) -> dict[str, float]:
+        spread = self.sq / self.n - float(np.sum((self.sum / self.n) ** 2))  # mean ||t - mean(t)||^2
+        return {"cos": self.cos / self.n, "nrmse": float(np.sqrt(self.err / self.n / max(spread, 1e-30)))}
+
+
+_native = jax.jit(native_cache, static_argnames=("cfg",))
+_apply = jax.jit(apply_map)
+
+
+def map_distances(maps: dict, source, target, windows: np.ndarray, batch_size: int = 8) -> dict:
+    """Distances of mapped caches to the target's native cache on token windows int [N, T] (all positions valid).
+
+    `maps`: name -> KVMap (e.g. {"raw": kvjax.eval.arms.injection_map(...), "ridge": ..., "residual": ...}).
+    Returns {name: {"mean": {key_cos, key_nrmse, value_cos, value_nrmse} (mean over target layers), "per_layer":
+    [...]}}; keys are compared before RoPE, values as they are."""
+    (scfg, sparams), (tcfg, tparams) = source, target
+    acc = {name: [(_Accumulator(), _Accumulator()) for _ in range(tcfg.num_layers)] for name in maps}
+    for i in range(0, len(windows), batch_size):
+        tokens = jnp.asarray(windows[i : i + batch_size], jnp.int32)
+        src, tgt = _native(sparams, scfg, tokens), _native(tparams, tcfg, tokens)
+        native = [layer_features(tgt, t, tcfg.rope_theta) for t in range(tcfg.num_layers)]
+        for name, kvmap in maps.items():
+            mapped = _apply(kvmap, src)
+            for t, (nk, nv) in enumerate(native):
+                mk, mv = layer_features(mapped, t, tcfg.rope_theta)
+                flat = lambda a: np.asarray(a).reshape(-1, a.shape[-1])  # noqa: E731
+                acc[name][t][0].add(flat(mk), flat(nk))
+                acc[name][t][1].add(flat(mv), flat(nv))
+    out = {}
+    for name, layers in acc.items():
+        per_layer = []
+        for k, v in layers:
+            kr, vr = k.result(), v.result()
+            per_layer.append({"key_cos": kr["cos"], "key_nrmse": kr["nrmse"], "value_cos": vr["cos"],
+                              "value_nrmse": vr["nrmse"]})
+        out[name] = {"mean": {m: float(np.mean([r[m] for r in per_layer])) for m in per_layer[0]},
+                     "per_layer": per_layer}
+    return out

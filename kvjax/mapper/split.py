@@ -1,8 +1,14 @@
-"""Split-path generation: the source reads the prompt, the map translates its cache, the target answers."""
+"""Split-path generation: the source reads the prompt, the map translates its cache, the target answers.
+
+`native_generate` is the same pipeline without the map (one model prefills and decodes, with the same phases and
+cache capacity): the baseline of throughput measurements and the fallback of a map that failed its quality gate.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 import math
 import time
 
@@ -10,13 +16,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.cache import init_cache
 from kvjax.generation import CACHE_ALIGN, Sampling, decode_loop, pad_prompts
 from kvjax.mapper.calibrate import Model, native_cache
 from kvjax.mapper.kvmap import KVMap, apply_map, check_models
 from kvjax.models.qwen3 import forward
 
+log = logging.getLogger(__name__)
 
 _source_prefill = jax.jit(native_cache, static_argnames=("cfg",))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "capacity"))
+def _native_prefill(params, cfg, tokens, lengths, capacity):
+    cache = init_cache(cfg, tokens.shape[0], capacity, params.embed.dtype)
+    return forward(params, cfg, tokens, cache, lengths, last_only=True, fresh=True)[1]
 
 
 @functools.partial(jax.jit, static_argnames=("capacity", "length"))
@@ -35,43 +49,113 @@ def _decode(params, cfg, cache, logits, key, n, sampling, eos, pad):
     return decode_loop(params, cfg, cache, logits, n, key, sampling, eos, pad)[0]
 
 
+@dataclasses.dataclass(frozen=True)
+class SplitResult:
+    """What split_generate returns when it is given a quality gate."""
+
+    tokens: jax.Array  # int32 [B, N]
+    phases: dict  # per-phase seconds (empty unless timings=True)
+    path: str  # "split" (source prefill -> map -> target decode) or "native_target" (the gate failed)
+    reason: str = ""  # why the native path was taken
+
+    @property
+    def fell_back(self) -> bool:
+        return self.path != "split"
+
+
+def _prepare(prompts, max_new_tokens: int, eos_ids, pad_id, cfg, temperature: float, key):
+    if temperature > 0 and key is None:
+        raise ValueError("sampling (temperature > 0) needs an explicit key=jax.random.key(seed)")
+    tokens, lengths = pad_prompts(prompts) if isinstance(prompts, (list, tuple)) else (
+        np.asarray(prompts, np.int32), np.full((len(prompts),), np.shape(prompts)[1], np.int32))
+    if lengths.min() < 2:
+        raise ValueError("split_generate / native_generate need prompts of at least 2 tokens (all but the last are "
+                         "prefilled)")
+    eos = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
+    pad = pad_id if pad_id is not None else (cfg.pad_token_id or (eos[0] if eos else 0))
+    capacity = math.ceil((tokens.shape[1] + max_new_tokens) / CACHE_ALIGN) * CACHE_ALIGN
+    last = jnp.asarray(tokens[np.arange(len(tokens)), lengths - 1])
+    return tokens, lengths, eos, int(pad), capacity, last
+
+
+def _clock(timings: bool):
+    phases, state = {}, {"t": time.perf_counter()}
+
+    def mark(name, value):
+        if timings:
+            jax.block_until_ready(value)
+            now = time.perf_counter()
+            phases[name], state["t"] = now - state["t"], now
+        return value
+    return phases, mark
+
+
+def native_generate(model: Model, prompts, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
+                    key=None, eos_token_ids=None, pad_token_id: int | None = None, timings: bool = False):
+    """One model reads the prompt and answers, in split_generate's phases: it prefills all but each prompt's last
+    token, runs that token (the first new token's logits), then decodes. Same arguments and cache capacity as
+    split_generate; returns tokens int32 [B, N], and with `timings` a dict of seconds (prefill, first_token,
+    decode). Greedy output equals kvjax.generate's."""
+    cfg, params = model
+    tokens, lengths, eos, pad, capacity, last = _prepare(prompts, max_new_tokens, eos_token_ids, pad_token_id, cfg,
+                                                         temperature, key)
+    t = tokens.shape[1] - 1
+    phases, mark = _clock(timings)
+    cache = mark("prefill", _native_prefill(params, cfg, jnp.asarray(tokens[:, :t]), jnp.asarray(lengths - 1),
+                                            capacity))
+    logits, cache = mark("first_token", _first(params, cfg, last, cache))
+    out = mark("decode", _decode(params, cfg, cache, logits, key if key is not None else jax.random.key(0),
+                                 int(max_new_tokens), Sampling(float(temperature), float(top_p)), eos, pad))
+    return (out, phases) if timings else out
+
+
+def _gate_failed(gate) -> str:
+    """'' if the gate passed, else why not. `gate`: a kvjax.gate.GateResult (or anything with .passed) or a bool."""
+    passed = gate if isinstance(gate, (bool, np.bool_)) else getattr(gate, "passed", None)
+    if passed is None:
+        raise TypeError(f"gate must be a GateResult (kvjax.gate.load_gate) or a bool, got {type(gate).__name__}")
+    if passed:
+        return ""
+    summary = getattr(gate, "summary", None)
+    return "map failed its quality gate" + (f" ({summary()})" if callable(summary) else "")
+
+
 def split_generate(source: Model, target: Model, kvmap: KVMap, prompts, max_new_tokens: int, *,
                    temperature: float = 0.0, top_p: float = 1.0, key=None, eos_token_ids=None,
-                   pad_token_id: int | None = None, timings: bool = False):
+                   pad_token_id: int | None = None, timings: bool = False, gate=None):
     """Source prefill -> map -> target decode. The source reads each prompt but its last token; the target reads
     that last token from the mapped cache and produces every generated token (greedy by default).
 
     `prompts`: list of token lists (>= 2 tokens each) or int array [B, T]. Returns tokens int32 [B, N], and with
     `timings` also a dict of per-phase seconds (source_prefill, map, first_token, decode), each measured with
     block_until_ready (so phases do not overlap; use timings=False for the fastest path).
+
+    `gate`: the map's quality gate (kvjax.gate.GateResult, e.g. kvjax.load_gate("runs/toy/gate.json"), or a bool).
+    With a gate the result is a SplitResult (tokens, phases, path, reason); when the gate failed, the map is not
+    used: the target prefills the prompt itself (native_generate), a warning is logged, and path is
+    "native_target".
     """
     (scfg, sparams), (tcfg, tparams) = source, target
     check_models(kvmap, scfg, tcfg)
-    if temperature > 0 and key is None:
-        raise ValueError("sampling (temperature > 0) needs an explicit key=jax.random.key(seed)")
-    tokens, lengths = pad_prompts(prompts) if isinstance(prompts, (list, tuple)) else (
-        np.asarray(prompts, np.int32), np.full((len(prompts),), np.shape(prompts)[1], np.int32))
-    if lengths.min() < 2:
-        raise ValueError("split_generate needs prompts of at least 2 tokens (the source reads all but the last)")
-    eos = tuple(tcfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
-    pad = pad_token_id if pad_token_id is not None else (tcfg.pad_token_id or (eos[0] if eos else 0))
+    if gate is not None:
+        reason = _gate_failed(gate)
+        kwargs = dict(temperature=temperature, top_p=top_p, key=key, eos_token_ids=eos_token_ids,
+                      pad_token_id=pad_token_id, timings=timings)
+        if reason:
+            log.warning("split_generate: %s; falling back to native target prefill", reason)
+            result = native_generate(target, prompts, max_new_tokens, **kwargs)
+        else:
+            result = split_generate(source, target, kvmap, prompts, max_new_tokens, **kwargs)
+        out, phases = result if timings else (result, {})
+        return SplitResult(out, phases, "native_target" if reason else "split", reason)
+    tokens, lengths, eos, pad, capacity, last = _prepare(prompts, max_new_tokens, eos_token_ids, pad_token_id, tcfg,
+                                                         temperature, key)
     t = tokens.shape[1] - 1
-    capacity = math.ceil((t + 1 + max_new_tokens) / CACHE_ALIGN) * CACHE_ALIGN
-    last = jnp.asarray(tokens[np.arange(len(tokens)), lengths - 1])
-    phases, clock = {}, time.perf_counter()
-
-    def mark(name, value):
-        nonlocal clock
-        if timings:
-            jax.block_until_ready(value)
-            now = time.perf_counter()
-            phases[name], clock = now - clock, now
-        return value
-
+    phases, mark = _clock(timings)
     src_cache = mark("source_prefill", _source_prefill(sparams, scfg, jnp.asarray(tokens[:, :t]),
                                                        jnp.asarray(lengths - 1)))
     cache = mark("map", _map(kvmap, src_cache, capacity, t))
     logits, cache = mark("first_token", _first(tparams, tcfg, last, cache))
     out = mark("decode", _decode(tparams, tcfg, cache, logits, key if key is not None else jax.random.key(0),
-                                 int(max_new_tokens), Sampling(float(temperature), float(top_p)), eos, int(pad)))
+                                 int(max_new_tokens), Sampling(float(temperature), float(top_p)), eos, pad))
     return (out, phases) if timings else out

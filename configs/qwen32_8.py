@@ -1,0 +1,39 @@
+"""Qwen3-32B reads, Qwen3-8B answers: local HF checkpoint directories, sharded over every device present.
+
+    KVJAX_SOURCE=/ckpt/Qwen3-32B KVJAX_TARGET=/ckpt/Qwen3-8B python -m kvjax.launch --config=qwen32_8
+    python -m kvjax.launch --config=qwen32_8 --config.source.path=/ckpt/Qwen3-32B --config.target.path=/ckpt/Qwen3-8B
+
+Offline defaults: calibration on the train split of the Python standard library files listed in
+checkpoints/toy/data/manifest.json, held-out windows and needle haystacks from its held-out split (both tokenized
+with the Qwen3 tokenizer). Point data.train_text / data.heldout_text at a general corpus (.jsonl with a "text" field,
+e.g. a FineWeb-Edu sample) for the seed's setting, and eval.mc.hellaswag / eval.mc.piqa at local JSONL copies when
+the machine has no network (the defaults are hub dataset names).
+"""
+
+from kvjax.gate import GateConfig
+from kvjax.mapper.residual import ResidualConfig
+from kvjax.run_config import (DataConfig, DistancesEval, EvalConfig, KLEval, MapConfig, MCEval, ModelConfig,
+                              RetrievalEval, RunConfig, ThroughputEval)
+
+
+def get_config() -> RunConfig:
+    return RunConfig(
+        name="qwen32_8",
+        source=ModelConfig(env="KVJAX_SOURCE", name="Qwen3-32B", dtype="bfloat16"),
+        target=ModelConfig(env="KVJAX_TARGET", name="Qwen3-8B", dtype="bfloat16"),
+        output_dir="runs/qwen32_8",
+        data=DataConfig(train_text=("stdlib:train",), heldout_text=("stdlib:heldout",), heldout_window_len=2049,
+                        max_train_tokens=4_000_000, max_heldout_tokens=1_000_000),
+        map=MapConfig(calib_windows=512, select_windows=64, window_len=1024, batch_size=4, pairing="depth",
+                      residual_rank=16),
+        residual=ResidualConfig(steps=500, batch_size=4, prefix_len=1024, cont_len=128, lr=1e-3, warmup_steps=50,
+                                save_every=50),
+        eval=EvalConfig(
+            distances=DistancesEval(windows=8, window_len=1024, batch_size=2),
+            kl=KLEval(windows=64, prefix_len=1024, cont_len=128, batch_size=4),
+            mc=MCEval(hellaswag="Rowan/hellaswag", piqa="ybisk/piqa", limit=1000, normalize="bytes"),
+            retrieval=RetrievalEval(lengths=(1024, 2048, 4096, 8192, 16384), files="", limit=50),
+            throughput=ThroughputEval(lengths=(1024, 2048, 4096, 8192, 16384), new_tokens=64, repeats=5),
+        ),
+        gate=GateConfig(min_key_cos=0.85, min_value_cos=0.4, min_kl_reduction=0.0, min_mc_retention=0.98),
+    )

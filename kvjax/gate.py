@@ -1,0 +1,131 @@
+"""The quality gate of a cache map: configurable thresholds checked against held-out metrics.
+
+A map that fails its gate should not serve requests: `kvjax.split_generate(..., gate=result)` then lets the target
+prefill the prompt itself (and says so). The launch job writes the result next to the map as gate.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+
+@dataclasses.dataclass(frozen=True)
+class GateConfig:
+    """Thresholds on held-out metrics of the final map; None disables a check."""
+
+    min_key_cos: float | None = 0.8  # mean key cosine to the native target cache (pre-RoPE)
+    min_value_cos: float | None = 0.5  # mean value cosine
+    max_kl: float | None = None  # source-teacher KL of the final map, nats/token
+    min_kl_reduction: float | None = 0.0  # 1 - KL(residual) / KL(ridge)
+    min_mc_retention: float | None = 0.95  # mapped accuracy / native target accuracy, worst multiple-choice set
+    min_retrieval_retention: float | None = None  # mapped / native target retrieval accuracy, worst length
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    name: str
+    value: float | None  # None: not measured in this run
+    threshold: float
+    kind: str  # "min" or "max"
+    note: str = ""
+
+    @property
+    def measured(self) -> bool:
+        return self.value is not None
+
+    @property
+    def passed(self) -> bool | None:
+        if self.value is None:
+            return None
+        return self.value >= self.threshold if self.kind == "min" else self.value <= self.threshold
+
+
+@dataclasses.dataclass(frozen=True)
+class GateResult:
+    passed: bool  # every measured check passed and at least one was measured
+    map_arm: str  # the map the checks are about ("residual" or "ridge")
+    checks: tuple[Check, ...]
+    thresholds: dict
+
+    @property
+    def failed(self) -> list[Check]:
+        return [c for c in self.checks if c.passed is False]
+
+    def summary(self) -> str:
+        if not any(c.measured for c in self.checks):
+            return "FAIL: none of the gated metrics was measured"
+        if self.passed:
+            return f"PASS ({sum(c.measured for c in self.checks)} checks)"
+        return "FAIL: " + "; ".join(f"{c.name} {c.value:.4g} {'<' if c.kind == 'min' else '>'} {c.threshold:.4g}"
+                                    for c in self.failed)
+
+    def to_json(self) -> dict:
+        return {"passed": self.passed, "map": self.map_arm, "thresholds": self.thresholds,
+                "checks": {c.name: {"value": c.value, "threshold": c.threshold, "kind": c.kind,
+                                    "passed": c.passed, "note": c.note} for c in self.checks}}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "GateResult":
+        checks = tuple(Check(name, c["value"], c["threshold"], c["kind"], c.get("note", ""))
+                       for name, c in d["checks"].items())
+        return cls(bool(d["passed"]), d["map"], checks, dict(d["thresholds"]))
+
+
+def _retention(mapped: float, native: float) -> float | None:
+    return None if native <= 0 else mapped / native
+
+
+def evaluate_gate(metrics: dict, config: GateConfig, map_arm: str = "residual") -> GateResult:
+    """Check the held-out `metrics` (the metrics.json layout, see docs/metrics.md) of the map `map_arm`."""
+    checks: list[Check] = []
+    dist = metrics.get("distances") or {}
+    kl = metrics.get("kl") or {}
+    mc = metrics.get("mc") or {}
+    retrieval = metrics.get("retrieval") or {}
+
+    def add(name, value, threshold, kind, note=""):
+        if threshold is not None:
+            checks.append(Check(name, None if value is None else float(value), float(threshold), kind, note))
+
+    add("key_cos", dist.get("key_cos", {}).get(map_arm), config.min_key_cos, "min")
+    add("value_cos", dist.get("value_cos", {}).get(map_arm), config.min_value_cos, "min")
+    add("kl", kl.get(map_arm), config.max_kl, "max")
+    add("kl_reduction", kl.get("reduction") if map_arm == "residual" else None, config.min_kl_reduction, "min",
+        "" if map_arm == "residual" else "no residual trained")
+    worst, where = None, ""
+    for name, m in mc.items():
+        acc = m.get("acc", {})
+        if map_arm in acc and "target" in acc:
+            r = _retention(acc[map_arm], acc["target"])
+            if r is not None and (worst is None or r < worst):
+                worst, where = r, name
+    add("mc_retention", worst, config.min_mc_retention, "min", where)
+    worst, where = None, ""
+    for length, m in retrieval.items():
+        if map_arm in m and "target" in m:
+            r = _retention(m[map_arm], m["target"])
+            if r is not None and (worst is None or r < worst):
+                worst, where = r, f"length {length}"
+    add("retrieval_retention", worst, config.min_retrieval_retention, "min",
+        where or "native target scored 0: retention undefined")
+    measured = [c for c in checks if c.measured]
+    passed = bool(measured) and all(c.passed for c in measured)
+    return GateResult(passed, map_arm, tuple(checks), dataclasses.asdict(config))
+
+
+def save_gate(path: str, result: GateResult) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result.to_json(), f, indent=2)
+    os.replace(tmp, path)
+
+
+def load_gate(path: str) -> GateResult:
+    """The gate result a launch run wrote (RUN_DIR/gate.json)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no gate result at {path}; `python -m kvjax.launch` writes OUTPUT_DIR/gate.json in "
+                                "its report stage")
+    with open(path) as f:
+        return GateResult.from_json(json.load(f))

@@ -1,0 +1,127 @@
+"""A run directory's stages: each finished stage leaves a marker (stages/NAME.json) holding a hash of everything
+it depends on (its settings, the identity of the models, upstream stages). A rerun skips a stage whose marker
+matches, redoes one that never finished, and refuses (before any work) one made with other settings, unless the
+user asks to redo it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+
+from kvjax.config_flags import flatten
+
+
+class StageConflict(ValueError):
+    """A finished stage in the run directory was made with different settings."""
+
+
+def digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def model_identity(path: str) -> dict:
+    """What identifies a checkpoint directory cheaply: config/tokenizer contents, weight file sizes and mtimes."""
+    out = {}
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        if name.endswith((".json",)) and os.path.getsize(full) < 50_000_000:
+            with open(full, "rb") as f:
+                out[name] = hashlib.sha256(f.read()).hexdigest()[:16]
+        elif name.endswith(".safetensors"):
+            st = os.stat(full)
+            out[name] = [st.st_size, st.st_mtime_ns]
+    return out
+
+
+def write_json(path: str, obj) -> None:
+    """Atomic JSON write (a reader never sees half a file)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, default=float)
+    os.replace(tmp, path)
+
+
+def read_json(path: str):
+    with open(path) as f:
+        return json.load(f)
+
+
+class Stage:
+    def __init__(self, name: str, settings: dict, upstream: list["Stage"], outputs: list[str]):
+        self.name = name
+        self.settings = settings  # what this stage depends on (JSON-able)
+        self.upstream = upstream
+        self.outputs = outputs  # paths (relative to the run dir) this stage writes
+        self.hash = digest({"settings": settings, "upstream": [u.hash for u in upstream]})
+
+
+class RunDir:
+    def __init__(self, root: str):
+        self.root = root
+
+    def path(self, *parts: str) -> str:
+        return os.path.join(self.root, *parts)
+
+    def marker(self, stage: Stage) -> str:
+        return self.path("stages", f"{stage.name}.json")
+
+    def done(self, stage: Stage) -> bool:
+        """True if the stage finished with these settings; False if it never finished. Raises StageConflict if it
+        finished with other settings."""
+        path = self.marker(stage)
+        if not os.path.isfile(path):
+            return False
+        old = read_json(path)
+        if old["hash"] == stage.hash:
+            return True
+        raise StageConflict(self._conflict(stage, old))
+
+    def _conflict(self, stage: Stage, old: dict) -> str:
+        new, before = flatten(stage.settings), flatten(old.get("settings", {}))
+        changed = [f"{k}: {before.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(new) | set(before))
+                   if new.get(k) != before.get(k)]
+        why = ("; ".join(changed[:6]) + (" ..." if len(changed) > 6 else "")) if changed else \
+            "an earlier stage it depends on changed"
+        return (f"{self.root} already holds a finished '{stage.name}' stage made with other settings ({why}). "
+                f"Pass --redo={stage.name} to recompute it and the stages after it, or use another "
+                f"--config.output_dir.")
+
+    def seconds(self, stage: Stage) -> float | None:
+        path = self.marker(stage)
+        return read_json(path).get("seconds") if os.path.isfile(path) else None
+
+    def finish(self, stage: Stage, seconds: float, cpu_seconds: float | None = None) -> None:
+        write_json(self.marker(stage), {"stage": stage.name, "hash": stage.hash, "settings": stage.settings,
+                                        "upstream": {u.name: u.hash for u in stage.upstream}, "seconds": seconds,
+                                        "cpu_seconds": cpu_seconds,
+                                        "finished_at": time.strftime("%Y-%m-%d %H:%M:%S")})
+
+    def forget(self, stage: Stage) -> None:
+        """Remove a stage's marker and outputs (for --redo)."""
+        if os.path.isfile(self.marker(stage)):
+            os.remove(self.marker(stage))
+        for out in stage.outputs:
+            full = self.path(out)
+            if os.path.isdir(full):
+                shutil.rmtree(full)
+            elif os.path.isfile(full):
+                os.remove(full)
+
+    def claim_workdir(self, stage: Stage, workdir: str) -> None:
+        """A resumable stage's work directory belongs to these settings: partial work from other settings is
+        discarded; partial work from the same settings is kept (and resumed)."""
+        stamp = os.path.join(workdir, "stage_hash")
+        if os.path.isfile(stamp):
+            with open(stamp) as f:
+                if f.read().strip() == stage.hash:
+                    return
+        if os.path.isdir(workdir):
+            shutil.rmtree(workdir)
+        os.makedirs(workdir)
+        with open(stamp, "w") as f:
+            f.write(stage.hash)
