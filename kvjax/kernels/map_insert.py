@@ -144,25 +144,32 @@ def _kernel(*refs, n_src: int, src_heads: int, out_heads: int, bt: int, length: 
     def project(srcs, pack, out, keys: bool):
         mu, w_in, down, res_bias, w_out, up, bias = pack
         wdt = w_in.dtype
-        zl = jnp.zeros((bt, w_in.shape[2]), jnp.float32)  # ridge low-rank code
-        zr = jnp.zeros((bt, down.shape[2]), jnp.float32)  # residual pre-activation
-        for p, ref in enumerate(srcs):
-            for h in range(src_heads):
+        z = (jnp.zeros((bt, w_in.shape[2]), jnp.float32),  # ridge low-rank code
+             jnp.zeros((bt, down.shape[2]), jnp.float32))  # residual pre-activation
+        for p, ref in enumerate(srcs):  # loops over heads stay loops (compile time), over layers unrolled
+
+            def source_head(h, z, p=p, ref=ref):
                 j = p * src_heads + h
                 x = ref[h].astype(jnp.float32)  # [bt, hds]
                 if keys:
                     x = x * cos_s - _rotate_half(x, backend) * sin_s  # RoPE by the negative angle
                 xc = (x - mu[j]).astype(wdt)
-                zl += jnp.dot(xc, w_in[j], preferred_element_type=jnp.float32)
-                zr += jnp.dot(xc, down[j], preferred_element_type=jnp.float32)
-        a = jax.nn.gelu(zr + res_bias[...]).astype(wdt)  # LinearMap's gelu (tanh approximation)
-        zl = zl.astype(wdt)
-        for g in range(out_heads):
+                return (z[0] + jnp.dot(xc, w_in[j], preferred_element_type=jnp.float32),
+                        z[1] + jnp.dot(xc, down[j], preferred_element_type=jnp.float32))
+
+            z = jax.lax.fori_loop(0, src_heads, source_head, z)
+        zl = z[0].astype(wdt)
+        a = jax.nn.gelu(z[1] + res_bias[...]).astype(wdt)  # LinearMap's gelu (tanh approximation)
+
+        def target_head(g, carry):
             y = (jnp.dot(zl, w_out[g], preferred_element_type=jnp.float32)
                  + jnp.dot(a, up[g], preferred_element_type=jnp.float32) + bias[g])  # [bt, hdt]
             if keys:
                 y = y * cos_t + _rotate_half(y, backend) * sin_t
             out[g] = y.astype(out.dtype)
+            return carry
+
+        jax.lax.fori_loop(0, out_heads, target_head, 0)
 
     project(src_k, kpack, out_k, keys=True)
     project(src_v, vpack, out_v, keys=False)
