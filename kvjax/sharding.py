@@ -31,6 +31,11 @@ RULES: dict[str, str | None] = {
     "layers": None,
     "cache_seq": None,
     "rank": None,
+    # the cache map (kvjax.mapper.kvmap.LinearMap): small next to the models (~2M floats per target layer and kind
+    # for 32B->8B), so replicated; name a mesh axis here to split it
+    "map_in": None,  # input features: paired source layers x kv_heads x head_dim
+    "map_rank": None,  # ridge rank / residual width
+    "map_out": None,  # target features: kv_heads x head_dim
 }
 
 
@@ -111,3 +116,64 @@ def describe(tree, axes_tree, mesh: Mesh, rules=None) -> list[str]:
     for (path, x), axes in zip(flat, flat_axes):
         rows.append(f"{jax.tree_util.keystr(path):24s} {str(tuple(x.shape)):24s} {spec_for(axes, x.shape, mesh, rules)}")
     return rows
+
+
+# ---- shardings for the map-fitting job ---------------------------------------------------------------------------
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def param_shardings(cfg, mesh: Mesh, rules=None):
+    """Params-shaped tree of NamedShardings for a model (pass to ``kvjax.load_hf(path, shardings=...)`` so each
+    tensor goes straight to its devices; the way to load params in a multi-process run)."""
+    from kvjax.models.params import abstract_params, param_axes
+    return tree_shardings(abstract_params(cfg), param_axes(cfg), mesh, rules)
+
+
+def data_sharding(mesh: Mesh, shape: Sequence[int], rules=None) -> NamedSharding:
+    """Sharding of a batch [B, ...] over the 'batch' rule's mesh axis (the data-parallel axis). Unlike weights, a
+    batch that does not divide is an error, not silently replicated: every data shard must get its own rows."""
+    axis = (rules or RULES)["batch"]
+    if axis is not None and shape[0] % mesh.shape[axis]:
+        raise ValueError(f"batch of {shape[0]} rows does not split over the {mesh.shape[axis]}-way {axis!r} mesh "
+                         f"axis; use a batch size that is a multiple of {mesh.shape[axis]}")
+    return named_sharding(("batch",) + (None,) * (len(shape) - 1), shape, mesh, rules)
+
+
+def kvmap_axes(kvmap):
+    """A KVMap-shaped tree of logical-axis tuples (leaves are tuples)."""
+    from kvjax.mapper.kvmap import LinearMap
+    axes = LinearMap(mu=("map_in",), scale=(), w_in=("map_in", "map_rank"), w_out=("map_rank", "map_out"),
+                     bias=("map_out",), down=("map_in", "map_rank"), res_bias=("map_rank",),
+                     up=("map_rank", "map_out"))
+    return kvmap.replace(keys=(axes,) * len(kvmap.keys), values=(axes,) * len(kvmap.values))
+
+
+def kvmap_shardings(kvmap, mesh: Mesh, rules=None):
+    return tree_shardings(kvmap, kvmap_axes(kvmap), mesh, rules)
+
+
+def optimizer_shardings(opt, params, shardings, mesh: Mesh):
+    """Shardings for ``opt.init(params)``: every parameter-shaped entry (Adam moments, ...) takes its parameter's
+    sharding, everything else (step counts, scalars) is replicated."""
+    import optax
+    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731  (entries of frozen params hold no state)
+    abstract = jax.eval_shape(opt.init, params)
+    return optax.tree_map_params(opt, lambda x, s: x if masked(x) else s, abstract, shardings,
+                                 transform_non_params=lambda _: replicated(mesh), is_leaf=masked)
+
+
+def on_mesh(tree, mesh: Mesh) -> bool:
+    """Whether every array leaf already lives on `mesh` with a NamedSharding."""
+    return all(isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
+               for x in jax.tree.leaves(tree))
+
+
+def place(tree, shardings):
+    """device_put a tree onto `shardings`; in a multi-process run leaves that are not yet global arrays go through
+    host memory (every process must pass the same values, e.g. after kvjax.distributed.broadcast_from_primary)."""
+    if jax.process_count() > 1:
+        tree = jax.tree.map(lambda x: x if isinstance(x, jax.Array) and not x.is_fully_addressable
+                            else np.asarray(x), tree)
+    return jax.device_put(tree, shardings)
