@@ -8,22 +8,27 @@ from typing import Iterable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
-from kvjax.cache import KVCache, init_cache
+from kvjax import distributed, sharding
+from kvjax.cache import AXES as CACHE_AXES, KVCache, init_cache
 from kvjax.mapper.features import layer_features, paired_features
 from kvjax.mapper.pairing import Pairing
 from kvjax.mapper.ridge import Stats, chunk_stats, to_stats
 from kvjax.models.config import Qwen3Config
 from kvjax.models.params import Params
 from kvjax.models.qwen3 import forward
+from kvjax.sharding import constrain
 
 Model = tuple[Qwen3Config, Params]
 
 
 def native_cache(params: Params, cfg: Qwen3Config, tokens: jax.Array, lengths: jax.Array | None = None) -> KVCache:
-    """The model's own cache after prefilling windows int [B, T] (right-padded to `lengths`; traceable)."""
+    """The model's own cache after prefilling windows int [B, T] (right-padded to `lengths`; traceable). Under an
+    active mesh (jax.set_mesh) the cache is sharded by its logical axes (batch over 'data', kv heads over 'model')."""
     cache = init_cache(cfg, tokens.shape[0], tokens.shape[1], params.embed.dtype)
+    cache = cache.replace(k=constrain(cache.k, CACHE_AXES), v=constrain(cache.v, CACHE_AXES))
     return forward(params, cfg, tokens, cache, lengths, last_only=True, fresh=True)[1]
 
 
@@ -42,9 +47,21 @@ def _window_stats(sparams, tparams, scfg, tcfg, pairing: Pairing, tokens, mask):
 
 
 def collect_stats(source: Model, target: Model, pairing: Pairing, batches: Iterable[np.ndarray],
-                  desc: str = "calibrate", total: int | None = None) -> tuple[list[Stats], list[Stats]]:
+                  desc: str = "calibrate", total: int | None = None, mesh: Mesh | None = None
+                  ) -> tuple[list[Stats], list[Stats]]:
     """Sum statistics over batches of token windows int [B, T] (EOS-padded rows count fully). Returns per target
-    layer (key stats, value stats)."""
+    layer (key stats, value stats).
+
+    With `mesh`, each batch is the *global* batch (an array, memmap or kvjax.distributed.TokenWindows indexed by
+    row) and is split over the mesh's 'data' axis: each process reads only its own rows, every data shard
+    computes its own statistics, a process merges its shards in float64, and the per-process sums are gathered
+    and merged across processes before returning, so every process holds the same statistics, equal to a
+    single-device pass up to float32 rounding of the chunks. Params are sharded over 'model' by the logical axis
+    rules (already-placed params are used as they are); batches are padded to a multiple of the data axis with
+    masked rows, so the statistics function compiles once.
+    """
+    if mesh is not None:
+        return _collect_stats_sharded(source, target, pairing, batches, desc, total, mesh)
     (scfg, sparams), (tcfg, tparams) = source, target
     k_stats: list[Stats] | None = None
     v_stats: list[Stats] | None = None
@@ -68,3 +85,115 @@ def batches_of(windows: np.ndarray, batch_size: int):
     """Consecutive batches [B, T] of a window array [N, T] (the last one may be smaller)."""
     for i in range(0, len(windows), batch_size):
         yield np.asarray(windows[i : i + batch_size])
+
+
+def row_batches(windows, batch_size: int):
+    """Consecutive row ranges windows[i : i + batch_size], not read yet (for `collect_stats(..., mesh=)`, which
+    reads only this process's rows)."""
+    for i in range(0, len(windows), batch_size):
+        yield windows[i : i + batch_size]
+
+
+# ---- the sharded path ----------------------------------------------------------------------------------------------
+
+def model_on_mesh(model: Model, mesh: Mesh) -> Model:
+    """(cfg, params) with params sharded by the logical axis rules on `mesh` (unchanged if already there)."""
+    cfg, params = model
+    if sharding.on_mesh(params, mesh):
+        return model
+    if jax.process_count() > 1:
+        raise ValueError("in a multi-process run, load the params straight onto the mesh: kvjax.load_hf(path, "
+                         "shardings=kvjax.sharding.param_shardings(cfg, mesh))")
+    return cfg, sharding.shard_params(params, cfg, mesh)
+
+
+def _data_shards(mesh: Mesh) -> int:
+    axis = sharding.RULES["batch"]
+    return 1 if axis is None else mesh.shape[axis]
+
+
+@functools.lru_cache(maxsize=16)
+def _sharded_stats_fn(scfg, tcfg, pairing: Pairing, mesh: Mesh, s_shardings, t_shardings, shape):
+    """jit of: both models' caches for a global batch -> per-data-shard chunk statistics, leaves [S, ...]."""
+    shards = _data_shards(mesh)
+    batch = sharding.data_sharding(mesh, shape)
+    out = NamedSharding(mesh, P(sharding.RULES["batch"]))
+
+    def fn(sparams, tparams, tokens, mask):
+        src = native_cache(sparams, scfg, tokens)
+        tgt = native_cache(tparams, tcfg, tokens)
+        split = lambda a: a.reshape(shards, -1, a.shape[-1])  # noqa: E731  [B, T, F] -> [S, B/S*T, F]
+        m = mask.reshape(shards, -1)
+        stats = jax.vmap(chunk_stats)
+        res = []
+        for t, layers in enumerate(pairing):
+            xk, xv = paired_features(src, layers, scfg.rope_theta)
+            yk, yv = layer_features(tgt, t, tcfg.rope_theta)
+            res.append((stats(split(xk), split(yk), m), stats(split(xv), split(yv), m)))
+        return res
+
+    return jax.jit(fn, in_shardings=(s_shardings, t_shardings, batch, batch), out_shardings=out)
+
+
+def _local_shard_stats(leaves: list[jax.Array]) -> dict[int, list[np.ndarray]]:
+    """{data index: [host copy of each leaf's row]} for the data shards this process holds (one replica each)."""
+    out: dict[int, list[np.ndarray]] = {}
+    for leaf in leaves:
+        for shard in leaf.addressable_shards:
+            if shard.replica_id == 0:
+                first = shard.index[0].start or 0
+                rows = np.asarray(shard.data, np.float64)
+                for r in range(rows.shape[0]):
+                    out.setdefault(first + r, []).append(rows[r])
+    return out
+
+
+def merge_across_processes(stats: list[Stats]) -> list[Stats]:
+    """Each process's partial statistics merged (in process order) into the same totals on every process."""
+    if jax.process_count() == 1:
+        return stats
+    fields = [a for st in stats for a in (np.asarray(st.n, np.float64), st.mx, st.my, st.cxx, st.cxy, st.cyy)]
+    per_process = distributed.allgather_f64(fields)
+    out = [Stats.zeros(len(st.mx), len(st.my)) for st in stats]
+    for arrays in per_process:
+        for i, acc in enumerate(out):
+            n, mx, my, cxx, cxy, cyy = arrays[6 * i : 6 * i + 6]
+            acc += Stats(float(n), mx, my, cxx, cxy, cyy)
+    return out
+
+
+def _collect_stats_sharded(source: Model, target: Model, pairing: Pairing, batches, desc: str, total, mesh: Mesh):
+    source, target = model_on_mesh(source, mesh), model_on_mesh(target, mesh)
+    (scfg, sparams), (tcfg, tparams) = source, target
+    s_sh = jax.tree.map(lambda x: x.sharding, sparams)
+    t_sh = jax.tree.map(lambda x: x.sharding, tparams)
+    shards = _data_shards(mesh)
+    acc: list[Stats] | None = None
+    shape = None
+    bar = tqdm(batches, desc=desc, unit="batch", total=total, leave=False, disable=not distributed.is_primary())
+    with jax.set_mesh(mesh):
+        for rows in bar:
+            if shape is None:  # every batch is padded to the first one's size: one compile
+                shape = (-(-len(rows) // shards) * shards, rows.shape[1])
+            if len(rows) > shape[0] or rows.shape[1] != shape[1]:
+                raise ValueError(f"calibration batch of shape {rows.shape} after batches of {shape}: batches must "
+                                 "not grow (use kvjax.mapper.calibrate.row_batches)")
+            data = sharding.data_sharding(mesh, shape)
+            tokens = distributed.global_batch(rows, data, shape)
+            mask = distributed.global_batch(np.ones((len(rows), shape[1]), np.float32), data, shape, np.float32)
+            fn = _sharded_stats_fn(scfg, tcfg, pairing, mesh, s_sh, t_sh, shape)
+            sums = fn(sparams, tparams, tokens, mask)
+            leaves = [leaf for layer in sums for kind in layer for leaf in kind]
+            if acc is None:
+                acc = [Stats.zeros(leaves[6 * i + 1].shape[-1], leaves[6 * i + 2].shape[-1])
+                       for i in range(len(leaves) // 6)]
+            for _, rows_of_shard in sorted(_local_shard_stats(leaves).items()):
+                for i, st in enumerate(acc):
+                    n, mx, my, cxx, cxy, cyy = rows_of_shard[6 * i : 6 * i + 6]
+                    st += Stats(float(n), mx, my, cxx, cxy, cyy)
+            distributed.heartbeat()
+    if acc is None:
+        raise ValueError("no calibration batches")
+    acc = merge_across_processes(acc)
+    n = len(pairing)
+    return acc[0 : 2 * n : 2], acc[1 : 2 * n : 2]

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
-from kvjax.mapper.calibrate import Model, batches_of, collect_stats
+from kvjax import distributed, sharding
+from kvjax.mapper.calibrate import Model, batches_of, collect_stats, row_batches
 from kvjax.mapper.kvmap import KVMap, linear_map, spec_for
 from kvjax.mapper.pairing import Pairing, check_pairing, depth_pairing, topk_pairing
 from kvjax.mapper.ridge import r2, select
@@ -13,16 +15,22 @@ from kvjax.mapper.ridge import r2, select
 LAMBDAS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)
 
 
+def _batches(windows, batch_size: int, mesh: Mesh | None):
+    return batches_of(windows, batch_size) if mesh is None else row_batches(windows, batch_size)
+
+
 def layer_r2(source: Model, target: Model, calib: np.ndarray, heldout: np.ndarray, batch_size: int = 8,
-             lams=LAMBDAS) -> np.ndarray:
+             lams=LAMBDAS, mesh: Mesh | None = None) -> np.ndarray:
     """Held-out R^2 of single-source-layer ridge fits for every (target layer, source layer): [n_target, n_source],
     mean of the key and value R^2."""
     n_src, n_tgt = source[0].num_layers, target[0].num_layers
     out = np.zeros((n_tgt, n_src))
     for s in range(n_src):
         pairing = ((s,),) * n_tgt
-        train_k, train_v = collect_stats(source, target, pairing, batches_of(calib, batch_size), f"rank src {s}")
-        held_k, held_v = collect_stats(source, target, pairing, batches_of(heldout, batch_size), f"rank src {s}")
+        train_k, train_v = collect_stats(source, target, pairing, _batches(calib, batch_size, mesh),
+                                         f"rank src {s}", mesh=mesh)
+        held_k, held_v = collect_stats(source, target, pairing, _batches(heldout, batch_size, mesh),
+                                       f"rank src {s}", mesh=mesh)
         for t in range(n_tgt):
             scores = [r2(select(tr, ho, lams)[0], ho) for tr, ho in ((train_k[t], held_k[t]), (train_v[t], held_v[t]))]
             out[t, s] = np.mean(scores)
@@ -31,10 +39,16 @@ def layer_r2(source: Model, target: Model, calib: np.ndarray, heldout: np.ndarra
 
 def fit_map(source: Model, target: Model, calib: np.ndarray, heldout: np.ndarray, *,
             pairing: str | int | Pairing = "depth", rank: int | None = None, lams=LAMBDAS, residual_rank: int = 16,
-            batch_size: int = 8, seed: int = 0) -> tuple[KVMap, dict]:
+            batch_size: int = 8, seed: int = 0, mesh: Mesh | None = None) -> tuple[KVMap, dict]:
     """Fit a source->target cache map on calibration windows int [N, T]; lambda per layer and kind is picked on the
     held-out windows [M, T]. `pairing`: "depth" (nearest relative depth), k (top-k source layers by held-out R^2),
-    or an explicit tuple per target layer. Returns (map with zero-initialised residual, fit report)."""
+    or an explicit tuple per target layer. Returns (map with zero-initialised residual, fit report).
+
+    With `mesh` (kvjax.sharding.make_mesh), the statistics are collected data-parallel over the mesh's 'data' axis
+    with the models sharded over 'model', and summed across devices and processes before the solve (see
+    collect_stats); `batch_size` is then the global batch. Windows may be arrays, memmaps or
+    kvjax.distributed.TokenWindows; each process reads only its rows. The solve runs on process 0's statistics
+    and the returned map is replicated on the mesh, identical on every process."""
     (scfg, _), (tcfg, _) = source, target
     if scfg.vocab_size != tcfg.vocab_size:
         raise ValueError(f"source and target vocabularies differ ({scfg.vocab_size} vs {tcfg.vocab_size}); the map "
@@ -43,12 +57,13 @@ def fit_map(source: Model, target: Model, calib: np.ndarray, heldout: np.ndarray
     if pairing == "depth":
         pairing = depth_pairing(scfg.num_layers, tcfg.num_layers)
     elif isinstance(pairing, int):
-        report["layer_r2"] = layer_r2(source, target, calib, heldout, batch_size, lams).tolist()
+        report["layer_r2"] = layer_r2(source, target, calib, heldout, batch_size, lams, mesh).tolist()
         pairing = topk_pairing(np.asarray(report["layer_r2"]), pairing)
     pairing = check_pairing(pairing, scfg.num_layers, tcfg.num_layers)
-    train_k, train_v = collect_stats(source, target, pairing, batches_of(calib, batch_size), "calibrate",
-                                     total=-(-len(calib) // batch_size))
-    held_k, held_v = collect_stats(source, target, pairing, batches_of(heldout, batch_size), "held-out stats")
+    train_k, train_v = collect_stats(source, target, pairing, _batches(calib, batch_size, mesh), "calibrate",
+                                     total=-(-len(calib) // batch_size), mesh=mesh)
+    held_k, held_v = collect_stats(source, target, pairing, _batches(heldout, batch_size, mesh), "held-out stats",
+                                   mesh=mesh)
     keys, values, layers = [], [], []
     rng = jax.random.split(jax.random.key(seed), 2 * len(pairing))
     for t in range(len(pairing)):
@@ -64,4 +79,7 @@ def fit_map(source: Model, target: Model, calib: np.ndarray, heldout: np.ndarray
     report.update(pairing=[list(p) for p in pairing], layers=layers, calib_tokens=int(train_k[0].n),
                   heldout_tokens=int(held_k[0].n), rank=rank)
     spec = spec_for(scfg, tcfg, pairing, rank, residual_rank)
-    return KVMap(keys=tuple(keys), values=tuple(values), spec=spec), report
+    kvmap = KVMap(keys=tuple(keys), values=tuple(values), spec=spec)
+    if mesh is not None:  # process 0's solve, replicated everywhere (hosts' LAPACKs may differ in the last bits)
+        kvmap = sharding.place(distributed.broadcast_from_primary(kvmap), sharding.kvmap_shardings(kvmap, mesh))
+    return kvmap, report

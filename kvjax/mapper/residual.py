@@ -9,6 +9,7 @@ correction), so the residual learns on the states it will actually decode from.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -20,10 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+from jax.sharding import Mesh
 from tqdm import tqdm
 
+from kvjax import distributed, sharding
+from kvjax.distributed import TokenWindows
 from kvjax.generation import Sampling, decode_loop
-from kvjax.mapper.calibrate import Model, native_cache
+from kvjax.mapper.calibrate import Model, model_on_mesh, native_cache
 from kvjax.mapper.kvmap import KVMap, apply_map
 from kvjax.models.qwen3 import forward, forward_nocache
 
@@ -106,23 +110,57 @@ def evaluate_kl(kvmap: KVMap, source: Model, target: Model, windows: np.ndarray,
     return np.concatenate(out)
 
 
-def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarray, rc: ResidualConfig,
-                   workdir: str | None = None, stop_at: int | None = None) -> tuple[KVMap, list[dict]]:
-    """Train the residual on windows cut from a token array (uniformly, a pure function of (seed, step)); resumes
-    from `workdir` checkpoints; `stop_at` ends this run early after that step. Returns (map, this run's log)."""
-    from kvjax.pretrain import batch_at
-    opt = make_optimizer(rc, kvmap)
-    window = rc.prefix_len + rc.cont_len
+def batch_starts(n_tokens: int, step: int, batch_size: int, seq_len: int, seed: int) -> np.ndarray:
+    """Start offsets of the windows kvjax.pretrain.batch_at(data, step, batch_size, seq_len, seed) draws (the same
+    draw), so a process can read only its own rows of a step's batch."""
+    if n_tokens < seq_len + 2:
+        raise ValueError(f"token array of {n_tokens} tokens is shorter than one window of {seq_len + 1}")
+    return np.random.default_rng([seed, step]).integers(0, n_tokens - seq_len - 1, batch_size)
 
-    @jax.jit
-    def step(kvmap, opt_state, tokens):
+
+def _step_fn(opt: optax.GradientTransformation, rc: ResidualConfig, scfg, tcfg):
+    def step(kvmap, opt_state, sparams, tparams, tokens):
+        source, target = (scfg, sparams), (tcfg, tparams)
         if rc.rollout:
             tokens = rollout_windows(kvmap, source, target, tokens[:, : rc.prefix_len], rc.cont_len)
         loss, grads = jax.value_and_grad(lambda m: window_kl(m, source, target, tokens, rc.prefix_len).mean())(kvmap)
         updates, opt_state = opt.update(grads, opt_state, kvmap)
         return optax.apply_updates(kvmap, updates), opt_state, loss
+    return step
 
-    opt_state, start, manager = opt.init(kvmap), 0, None
+
+def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarray, rc: ResidualConfig,
+                   workdir: str | None = None, stop_at: int | None = None,
+                   mesh: Mesh | None = None) -> tuple[KVMap, list[dict]]:
+    """Train the residual on windows cut from a token array (uniformly, a pure function of (seed, step)); resumes
+    from `workdir` checkpoints; `stop_at` ends this run early after that step. Returns (map, this run's log).
+
+    With `mesh`, training is data-parallel: each step's global batch of `rc.batch_size` windows is split over the
+    'data' axis (each process reads only its own windows), the models are sharded over 'model', the map and the
+    optimizer state are placed by their logical axes (replicated), and the step is one jit with in/out shardings,
+    compiled once; the result equals single-device training up to float rounding. In a multi-process run every
+    process calls this (checkpoints are written jointly through orbax, `workdir` must be on a shared filesystem);
+    only process 0 writes the log file."""
+    from kvjax.pretrain import batch_at
+    opt = make_optimizer(rc, kvmap)
+    window = rc.prefix_len + rc.cont_len
+    (scfg, sparams), (tcfg, tparams) = source, target
+    step_fn = _step_fn(opt, rc, scfg, tcfg)
+    if mesh is None:
+        step = jax.jit(step_fn)
+        opt_state = opt.init(kvmap)
+    else:
+        (_, sparams), (_, tparams) = model_on_mesh(source, mesh), model_on_mesh(target, mesh)
+        map_sh = sharding.kvmap_shardings(kvmap, mesh)
+        kvmap = sharding.place(kvmap, map_sh)
+        opt_sh = sharding.optimizer_shardings(opt, kvmap, map_sh, mesh)
+        opt_state = jax.jit(opt.init, out_shardings=opt_sh)(kvmap)
+        batch_sh = sharding.data_sharding(mesh, (rc.batch_size, window))
+        params_sh = lambda p: jax.tree.map(lambda x: x.sharding, p)  # noqa: E731
+        step = jax.jit(step_fn, in_shardings=(map_sh, opt_sh, params_sh(sparams), params_sh(tparams), batch_sh),
+                       out_shardings=(map_sh, opt_sh, sharding.replicated(mesh)))
+
+    start, manager = 0, None
     if workdir is not None:
         manager = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "residual_ckpt")),
                                         options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
@@ -132,14 +170,23 @@ def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarra
             log.info("residual: resumed from step %d", start)
     history = []
     end = rc.steps if stop_at is None else min(stop_at, rc.steps)
-    for i in tqdm(range(start, end), initial=start, total=rc.steps, desc="train residual", unit="step"):
-        batch = batch_at(tokens, i, rc.batch_size, window - 1, rc.seed)
-        kvmap, opt_state, loss = step(kvmap, opt_state, jnp.asarray(batch))
-        history.append({"step": i + 1, "kl": float(loss)})
-        if manager is not None and ((i + 1) % rc.save_every == 0 or i + 1 == end):
-            manager.save(i + 1, args=ocp.args.StandardSave((kvmap, opt_state)))
+    bar = tqdm(range(start, end), initial=start, total=rc.steps, desc="train residual", unit="step",
+               disable=not distributed.is_primary())
+    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+        for i in bar:
+            if mesh is None:
+                batch = jnp.asarray(batch_at(tokens, i, rc.batch_size, window - 1, rc.seed))
+            else:
+                rows = TokenWindows(tokens, batch_starts(len(tokens), i, rc.batch_size, window - 1, rc.seed), window)
+                batch = distributed.global_batch(rows, batch_sh, (rc.batch_size, window))
+            kvmap, opt_state, loss = step(kvmap, opt_state, sparams, tparams, batch)
+            history.append({"step": i + 1, "kl": float(loss)})
+            distributed.heartbeat()
+            if manager is not None and ((i + 1) % rc.save_every == 0 or i + 1 == end):
+                manager.save(i + 1, args=ocp.args.StandardSave((kvmap, opt_state)))
     if manager is not None:
         manager.wait_until_finished()
-        with open(os.path.join(workdir, "residual_log.jsonl"), "a") as f:
-            f.writelines(json.dumps(h) + "\n" for h in history)
+        if distributed.is_primary():
+            with open(os.path.join(workdir, "residual_log.jsonl"), "a") as f:
+                f.writelines(json.dumps(h) + "\n" for h in history)
     return kvmap, history
