@@ -9,6 +9,7 @@ import shutil
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from kvjax.mapper.kvmap import KVMap, LinearMap, MapSpec
@@ -23,14 +24,29 @@ def _shapes(m: LinearMap) -> dict:
     return {"fx": m.w_in.shape[0], "r": m.w_in.shape[1], "fy": m.w_out.shape[1], "h": m.down.shape[1]}
 
 
+def _host_copy(a):
+    if isinstance(a, jax.Array) and not a.is_fully_addressable:
+        if not a.sharding.is_fully_replicated:
+            raise ValueError(f"save_map in a multi-process run needs a replicated map, got an array sharded as "
+                             f"{a.sharding.spec}; keep the map's logical axes replicated (kvjax.sharding.RULES)")
+        return np.asarray(a.addressable_data(0))
+    return np.asarray(a)
+
+
 def save_map(path: str, kvmap: KVMap, info: dict | None = None) -> None:
     """Write the map to `path` (a directory; replaced atomically). `info` (JSON-able) goes into the manifest: model
-    names, tokenizer hash, calibration data hash and token count, fit metrics."""
+    names, tokenizer hash, calibration data hash and token count, fit metrics. In a multi-process run, call it from
+    one process only (kvjax.distributed.is_primary()) with a replicated map: it writes alone, without barriers."""
     path = os.path.abspath(path)
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    ckptr = ocp.StandardCheckpointer()
+    options = ocp.options.MultiprocessingOptions()
+    if jax.process_count() > 1:
+        me = jax.process_index()
+        options = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+        kvmap = jax.tree.map(_host_copy, kvmap)
+    ckptr = ocp.StandardCheckpointer(multiprocessing_options=options)
     ckptr.save(os.path.join(tmp, ARRAYS), {"keys": kvmap.keys, "values": kvmap.values})
     ckptr.wait_until_finished()
     manifest = {"format": FORMAT, "spec": dataclasses.asdict(kvmap.spec),
