@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 class TrainConfig:
     seq_len: int = 1024  # tokens per training window (the model sees positions 0..seq_len-1)
     batch_size: int = 8  # windows per step
-    steps: int = 1000  # total optimizer steps
+    steps: int = 1000  # total optimizer steps (the length of the LR schedule)
+    end_at: int | None = None  # stop after this step although the schedule runs to `steps` (a phase cut short)
     lr: float = 3e-3  # peak learning rate
     min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio (cosine decay)
     warmup_steps: int = 100  # linear warmup from 0
@@ -147,7 +148,7 @@ def train(cfg: Qwen3Config, tc: TrainConfig, train_tokens: np.ndarray, heldout_t
     eval_batches = [batch_at(heldout_tokens, i, tc.batch_size, tc.seq_len, seed=10_000 + i)
                     for i in range(tc.eval_batches)]
     step_fn = make_train_step(cfg, tc)
-    end = tc.steps if stop_at is None else min(stop_at, tc.steps)
+    end = min(tc.steps if stop_at is None else stop_at, tc.steps if tc.end_at is None else tc.end_at, tc.steps)
     bar = tqdm(range(start, end), initial=start, total=tc.steps, desc=f"train {name}", unit="step",
                dynamic_ncols=True)
     t_last = time.perf_counter()
@@ -157,7 +158,7 @@ def train(cfg: Qwen3Config, tc: TrainConfig, train_tokens: np.ndarray, heldout_t
                                                         tc.copy_spans, tc.copy_len))
             loss = float(m["loss"])  # one sync per step keeps the progress bar and the timings honest
             done = step + 1
-            if done % tc.eval_every == 0 or done == tc.steps:
+            if done % tc.eval_every == 0 or done in (tc.steps, tc.end_at):
                 seconds = time.perf_counter() - t_last
                 record = {"step": done, "loss": loss, "grad_norm": float(m["grad_norm"]),
                           "heldout_loss": evaluate(state.params, cfg, eval_batches),

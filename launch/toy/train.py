@@ -47,11 +47,11 @@ def main() -> None:
         log.info("%s: %.2fM params, %d steps x %d x %d tokens", role, model_cfg.num_params() / 1e6, tc.steps,
                  tc.batch_size, tc.seq_len)
         params = train(model_cfg, tc, train_tokens, heldout_tokens, os.path.join(cfg.work_dir, role), name=role)
-        phase2 = getattr(cfg, f"{role}_continue", None)
-        if phase2 is not None:
-            log.info("%s: phase 2, %d more steps from phase 1's weights at lr %g", role, phase2.steps, phase2.lr)
-            params = train(model_cfg, phase2, train_tokens, heldout_tokens,
-                           os.path.join(cfg.work_dir, f"{role}_phase2"), name=f"{role} phase 2", init=params)
+        for i, phase in enumerate(getattr(cfg, f"{role}_continue", ()), start=2):
+            log.info("%s: phase %d, %d more steps from the previous phase's weights at lr %g", role, i,
+                     phase.end_at or phase.steps, phase.lr)
+            params = train(model_cfg, phase, train_tokens, heldout_tokens,
+                           os.path.join(cfg.work_dir, f"{role}_phase{i}"), name=f"{role} phase {i}", init=params)
         if not args.no_export:
             out = os.path.join(cfg.out_dir, role)
             save_hf(out, model_cfg, params, tokenizer_dir=cfg.tokenizer_dir)
@@ -59,7 +59,7 @@ def main() -> None:
             log.info("%s exported to %s", role, out)
     metrics = []
     for role in ("target", "source"):
-        phases = [role] + ([f"{role}_phase2"] if getattr(cfg, f"{role}_continue", None) is not None else [])
+        phases = [role] + [f"{role}_phase{i}" for i in range(2, 2 + len(getattr(cfg, f"{role}_continue", ())))]
         metrics.append([os.path.join(cfg.work_dir, p, "metrics.jsonl") for p in phases])
     if all(os.path.isfile(m) for phases in metrics for m in phases):
         plot_loss(metrics, os.path.join(cfg.out_dir, "loss.png"), title="toy pair training",
