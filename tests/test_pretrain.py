@@ -73,6 +73,13 @@ def test_training_learns_and_resumes_exactly(tmp_path):
     for x, y in zip(to_flat(straight).values(), to_flat(resumed).values()):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
+    # a phase cut short (end_at) keeps the full schedule: same weights as stopping that run at the step
+    cut = train(CFG, TrainConfig(**{**tc.__dict__, "end_at": 4}), data, heldout, str(tmp_path / "c"))
+    stopped = train(CFG, tc, data, heldout, str(tmp_path / "d"), stop_at=4)
+    assert [json.loads(line)["step"] for line in open(tmp_path / "c" / "metrics.jsonl")] == [2, 4]
+    for x, y in zip(to_flat(cut).values(), to_flat(stopped).values()):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
 
 def test_second_phase_starts_from_given_weights(tmp_path):
     data, heldout = corpus(), corpus(seed=1)
