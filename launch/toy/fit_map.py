@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvjax
-from kvjax.eval import paired_bootstrap_ci
+from kvjax.eval import next_token_agreement, paired_bootstrap_ci
 from kvjax.eval.distances import cache_distances, feature_distances, raw_features
 from kvjax.mapper.calibrate import native_cache
 from kvjax.mapper.data import windows_from_tokens
@@ -63,6 +63,9 @@ def main() -> None:
     p.add_argument("--residual-steps", type=int, default=200)
     p.add_argument("--residual-lr", type=float, default=1e-3, help="peak learning rate of the residual")
     p.add_argument("--residual-rank", type=int, default=16)
+    p.add_argument("--residual-batch", type=int, default=8, help="windows per residual step")
+    p.add_argument("--rollout", action="store_true", help="residual KL on the target's own greedy continuation")
+    p.add_argument("--pairing", default="depth", help='"depth" or k: the top-k source layers by held-out R^2')
     p.add_argument("--prefix", type=int, default=256, help="prefix tokens mapped for KL (held-out windows)")
     p.add_argument("--cont", type=int, default=64, help="continuation tokens scored by KL")
     args = p.parse_args()
@@ -74,7 +77,9 @@ def main() -> None:
     select = windows_from_tokens(train_tokens, 32, args.window, seed=2)
     heldout = np.load(os.path.join(args.toy_dir, "eval", "heldout_windows.npy")).astype(np.int32)
 
-    kvmap, report = kvjax.fit_map(source, target, calib, select, rank=args.rank, residual_rank=args.residual_rank)
+    pairing = args.pairing if args.pairing == "depth" else int(args.pairing)
+    kvmap, report = kvjax.fit_map(source, target, calib, select, pairing=pairing, rank=args.rank,
+                                  residual_rank=args.residual_rank)
     dist_windows = heldout[:32, : args.window]
     kl_windows = heldout[32:160, : args.prefix + args.cont]
     report["distances_ridge"] = distances(kvmap, source, target, dist_windows)
@@ -82,7 +87,8 @@ def main() -> None:
     report["kl_ridge"] = float(kl_ridge.mean())
     log.info("ridge: %s, KL %.4f", report["distances_ridge"]["mapped"], report["kl_ridge"])
     if args.residual_steps:
-        rc = ResidualConfig(steps=args.residual_steps, prefix_len=args.prefix, cont_len=args.cont, lr=args.residual_lr)
+        rc = ResidualConfig(steps=args.residual_steps, prefix_len=args.prefix, cont_len=args.cont, lr=args.residual_lr,
+                            batch_size=args.residual_batch, rollout=args.rollout)
         kvmap, _ = kvjax.train_residual(kvmap, source, target, train_tokens, rc, workdir=args.out)
         report["distances_residual"] = distances(kvmap, source, target, dist_windows)
         kl_res = evaluate_kl(kvmap, source, target, kl_windows, args.prefix)
@@ -91,6 +97,9 @@ def main() -> None:
                       kl_residual_minus_ridge_ci95=[ci.lo, ci.hi])
         log.info("residual: KL %.4f (%.1f%% lower; paired 95%% CI of the difference [%.4f, %.4f])",
                  report["kl_residual"], 100 * report["kl_reduction"], ci.lo, ci.hi)
+    agree = next_token_agreement(kvmap, source, target, kl_windows, args.prefix)
+    report["agreement"] = {k: float(v.mean()) for k, v in agree.items()}
+    log.info("next-token agreement: %s", report["agreement"])
     info = {"source": os.path.join(args.toy_dir, "source"), "target": os.path.join(args.toy_dir, "target"),
             "tokenizer_sha256": sha256_file(os.path.join(args.toy_dir, "target", "tokenizer.json")),
             "calib_sha256": hashlib.sha256(calib.tobytes()).hexdigest(), "calib_tokens": report["calib_tokens"],
