@@ -201,3 +201,13 @@ def test_pipelined_split_path_gives_the_same_tokens(pair):
         logits, cache = _first(target[1], target[0], last, cache)
         got = _decode(target[1], target[0], cache, logits, jax.random.key(0), n_new, Sampling(0.0, 1.0), (), 0)
         np.testing.assert_array_equal(got, want)
+
+
+def test_device_benchmark_smoke(capsys):
+    """launch/bench_kernel.py end to end on CPU (tiny shapes, interpret mode), including its kernel-vs-XLA check."""
+    from launch import bench_kernel
+    rows = bench_kernel.main(["--smoke"])
+    assert {r["impl"] for r in rows} == {"xla f32", "pallas triton (interpret) bf16 weights",
+                                         "pallas triton (interpret) f32 weights"}
+    assert all(r["rel_err_vs_xla"] is None or r["rel_err_vs_xla"] < 2e-2 for r in rows)
+    assert "GB/s" in capsys.readouterr().out
