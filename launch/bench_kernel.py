@@ -9,8 +9,9 @@ Device mode: random weights in Qwen3-32B -> Qwen3-8B shapes (source cache 64 lay
 layers (a) with the kernel, bf16 weights, (b) the kernel with f32 weights, (c) the XLA path (`apply_map`'s math,
 f32), each jitted with the target cache donated; prints the median time, the bytes the map must move (paired source
 K/V read + target K/V written + weights) / time against the device's copy bandwidth measured in the same run, the
-achieved matmul TFLOP/s, and the kernel's error against the XLA result. About 2 minutes on one H100/H200 (most
-of it compiles); memory peaks at ~8 GB at 16K.
+achieved matmul TFLOP/s, and the kernel's error against the XLA result (exit status 1 on a mismatch). Sized for
+well under 5 minutes on one GPU (15 compiles, 5 timed runs each; not yet run on a GPU: no device was available when
+it was written); memory peaks at ~10 GB at 16K.
 
 TTFT mode: the shipped toy pair (checkpoints/toy), a map fitted on random tokens (or --map DIR). Time to the first
 token (from host tokens to the token id on the host) of the source alone (native prefill of the whole prompt into
