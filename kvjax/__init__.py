@@ -10,7 +10,8 @@ from kvjax.mapper.artifact import load_map, save_map
 from kvjax.mapper.fit import fit_map
 from kvjax.mapper.kvmap import KVMap, apply_map
 from kvjax.mapper.residual import ResidualConfig, train_residual
-from kvjax.mapper.split import split_generate
+from kvjax.mapper.split import SplitResult, native_generate, split_generate
+from kvjax.gate import GateResult, load_gate
 from kvjax.tensorfile import SafetensorsError
 
 __version__ = "0.1.0"
@@ -18,5 +19,5 @@ __all__ = [
     "KVCache", "init_cache", "generate", "Sampling", "pad_prompts", "load_hf", "load_hf_config", "load_tokenizer",
     "save_hf", "Qwen3Config", "ConfigError", "CheckpointError", "SafetensorsError", "Params", "init_params",
     "prefill", "decode_step", "KVMap", "fit_map", "apply_map", "save_map", "load_map", "train_residual",
-    "ResidualConfig", "split_generate",
+    "ResidualConfig", "split_generate", "native_generate", "SplitResult", "GateResult", "load_gate",
 ]

@@ -11,6 +11,7 @@ import difflib
 import importlib
 import importlib.util
 import os
+import sys
 import types
 import typing
 from typing import Any
@@ -28,23 +29,32 @@ def available_configs() -> list[str]:
     return sorted(f[:-3] for f in os.listdir(CONFIG_DIR) if f.endswith(".py") and not f.startswith("_"))
 
 
+def _exec_file(module_name: str, path: str):
+    """Import a config file as `module_name` (registered in sys.modules: dataclasses need their module there)."""
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
+    return module
+
+
 def load_named(name: str):
     """The object returned by get_config() of configs/NAME.py (or of a .py file given by path)."""
     if name.endswith(".py") or os.sep in name:
         if not os.path.isfile(name):
             raise ConfigFlagError(f"--config={name}: no such file")
-        spec = importlib.util.spec_from_file_location(f"_kvjax_config_{abs(hash(name))}", name)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = _exec_file(f"_kvjax_config_{os.path.splitext(os.path.basename(name))[0]}", name)
         where = name
     else:
         path = os.path.join(CONFIG_DIR, f"{name}.py")
         if not os.path.isfile(path):
             raise ConfigFlagError(f"--config={name}: there is no configs/{name}.py; available: "
                                   f"{', '.join(available_configs()) or 'none'}")
-        spec = importlib.util.spec_from_file_location(f"configs.{name}", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = _exec_file(f"configs.{name}", path)
         where = f"configs/{name}.py"
     if not hasattr(module, "get_config"):
         raise ConfigFlagError(f"{where} has no get_config() function")

@@ -44,7 +44,7 @@ class Check:
 
 @dataclasses.dataclass(frozen=True)
 class GateResult:
-    passed: bool  # every measured check passed and at least one was measured
+    passed: bool  # every measured check passed, and at least one was measured (unless no threshold is set)
     map_arm: str  # the map the checks are about ("residual" or "ridge")
     checks: tuple[Check, ...]
     thresholds: dict
@@ -54,6 +54,8 @@ class GateResult:
         return [c for c in self.checks if c.passed is False]
 
     def summary(self) -> str:
+        if not self.checks:
+            return "PASS (no thresholds set)"
         if not any(c.measured for c in self.checks):
             return "FAIL: none of the gated metrics was measured"
         if self.passed:
@@ -111,7 +113,8 @@ def evaluate_gate(metrics: dict, config: GateConfig, map_arm: str = "residual") 
     add("retrieval_retention", worst, config.min_retrieval_retention, "min",
         where or "native target scored 0: retention undefined")
     measured = [c for c in checks if c.measured]
-    passed = bool(measured) and all(c.passed for c in measured)
+    # no thresholds at all: nothing to fail; thresholds but no measurement: no evidence, so no pass
+    passed = all(c.passed for c in measured) and (bool(measured) or not checks)
     return GateResult(passed, map_arm, tuple(checks), dataclasses.asdict(config))
 
 

@@ -206,6 +206,7 @@ class Job:
         self._mesh = None
         self.seconds: dict[str, float] = {}
         self.reused: list[str] = []
+        self._checked = False
 
     # -- shared resources, loaded on first use --
 
@@ -266,6 +267,9 @@ class Job:
 
     def check(self) -> None:
         """Apply --redo, then make sure no finished stage conflicts with these settings (before any work)."""
+        if self._checked:
+            return
+        self._checked = True
         names = list(self.stages)
         for r in self.redo:
             if r not in self.stages:
@@ -489,9 +493,12 @@ def setup_logging(run_dir: str) -> None:
     root = logging.getLogger()
     root.setLevel(logging.INFO)
     for h in list(root.handlers):
-        if getattr(h, "_kvjax_launch", False):
+        # ours from an earlier call, or the bare stderr handler absl's first log line installs via basicConfig
+        if getattr(h, "_kvjax_launch", False) or (type(h) is logging.StreamHandler
+                                                   and h.stream in (sys.stderr, sys.__stderr__)):
             root.removeHandler(h)
-            h.close()
+            if getattr(h, "_kvjax_launch", False):
+                h.close()
     for handler in (logging.StreamHandler(sys.stderr), logging.FileHandler(os.path.join(run_dir, "run.log"))):
         handler.setFormatter(fmt)
         handler._kvjax_launch = True

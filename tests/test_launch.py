@@ -1,0 +1,337 @@
+"""`python -m kvjax.launch`: config parsing and overrides, fast errors, stages that resume, the quality gate and
+split_generate's fallback, the report's files and metrics.json schema; the qwen32_8 path end to end with tiny random
+checkpoints standing in for Qwen3-32B / 8B (sharded over conftest's 8 fake CPU devices)."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax import config_flags, launch
+from kvjax.config_flags import ConfigFlagError
+from kvjax.gate import GateConfig, evaluate_gate, load_gate
+from kvjax.run_config import RunConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOY = os.path.join(REPO, "checkpoints", "toy")
+TOKENIZER = os.path.join(TOY, "tokenizer")
+
+# every run in this file: tiny sizes, everything else as configured
+SMALL = [
+    "--config.data.max_train_tokens=6000", "--config.data.max_heldout_tokens=3000",
+    "--config.data.heldout_window_len=80",
+    "--config.map.calib_windows=6", "--config.map.select_windows=4", "--config.map.window_len=48",
+    "--config.map.batch_size=4", "--config.map.residual_rank=4",
+    "--config.residual.steps=3", "--config.residual.batch_size=2", "--config.residual.prefix_len=24",
+    "--config.residual.cont_len=8", "--config.residual.warmup_steps=1", "--config.residual.save_every=2",
+    "--config.eval.distances.windows=3", "--config.eval.distances.window_len=48",
+    "--config.eval.kl.windows=4", "--config.eval.kl.prefix_len=24", "--config.eval.kl.cont_len=8",
+    "--config.eval.mc.limit=3",
+    "--config.eval.retrieval.limit=2", "--config.eval.retrieval.lengths=40,48",
+    "--config.eval.throughput.lengths=32,64", "--config.eval.throughput.repeats=1",
+    "--config.eval.throughput.new_tokens=4", "--config.eval.bootstrap=200",
+]
+
+REQUIRED = [  # metrics.json paths the issue fixes; "*" = every key at that level
+    "distances.key_cos.raw", "distances.key_cos.ridge", "distances.key_cos.residual", "distances.value_cos.raw",
+    "distances.value_cos.ridge", "distances.value_cos.residual", "distances.key_nrmse.raw",
+    "distances.key_nrmse.ridge", "distances.key_nrmse.residual", "distances.value_nrmse.raw",
+    "distances.value_nrmse.ridge", "distances.value_nrmse.residual",
+    "kl.ridge", "kl.residual", "kl.reduction", "kl.residual_minus_ridge_ci95",
+    *[f"mc.{s}.acc.{a}" for s in ("hellaswag", "piqa") for a in ("target", "source", "direct", "ridge", "residual")],
+    "mc.hellaswag.gap_recovered", "mc.piqa.gap_recovered", "mc.hellaswag.delta_vs_target_ci95",
+    "mc.piqa.delta_vs_target_ci95",
+    *[f"retrieval.*.{a}" for a in ("target", "source", "residual")],
+    *[f"throughput.*.{m}.{a}" for m in ("decode_tps", "ttft_s", "active_s") for a in ("target", "source", "mapped")],
+    "gate.passed", "gate.thresholds.min_key_cos", "gate.thresholds.min_kl_reduction",
+    "gate.thresholds.min_mc_retention",
+]
+
+
+def write_mc_sets(root) -> list[str]:
+    """Tiny HellaSwag / PIQA-schema files with short contexts (one shape bucket: few compiles)."""
+    hs, pq = os.path.join(root, "hellaswag.jsonl"), os.path.join(root, "piqa.jsonl")
+    with open(hs, "w") as f:
+        for i in range(3):
+            f.write(json.dumps({"ctx": f"def add_{i}(a, b):\n", "label": i % 4,
+                                "endings": ["    return a + b\n", "    return a - b\n", "    pass\n",
+                                            f"    print({i})\n"]}) + "\n")
+    with open(pq, "w") as f:
+        for i in range(3):
+            f.write(json.dumps({"goal": f"Open file number {i}", "sol1": " with open()", "sol2": " by hand",
+                                "label": i % 2}) + "\n")
+    return [f"--config.eval.mc.hellaswag={hs}", f"--config.eval.mc.piqa={pq}"]
+
+
+def lookup(d, path: str):
+    """Values at a dotted path ("*" fans out over keys)."""
+    nodes = [d]
+    for part in path.split("."):
+        nodes = [v for n in nodes for v in (n.values() if part == "*" else [n[part]])]
+    return nodes
+
+
+def tiny_pair(root, source_layers=3, target_layers=2, same_kv=False):
+    """Tiny random Qwen3 checkpoints sharing the toy tokenizer (vocab 8192)."""
+    def make(name, hidden, layers, heads, kv, hd, seed):
+        cfg = kvjax.Qwen3Config(vocab_size=8192, hidden_size=hidden, intermediate_size=2 * hidden, num_layers=layers,
+                                num_heads=heads, num_kv_heads=kv, head_dim=hd, rope_theta=10_000.0,
+                                tie_word_embeddings=True, eos_token_ids=(0,), pad_token_id=0)
+        path = os.path.join(root, name)
+        kvjax.save_hf(path, cfg, kvjax.init_params(cfg, jax.random.key(seed), std=0.1), tokenizer_dir=TOKENIZER)
+        return path
+    return (make("source", 32, source_layers, 4, 2, 16, 0),
+            make("target", 16, target_layers, 2, 2 if same_kv else 1, 16, 1))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def in_repo_root():
+    """The shipped configs name repository-relative paths, as the README's commands run from the root."""
+    old = os.getcwd()
+    os.chdir(REPO)
+    yield
+    os.chdir(old)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return tiny_pair(str(tmp_path_factory.mktemp("tiny_pair")))
+
+
+# ---- configs -------------------------------------------------------------------------------------------------------
+
+def test_default_config_is_toy_and_overrides_are_typed():
+    cfg = config_flags.build("toy", [("eval.mc.limit", "50"), ("eval.throughput.lengths", "256, 1024"),
+                                     ("map.rank", "8"), ("gate.max_kl", "0.5"), ("eval.kl.enabled", "false"),
+                                     ("output_dir", "/tmp/x"), ("data.train_text", "a.txt,b.jsonl")], RunConfig)
+    assert isinstance(cfg, RunConfig) and cfg.name == "toy"
+    assert cfg.eval.mc.limit == 50 and cfg.eval.throughput.lengths == (256, 1024) and cfg.map.rank == 8
+    assert cfg.gate.max_kl == 0.5 and cfg.eval.kl.enabled is False and cfg.output_dir == "/tmp/x"
+    assert cfg.data.train_text == ("a.txt", "b.jsonl")
+    assert config_flags.build("toy", [("map.rank", "None")], RunConfig).map.rank is None
+    name, overrides, rest = config_flags.parse_argv(["--config.seed", "3", "--redo=report", "--config.eval.mc.limit=2"])
+    assert name is None and overrides == [("seed", "3"), ("eval.mc.limit", "2")] and rest == ["--redo=report"]
+    cfg, redo, _ = launch.parse(["--config.eval.mc.limit=7", "--redo=mc,report"])  # default config: toy
+    assert cfg.name == "toy" and cfg.eval.mc.limit == 7 and redo == ("mc", "report")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ([("eval.mc.limt", "3")], "unknown config field 'eval.mc.limt' (did you mean 'eval.mc.limit'?)"),
+    ([("nope", "3")], "unknown config field 'nope'"),
+    ([("eval.mc.limit", "many")], "--config.eval.mc.limit='many': expected int or none"),
+    ([("eval.kl.enabled", "maybe")], "expected bool"),
+    ([("eval", "1")], "'eval' is a group of settings"),
+    ([("seed.x", "1")], "'seed' holds a single value"),
+])
+def test_bad_overrides_are_clear_errors(overrides, message):
+    with pytest.raises(ConfigFlagError) as e:
+        config_flags.build("toy", overrides, RunConfig)
+    assert message in str(e.value)
+
+
+def test_unknown_config_and_wrong_config_type():
+    with pytest.raises(ConfigFlagError, match="there is no configs/nope.py; available: .*toy"):
+        config_flags.build("nope", [], RunConfig)
+    with pytest.raises(ConfigFlagError, match="returns a ToyPairConfig, not a RunConfig"):
+        config_flags.build("toy_pair", [], RunConfig)
+
+
+def test_cli_errors_exit_nonzero_and_write_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert launch.main([f"--config.output_dir={out}", "--config.eval.mc.limt=3"]) == 2
+    assert "did you mean 'eval.mc.limit'" in capsys.readouterr().err
+    assert launch.main([f"--config.output_dir={out}", "--config.eval.mc.hellaswag=missing.jsonl",
+                        "--config.map.pairing=best", "--config.eval.retrieval.arms=target,oracle"]) == 2
+    err = capsys.readouterr().err
+    assert "no such file missing.jsonl" in err and "map.pairing='best'" in err and "unknown arms ['oracle']" in err
+    assert launch.main([f"--config.output_dir={out}", "--bogus"]) == 2
+    assert not out.exists()
+
+
+def test_missing_qwen_checkpoints_fail_fast_naming_what_to_set(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("KVJAX_SOURCE", "KVJAX_TARGET")}
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "kvjax.launch", "--config=qwen32_8", f"--config.output_dir={out}"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "KVJAX_SOURCE" in proc.stderr and "--config.source.path" in proc.stderr and "Qwen3-32B" in proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists()
+    env["KVJAX_SOURCE"], env["KVJAX_TARGET"] = str(tmp_path / "nope32"), str(tmp_path / "nope8")
+    proc = subprocess.run([sys.executable, "-m", "kvjax.launch", "--config=qwen32_8", f"--config.output_dir={out}"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "(from $KVJAX_SOURCE) does not exist" in proc.stderr and not out.exists()
+
+
+# ---- the gate and split_generate's fallback ------------------------------------------------------------------------
+
+def test_gate_thresholds():
+    metrics = {"distances": {"key_cos": {"residual": 0.9}, "value_cos": {"residual": 0.6}},
+               "kl": {"residual": 0.4, "ridge": 0.5, "reduction": 0.2},
+               "mc": {"hellaswag": {"acc": {"target": 0.5, "residual": 0.49}},
+                      "piqa": {"acc": {"target": 0.6, "residual": 0.66}}},
+               "retrieval": {"1024": {"target": 0.0, "residual": 0.0}}}
+    g = evaluate_gate(metrics, GateConfig())
+    assert g.passed and {c.name for c in g.checks} == {"key_cos", "value_cos", "kl_reduction", "mc_retention"}
+    assert g.to_json()["checks"]["mc_retention"]["value"] == pytest.approx(0.98)
+    g = evaluate_gate(metrics, GateConfig(min_mc_retention=0.99, max_kl=0.3, min_retrieval_retention=0.5))
+    assert not g.passed and {c.name for c in g.failed} == {"mc_retention", "kl"}
+    assert "mc_retention 0.98 < 0.99" in g.summary()
+    assert g.to_json()["checks"]["retrieval_retention"]["value"] is None  # target scored 0: not measured
+    assert not evaluate_gate({}, GateConfig()).passed  # thresholds but nothing measured: no pass
+    assert evaluate_gate(metrics, GateConfig(None, None, None, None, None, None)).passed  # no thresholds at all
+    assert evaluate_gate({"kl": {"ridge": 0.5}}, GateConfig(max_kl=0.6), map_arm="ridge").passed
+
+
+@pytest.fixture(scope="module")
+def fitted(pair, qwen_run):
+    """The tiny pair and the map the qwen32_8 run fitted for it."""
+    source, target = kvjax.load_hf(pair[0]), kvjax.load_hf(pair[1])
+    return source, target, kvjax.load_map(os.path.join(qwen_run[0], "map"), source[0], target[0])
+
+
+def test_split_generate_falls_back_to_native_target_when_the_gate_fails(fitted, caplog):
+    source, target, kvmap = fitted
+    prompts = [[5, 9, 300, 41, 7000, 12], [8, 1000, 3]]
+    native = np.asarray(kvjax.generate(target[1], target[0], prompts, max_new_tokens=5))
+    failed = evaluate_gate({"distances": {"key_cos": {"residual": 0.1}}}, GateConfig(min_value_cos=None))
+    with caplog.at_level(logging.WARNING, logger="kvjax.mapper.split"):
+        result = kvjax.split_generate(source, target, kvmap, prompts, 5, gate=failed, timings=True)
+    assert result.path == "native_target" and result.fell_back and "key_cos 0.1 < 0.8" in result.reason
+    assert "falling back to native target prefill" in caplog.text
+    np.testing.assert_array_equal(np.asarray(result.tokens), native)
+    assert set(result.phases) == {"prefill", "first_token", "decode"}
+    mapped = np.asarray(kvjax.split_generate(source, target, kvmap, prompts, 5))
+    ok = kvjax.split_generate(source, target, kvmap, prompts, 5, gate=True)
+    assert ok.path == "split" and not ok.fell_back and ok.phases == {}
+    np.testing.assert_array_equal(np.asarray(ok.tokens), mapped)
+    with pytest.raises(TypeError, match="gate must be a GateResult"):
+        kvjax.split_generate(source, target, kvmap, prompts, 5, gate="yes")
+
+
+def test_map_distances_match_the_one_shot_metric(fitted):
+    from kvjax.eval.distances import cache_distances, map_distances
+    from kvjax.mapper.calibrate import native_cache
+    source, target, kvmap = fitted
+    windows = np.random.RandomState(1).randint(1, 8192, (3, 48)).astype(np.int32)  # the run's shapes: compiled
+    got = map_distances({"ridge": kvmap}, source, target, windows, batch_size=2)["ridge"]["per_layer"]
+    mapped = kvjax.apply_map(kvmap, native_cache(source[1], source[0], windows))
+    want = cache_distances(mapped, native_cache(target[1], target[0], windows), target[0].rope_theta)
+    for g, w in zip(got, want):
+        for k in w:
+            assert g[k] == pytest.approx(w[k], rel=1e-4, abs=1e-5)
+
+
+# ---- end to end ----------------------------------------------------------------------------------------------------
+
+def run_job(argv, env=None):
+    old = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        return launch.main(argv)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def stage_mtimes(out) -> dict:
+    d = os.path.join(out, "stages")
+    return {f: os.path.getmtime(os.path.join(d, f)) for f in os.listdir(d)}
+
+
+@pytest.fixture(scope="module")
+def qwen_run(pair, tmp_path_factory):
+    """--config=qwen32_8 with tiny checkpoints standing in for 32B / 8B (through KVJAX_SOURCE / KVJAX_TARGET)."""
+    out = str(tmp_path_factory.mktemp("qwen_run") / "run")
+    env = {"KVJAX_SOURCE": pair[0], "KVJAX_TARGET": pair[1]}
+    argv = ["--config=qwen32_8", f"--config.output_dir={out}", "--config.source.dtype=float32",
+            "--config.target.dtype=float32", *SMALL, *write_mc_sets(os.path.dirname(out))]
+    rc = run_job(argv, env)
+    return out, argv, env, rc
+
+
+def test_qwen32_8_path_end_to_end_writes_the_report(qwen_run):
+    out, _, _, rc = qwen_run
+    assert rc == 0
+    for name in ("report.md", "metrics.json", "gate.json", "run.log", "config.json", "throughput.png",
+                 "active_compute.png", "ttft.png", "distances.png", "kl_slope.png", "mc.png", "retrieval.png"):
+        assert os.path.getsize(os.path.join(out, name)) > 0, name
+    metrics = json.load(open(os.path.join(out, "metrics.json")))
+    for path in REQUIRED:
+        values = lookup(metrics, path)
+        assert values, path
+        for v in values:
+            if path.endswith("ci95"):
+                assert len(v) == 2 and v[0] <= v[1], path
+            elif path.startswith(("mc.", "retrieval.", "distances.key_cos", "distances.value_cos")) \
+                    and "gap" not in path:
+                assert -1 <= v <= 1, (path, v)
+            elif path != "gate.passed" and v is not None:
+                assert isinstance(v, float), (path, v)
+    assert set(metrics["throughput"]) == {"32", "64"} and set(metrics["retrieval"]) == {"40", "48"}
+    assert metrics["run"]["config"] == "qwen32_8" and metrics["run"]["source"]["name"] == "Qwen3-32B"
+    gate = load_gate(os.path.join(out, "gate.json"))
+    assert gate.passed == metrics["gate"]["passed"]
+    report = open(os.path.join(out, "report.md")).read()
+    for heading in ("## Summary", "## Quality: multiple choice", "## Speed", "## What the map learned",
+                    "## Residual", "## Long-context retrieval", "## Quality gate", "![KL slope chart](kl_slope.png)"):
+        assert heading in report
+    assert "8 x cpu" in report  # sharded over the fake devices
+
+
+def test_second_run_reuses_every_stage(qwen_run):
+    out, argv, env, _ = qwen_run
+    before = stage_mtimes(out)
+    metrics = open(os.path.join(out, "metrics.json")).read()
+    assert run_job(argv, env) == 0
+    assert stage_mtimes(out) == before and open(os.path.join(out, "metrics.json")).read() == metrics
+    assert open(os.path.join(out, "run.log")).read().count("reused") >= len(before)
+
+
+def test_changed_settings_conflict_and_redo_recomputes_downstream(qwen_run, capsys):
+    out, argv, env, _ = qwen_run
+    assert run_job(argv + ["--config.eval.mc.limit=2"], env) == 2
+    err = capsys.readouterr().err
+    assert "finished 'mc' stage made with other settings (mc.limit: 3 -> 2)" in err and "--redo=mc" in err
+    before = stage_mtimes(out)
+    assert run_job(argv + ["--config.eval.mc.limit=2", "--redo=mc"], env) == 0
+    after = stage_mtimes(out)
+    changed = {f for f in after if after[f] != before.get(f)}
+    assert changed == {"mc.json", "report.json"}
+    assert json.load(open(os.path.join(out, "metrics.json")))["mc"]["piqa"]["items"] == 2
+
+
+def test_toy_config_resumes_residual_training(pair, tmp_path):
+    """Default (toy) config with the models swapped for tiny ones: a run stopped mid-residual resumes from its
+    checkpoint, and evaluations can be switched off."""
+    out = str(tmp_path / "toy")
+    argv = [f"--config.output_dir={out}", f"--config.source.path={pair[0]}", f"--config.target.path={pair[1]}",
+            *SMALL, "--config.residual.steps=4", "--config.eval.mc.enabled=false",
+            "--config.eval.retrieval.enabled=false", "--config.eval.throughput.enabled=false"]
+    cfg, _, _ = launch.parse(argv)
+    job = launch.Job(cfg)
+    job.check()
+    os.makedirs(out)
+    with jax.set_mesh(job.mesh()):
+        for name in ("calibrate", "ridge"):
+            getattr(job, f"stage_{name}")(job.stages[name])
+            job.run.finish(job.stages[name], 0.0)
+        # a residual run interrupted after 2 of 4 steps (checkpointed every 2)
+        workdir = os.path.join(out, "residual")
+        job.run.claim_workdir(job.stages["residual"], workdir)
+        kvjax.train_residual(job.map("ridge"), *job.models(), np.asarray(job.data("train_tokens")), cfg.residual,
+                             workdir=workdir, stop_at=2)
+    assert launch.main(argv) == 0
+    log_text = open(os.path.join(out, "run.log")).read()
+    assert "resumed from step 2" in log_text and "stage calibrate  reused" in log_text
+    metrics = json.load(open(os.path.join(out, "metrics.json")))
+    assert set(metrics) >= {"distances", "kl", "gate"} and "mc" not in metrics and "throughput" not in metrics
+    assert metrics["run"]["config"] == "toy" and metrics["run"]["map"]["residual_steps"] == 4
