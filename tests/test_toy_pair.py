@@ -57,12 +57,10 @@ def test_kvjax_and_transformers_agree_on_heldout_loss(role):
     assert 1.0 < ours.mean() < 6.0  # trained: far below ln(8192) = 9.0
 
 
-@pytest.mark.xfail(strict=True, reason="issue 3: the v0 source (800 steps) is not yet better than the target; "
-                   "remove this mark when the retrained source ships")
-def test_source_is_better_than_target():
+def test_source_is_clearly_better_than_target():
     windows = np.load(os.path.join(TOY, "eval", "heldout_windows.npy"))[:8, :513]
     ce = {}
     for r in ROLES:
         cfg, params = kvjax.load_hf(os.path.join(TOY, r))
         ce[r] = window_losses(params, cfg, windows, batch_size=8).mean()
-    assert ce["source"] < ce["target"], ce  # the issue's goal (<= 0.85x) is tracked in checkpoints/toy/README.md
+    assert ce["source"] <= 0.85 * ce["target"], ce  # full held-out numbers: checkpoints/toy/README.md

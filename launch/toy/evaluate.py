@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--no-torch", action="store_true", help="skip the transformers cross-check")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
     evaldir = os.path.join(args.toy_dir, "eval")
     tokenizer = kvjax.load_tokenizer(os.path.join(args.toy_dir, "target"))
     models = {r: kvjax.load_hf(os.path.join(args.toy_dir, r)) for r in ROLES}

@@ -69,7 +69,7 @@ def main() -> None:
     p.add_argument("--prefix", type=int, default=256, help="prefix tokens mapped for KL (held-out windows)")
     p.add_argument("--cont", type=int, default=64, help="continuation tokens scored by KL")
     args = p.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
     source = kvjax.load_hf(os.path.join(args.toy_dir, "source"))
     target = kvjax.load_hf(os.path.join(args.toy_dir, "target"))
     train_tokens = np.load(os.path.join(args.data_dir, "train.npy"), mmap_mode="r")

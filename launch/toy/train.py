@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--only", choices=["target", "source"], help="train just one of the pair")
     parser.add_argument("--no-export", action="store_true", help="train only; do not write checkpoints/toy")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
     cfg = get_config()
     train_tokens, heldout_tokens = load_tokens(cfg.data_dir)
     log.info("data: %d train tokens, %d held-out tokens", len(train_tokens), len(heldout_tokens))
