@@ -190,6 +190,9 @@ def test_pipelined_split_path_gives_the_same_tokens(pair):
     prompts[1] = prompts[1][:17]
     n_new = 10
     want = kvjax.split_generate(source, target, kvmap, prompts, n_new)
+    got, phases = kvjax.split_generate(source, target, kvmap, prompts, n_new, pipeline=True, timings=True)
+    np.testing.assert_array_equal(got, want)
+    assert set(phases) == {"prefill_map", "first_token", "decode"}
 
     tokens, lengths = pad_prompts(prompts)
     t = tokens.shape[1] - 1

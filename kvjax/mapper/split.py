@@ -33,9 +33,9 @@ def _native_prefill(params, cfg, tokens, lengths, capacity):
     return forward(params, cfg, tokens, cache, lengths, last_only=True, fresh=True)[1]
 
 
-@functools.partial(jax.jit, static_argnames=("capacity", "length"))
-def _map(kvmap, source_cache, capacity, length):
-    return apply_map(kvmap, source_cache, capacity=capacity, length=length)
+@functools.partial(jax.jit, static_argnames=("capacity", "length", "impl"))
+def _map(kvmap, source_cache, capacity, length, impl="xla"):
+    return apply_map(kvmap, source_cache, capacity=capacity, length=length, impl=impl)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
@@ -122,7 +122,8 @@ def _gate_failed(gate) -> str:
 
 def split_generate(source: Model, target: Model, kvmap: KVMap, prompts, max_new_tokens: int, *,
                    temperature: float = 0.0, top_p: float = 1.0, key=None, eos_token_ids=None,
-                   pad_token_id: int | None = None, timings: bool = False, gate=None):
+                   pad_token_id: int | None = None, timings: bool = False, gate=None, pipeline: bool = False,
+                   impl: str = "xla"):
     """Source prefill -> map -> target decode. The source reads each prompt but its last token; the target reads
     that last token from the mapped cache and produces every generated token (greedy by default).
 
@@ -134,6 +135,11 @@ def split_generate(source: Model, target: Model, kvmap: KVMap, prompts, max_new_
     With a gate the result is a SplitResult (tokens, phases, path, reason); when the gate failed, the map is not
     used: the target prefills the prompt itself (native_generate), a warning is logged, and path is
     "native_target".
+
+    `pipeline`: run the source prefill and the map as one program, each target layer mapped as soon as its paired
+    source layers exist and the source stopped at the deepest paired layer (kvjax.kernels.pipeline; same tokens);
+    its timings have one phase "prefill_map" instead of source_prefill + map. `impl`: how the map runs, "xla",
+    "pallas" (the fused map-and-insert kernel) or "auto" (kernel on GPU/TPU, XLA on CPU).
     """
     (scfg, sparams), (tcfg, tparams) = source, target
     check_models(kvmap, scfg, tcfg)
@@ -145,16 +151,22 @@ def split_generate(source: Model, target: Model, kvmap: KVMap, prompts, max_new_
             log.warning("split_generate: %s; falling back to native target prefill", reason)
             result = native_generate(target, prompts, max_new_tokens, **kwargs)
         else:
-            result = split_generate(source, target, kvmap, prompts, max_new_tokens, **kwargs)
+            result = split_generate(source, target, kvmap, prompts, max_new_tokens, pipeline=pipeline, impl=impl,
+                                    **kwargs)
         out, phases = result if timings else (result, {})
         return SplitResult(out, phases, "native_target" if reason else "split", reason)
     tokens, lengths, eos, pad, capacity, last = _prepare(prompts, max_new_tokens, eos_token_ids, pad_token_id, tcfg,
                                                          temperature, key)
     t = tokens.shape[1] - 1
     phases, mark = _clock(timings)
-    src_cache = mark("source_prefill", _source_prefill(sparams, scfg, jnp.asarray(tokens[:, :t]),
-                                                       jnp.asarray(lengths - 1)))
-    cache = mark("map", _map(kvmap, src_cache, capacity, t))
+    if pipeline:
+        from kvjax.kernels.pipeline import pipelined_prefill_map
+        cache = mark("prefill_map", pipelined_prefill_map(source, kvmap, jnp.asarray(tokens[:, :t]),
+                                                          jnp.asarray(lengths - 1), capacity=capacity, impl=impl))
+    else:
+        src_cache = mark("source_prefill", _source_prefill(sparams, scfg, jnp.asarray(tokens[:, :t]),
+                                                           jnp.asarray(lengths - 1)))
+        cache = mark("map", _map(kvmap, src_cache, capacity, t, impl))
     logits, cache = mark("first_token", _first(tparams, tcfg, last, cache))
     out = mark("decode", _decode(tparams, tcfg, cache, logits, key if key is not None else jax.random.key(0),
                                  int(max_new_tokens), Sampling(float(temperature), float(top_p)), eos, pad))
