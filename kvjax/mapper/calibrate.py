@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Iterable
 
 import jax
@@ -22,6 +23,7 @@ from kvjax.models.qwen3 import forward
 from kvjax.sharding import constrain
 
 Model = tuple[Qwen3Config, Params]
+log = logging.getLogger(__name__)
 
 
 def native_cache(params: Params, cfg: Qwen3Config, tokens: jax.Array, lengths: jax.Array | None = None) -> KVCache:
@@ -179,6 +181,10 @@ def _collect_stats_sharded(source: Model, target: Model, pairing: Pairing, batch
                 raise ValueError(f"calibration batch of shape {rows.shape} after batches of {shape}: batches must "
                                  "not grow (use kvjax.mapper.calibrate.row_batches)")
             data = sharding.data_sharding(mesh, shape)
+            if acc is None:
+                mine = distributed.local_rows(data, shape)
+                log.info("%s: process %d of %d reads rows %d:%d of each %d-window batch (%d data shards)", desc,
+                         jax.process_index(), jax.process_count(), mine.start, mine.stop, shape[0], shards)
             tokens = distributed.global_batch(rows, data, shape)
             mask = distributed.global_batch(np.ones((len(rows), shape[1]), np.float32), data, shape, np.float32)
             fn = _sharded_stats_fn(scfg, tcfg, pairing, mesh, s_sh, t_sh, shape)
