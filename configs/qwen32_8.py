@@ -32,7 +32,7 @@ def get_config() -> RunConfig:
             distances=DistancesEval(windows=8, window_len=1024, batch_size=2),
             kl=KLEval(windows=64, prefix_len=1024, cont_len=128, batch_size=4),
             mc=MCEval(hellaswag="Rowan/hellaswag", piqa="ybisk/piqa", limit=1000, normalize="bytes"),
-            retrieval=RetrievalEval(lengths=(1024, 2048, 4096, 8192, 16384), files="", limit=50),
+            retrieval=RetrievalEval(lengths=(1024, 2048, 4096, 8192, 16384), files="", limit=50, batch_size=2),
             throughput=ThroughputEval(lengths=(1024, 2048, 4096, 8192, 16384), new_tokens=64, repeats=5),
         ),
         gate=GateConfig(min_key_cos=0.85, min_value_cos=0.4, min_kl_reduction=0.0, min_mc_retention=0.98),

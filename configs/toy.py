@@ -7,10 +7,12 @@ Calibration text: the train split of the toy corpus as it exists on this machine
 Python standard library that checkpoints/toy/data/manifest.json marks "train"), so no data step is needed and the
 held-out eval sets (built from held-out files only) never overlap it.
 
-Sizes (why): 128 x 512 calibration tokens and 16 x 512 for lambda fit the ridge in seconds; 150 residual steps of
-8 x (256 + 64) tokens take ~1-2 minutes; evaluation uses 16 distance windows, 64 KL windows, 200 items of each
-multiple-choice set (95% intervals about +-6 points, paired differences narrower), 20 retrieval items per length at
-1K/2K/4K, and throughput at 256..4K with 64 new tokens and 5 timed rounds.
+Sizes (why): the whole run must fit in 10 minutes on 2 CPU cores, and XLA compilation is a large share of that.
+128 x 512 calibration tokens and 16 x 512 for lambda fit the ridge in seconds; 100 residual steps of 8 x (256 + 64)
+tokens take about a minute; evaluation uses 16 distance windows, 64 KL windows, 200 items of each multiple-choice
+set (95% intervals about +-6 points, paired differences narrower), 10 retrieval items per length at 1K/2K/4K (the
+toy models do not yet retrieve: a smoke signal, not a measurement), and throughput at 256..4K with 64 new tokens
+and 3 timed rounds after a compile round (9 decode runs per round: a toy decode takes milliseconds).
 """
 
 from kvjax.mapper.residual import ResidualConfig
@@ -30,14 +32,15 @@ def get_config() -> RunConfig:
         data=DataConfig(train_text=("stdlib:train",), heldout_windows=f"{TOY}/eval/heldout_windows.npy",
                         manifest=f"{TOY}/data/manifest.json", max_train_tokens=1_000_000),
         map=MapConfig(calib_windows=128, select_windows=16, window_len=512, pairing="depth", residual_rank=16),
-        residual=ResidualConfig(steps=150, batch_size=8, prefix_len=256, cont_len=64, lr=3e-3, warmup_steps=15,
+        residual=ResidualConfig(steps=100, batch_size=8, prefix_len=256, cont_len=64, lr=3e-3, warmup_steps=10,
                                 save_every=50),
         eval=EvalConfig(
             kl=KLEval(windows=64, prefix_len=256, cont_len=64),
             mc=MCEval(hellaswag=f"{TOY}/eval/hellaswag.jsonl", piqa=f"{TOY}/eval/piqa.jsonl", limit=200),
             retrieval=RetrievalEval(lengths=(1024, 2048, 4096), files=f"{TOY}/eval/retrieval_{{length}}.jsonl",
-                                    limit=20),
-            throughput=ThroughputEval(lengths=(256, 512, 1024, 2048, 4096), new_tokens=64, repeats=5),
+                                    limit=10),
+            throughput=ThroughputEval(lengths=(256, 512, 1024, 2048, 4096), new_tokens=64, repeats=3,
+                                      decode_repeats=9),
         ),
         gate=GateConfig(min_key_cos=0.8, min_value_cos=0.5, min_kl_reduction=0.0, min_mc_retention=0.95),
     )

@@ -136,8 +136,9 @@ def validate(cfg: RunConfig) -> None:
         if not ev.retrieval.lengths or min(ev.retrieval.lengths) < 16:
             problems.append("eval.retrieval.lengths must be lengths >= 16 tokens")
     if ev.throughput.enabled and (not ev.throughput.lengths or min(ev.throughput.lengths) < 2
-                                  or ev.throughput.new_tokens < 2 or ev.throughput.repeats < 1):
-        problems.append("eval.throughput needs lengths >= 2, new_tokens >= 2 and repeats >= 1")
+                                  or ev.throughput.new_tokens < 2 or ev.throughput.repeats < 1
+                                  or ev.throughput.decode_repeats < 1):
+        problems.append("eval.throughput needs lengths >= 2, new_tokens >= 2, repeats >= 1 and decode_repeats >= 1")
     for f in dataclasses.fields(GateConfig):
         value = getattr(cfg.gate, f.name)
         if value is not None and ("cos" in f.name or "retention" in f.name) and not -1 <= value <= 10:

@@ -76,6 +76,7 @@ class MCEval:
     limit: int | None = 200  # first N items of each set (None: all)
     normalize: str = "length"  # option score: "length" (per token), "bytes" (acc_norm) or "none" (sum)
     arms: tuple[str, ...] = ARMS
+    batch_size: int = 8  # items scored together (x options rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +87,7 @@ class RetrievalEval:
     files: str = "checkpoints/toy/eval/retrieval_{length}.jsonl"
     limit: int = 20  # items per length
     arms: tuple[str, ...] = ("target", "source", "residual")
+    batch_size: int = 8  # items decoded together
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +96,7 @@ class ThroughputEval:
     lengths: tuple[int, ...] = (256, 512, 1024, 2048, 4096)  # prefix lengths (tokens of held-out text)
     new_tokens: int = 64  # fixed generation length; decode tok/s counts the tokens after the first
     repeats: int = 5  # timed rounds after a warm-up round (arms interleaved); medians are reported
+    decode_repeats: int = 5  # decode phase re-runs per round from the same cache (its median): short decodes are noisy
     batch_size: int = 1  # requests decoded together
 
 

@@ -227,6 +227,39 @@ def test_map_distances_match_the_one_shot_metric(fitted):
             assert g[k] == pytest.approx(w[k], rel=1e-4, abs=1e-5)
 
 
+def test_throughput_accounting_follows_the_seed():
+    from kvjax.eval.throughput import active_seconds, ttft_seconds
+    mapped = {"source_prefill": 1.0, "map": 0.1, "first_token": 0.01, "decode": 0.5}
+    native = {"prefill": 1.0, "first_token": 0.02, "decode": 2.0}
+    assert ttft_seconds("mapped", mapped) == pytest.approx(1.11)
+    assert active_seconds("mapped", mapped) == pytest.approx(1.0 + 0.01 + 0.5 + 2 * 0.1)  # map on both devices
+    assert ttft_seconds("source", native) == pytest.approx(1.02)
+    assert active_seconds("source", native) == pytest.approx(3.02)
+
+
+def test_batched_arm_scorers_match_item_by_item(fitted, tmp_path):
+    from kvjax.eval import load_mc, score_mc, score_retrieval
+    from kvjax.eval.arms import make_arms, score_mc_arms, score_retrieval_arms
+    from kvjax.eval.needles import make_needle_items
+    source, target, kvmap = fitted
+    tok = kvjax.load_tokenizer(TOKENIZER)
+    arms = make_arms(("target", "source", "ridge"), source, target, {"ridge": kvmap})
+    items = load_mc(os.path.join(TOY, "eval", "piqa.jsonl"), schema="piqa", limit=3)
+    batched = score_mc_arms(items, tok, arms, batch_size=2, progress=False)
+    for arm in arms:
+        one = score_mc(items, tok, arm.model[1], arm.model[0], prefix_fn=arm.prefix_fn, progress=False)
+        np.testing.assert_allclose(batched[arm.name].logprobs, one.logprobs, rtol=1e-4, atol=1e-3)
+        np.testing.assert_array_equal(batched[arm.name].n_bytes, one.n_bytes)
+    haystack = np.random.RandomState(0).randint(1, 8192, 500)
+    needles = make_needle_items(haystack, tok, 40, 3, seed=0)
+    assert all(len(it.prompt_ids) == 40 for it in needles)
+    batched = score_retrieval_arms(needles, arms, batch_size=2, progress=False)
+    for arm in arms:
+        one = score_retrieval(needles, arm.model[1], arm.model[0], prefix_fn=arm.prefix_fn, progress=False)
+        assert batched[arm.name].generated == one.generated
+        np.testing.assert_allclose(batched[arm.name].answer_logprob, one.answer_logprob, rtol=1e-4, atol=1e-3)
+
+
 # ---- end to end ----------------------------------------------------------------------------------------------------
 
 def run_job(argv, env=None):

@@ -7,35 +7,37 @@
   ridge     the target answers from the source cache mapped by the ridge map
   residual  the same with the ridge + residual map
 
-Scoring every arm item by item lets the mapped arms share one source prefill per item (`SourcePrefix`), which is
-what a large source costs most.
+The scorers here run every arm on one batch of items before moving on, so the mapped arms share one source prefill
+per batch (`SourcePrefix`), which is what a large source costs most; batching keeps per-call overhead small.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from kvjax.cache import KVCache
-from kvjax.eval import multiple_choice, retrieval
-from kvjax.eval.likelihood import native_prefix_cache
-from kvjax.eval.multiple_choice import MCItem, MCResult, PrefixFn
-from kvjax.eval.retrieval import RetrievalItem, RetrievalResult
+from kvjax.cache import KVCache, init_cache
+from kvjax.eval.likelihood import bucket, continuation_logprobs, native_prefix_cache
+from kvjax.eval.multiple_choice import MCItem, MCResult, PrefixFn, encode
+from kvjax.eval.retrieval import RetrievalItem, RetrievalResult, greedy_from_prefix
+from kvjax.generation import pad_prompts
 from kvjax.mapper.calibrate import Model
 from kvjax.mapper.kvmap import KVMap, LinearMap, apply_map, direct_map, spec_for
 from kvjax.mapper.pairing import depth_pairing
 from kvjax.models.config import Qwen3Config
+from kvjax.models.qwen3 import forward
 
 
 class Arm(NamedTuple):
     name: str
     model: Model  # the model that scores / answers
-    prefix_fn: PrefixFn  # (context_ids, rows) -> that model's cache of context_ids[:-1], `rows` identical rows
+    prefix_fn: PrefixFn  # (context_ids, rows) -> cache of context_ids[:-1], `rows` identical rows (kvjax.eval.score_mc)
+    batch_fn: Callable  # (tokens int [B, T], lengths int [B]) -> that model's cache of each row's tokens[:length]
 
 
 def injection_map(source: Qwen3Config, target: Qwen3Config) -> KVMap:
@@ -70,20 +72,43 @@ def repeat_rows(cache: KVCache, rows: int) -> KVCache:
                          lengths=jnp.repeat(cache.lengths, rows))
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _prefill_rows(params, cfg, tokens, lengths):
+    cache = init_cache(cfg, tokens.shape[0], tokens.shape[1], params.embed.dtype)
+    return forward(params, cfg, tokens, cache, lengths, last_only=True, fresh=True)[1]
+
+
+def prefill_rows(model: Model, tokens, lengths) -> KVCache:
+    """The model's cache of each row's tokens[:length] (time axis bucketed: few compiles)."""
+    cfg, params = model
+    tokens = np.asarray(tokens, np.int32)
+    padded = np.zeros((tokens.shape[0], bucket(tokens.shape[1])), np.int32)
+    padded[:, : tokens.shape[1]] = tokens
+    return _prefill_rows(params, cfg, jnp.asarray(padded), jnp.asarray(lengths, jnp.int32))
+
+
 class SourcePrefix:
-    """The source's 1-row cache of context[:-1], kept for the most recent context so that every arm scoring the
-    same item reuses one source prefill."""
+    """The source's cache of the latest context (1 row) or batch of rows, kept so that every arm scoring the same
+    items reuses one source prefill."""
 
     def __init__(self, source: Model):
         self.source = source
         self._key, self._cache = None, None
 
-    def __call__(self, context_ids) -> KVCache:
-        key = tuple(int(t) for t in context_ids[:-1])
+    def _get(self, key, make):
         if key != self._key:
-            cfg, params = self.source
-            self._cache, self._key = native_prefix_cache(params, cfg, context_ids, 1), key
+            self._cache, self._key = make(), key
         return self._cache
+
+    def __call__(self, context_ids) -> KVCache:
+        cfg, params = self.source
+        return self._get(("one", tuple(int(t) for t in context_ids[:-1])),
+                         lambda: native_prefix_cache(params, cfg, context_ids, 1))
+
+    def rows(self, tokens, lengths) -> KVCache:
+        tokens, lengths = np.asarray(tokens, np.int32), np.asarray(lengths, np.int32)
+        return self._get(("rows", tokens.tobytes(), tokens.shape, lengths.tobytes()),
+                         lambda: prefill_rows(self.source, tokens, lengths))
 
 
 def make_arms(names, source: Model, target: Model, maps: dict[str, KVMap]) -> list[Arm]:
@@ -94,49 +119,94 @@ def make_arms(names, source: Model, target: Model, maps: dict[str, KVMap]) -> li
     for name in names:
         if name == "target":
             fn = lambda ctx, rows: repeat_rows(native_prefix_cache(tparams, tcfg, ctx, 1), rows)  # noqa: E731
-            arms.append(Arm(name, target, fn))
+            arms.append(Arm(name, target, fn, functools.partial(prefill_rows, target)))
         elif name == "source":
-            arms.append(Arm(name, source, lambda ctx, rows: repeat_rows(shared(ctx), rows)))
+            arms.append(Arm(name, source, lambda ctx, rows: repeat_rows(shared(ctx), rows), shared.rows))
         elif name in maps:
             kvmap = maps[name]
             fn = lambda ctx, rows, kvmap=kvmap: repeat_rows(_apply(kvmap, shared(ctx)), rows)  # noqa: E731
-            arms.append(Arm(name, target, fn))
+            batch = lambda tokens, lengths, kvmap=kvmap: _apply(kvmap, shared.rows(tokens, lengths))  # noqa: E731
+            arms.append(Arm(name, target, fn, batch))
         else:
             raise ValueError(f"arm {name!r}: no map of that name (have {sorted(maps)}); arms are target, source, "
                              "direct, ridge, residual")
     return arms
 
 
-def score_mc_arms(items: list[MCItem], tokenizer, arms: list[Arm], normalize: str = "length",
+def even_batch(n: int, batch_size: int) -> int:
+    """The batch size <= batch_size that splits n items into the fewest batches with the least padding."""
+    batches = -(-n // max(1, batch_size))
+    return -(-n // batches)
+
+
+def _padded(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded int32 [N, max(1, longest)] and lengths [N] (empty rows allowed)."""
+    lengths = np.asarray([len(x) for x in seqs], np.int32)
+    out = np.zeros((len(seqs), max(1, int(lengths.max()))), np.int32)
+    for i, x in enumerate(seqs):
+        out[i, : len(x)] = x
+    return out, lengths
+
+
+def score_mc_arms(items: list[MCItem], tokenizer, arms: list[Arm], normalize: str = "length", batch_size: int = 8,
                   progress: bool = True, desc: str = "multiple choice") -> dict[str, MCResult]:
-    """Every arm on every item (items outer, arms inner, so the mapped arms share the item's source prefill)."""
+    """Every arm on every item, `batch_size` items (x K options rows) at a time; within a batch the mapped arms share
+    one source prefill. Same scores as kvjax.eval.score_mc item by item (a short last batch repeats its last item
+    so every batch has one shape)."""
     if not items or len({len(it.options) for it in items}) != 1:
         raise ValueError("need a non-empty list of items that all have the same number of options")
-    rows = {a.name: [] for a in arms}
-    for item in tqdm(items, desc=desc, unit="item", disable=not progress):
+    k = len(items[0].options)
+    encoded = []
+    for it in items:
+        context, options = encode(tokenizer, it.context), [encode(tokenizer, o) for o in it.options]
+        if not context or not all(options):
+            raise ValueError(f"the context and every option need at least one token: {it}")
+        encoded.append((context, options, [len(o.encode()) for o in it.options]))
+    scores = {a.name: ([], []) for a in arms}
+    bs = even_batch(len(items), batch_size)
+    for start in tqdm(range(0, len(items), bs), desc=desc, unit="batch", disable=not progress):
+        chunk = encoded[start : start + bs]
+        real = len(chunk)
+        chunk = chunk + [chunk[-1]] * (bs - real)
+        prefix, lengths = _padded([c[:-1] for c, _, _ in chunk])
+        last = np.repeat(np.asarray([c[-1] for c, _, _ in chunk], np.int32), k)
+        conts, cont_lengths = pad_prompts([o for _, options, _ in chunk for o in options])
         for arm in arms:
             cfg, params = arm.model
-            rows[arm.name].append(multiple_choice.score_item(item, tokenizer, params, cfg, arm.prefix_fn))
+            cache = repeat_rows(arm.batch_fn(prefix, lengths), k)  # row b*K + j: item b's context, option j
+            total, n = continuation_logprobs(params, cfg, cache, last, conts, cont_lengths)
+            scores[arm.name][0].append(total.reshape(bs, k)[:real])
+            scores[arm.name][1].append(n.reshape(bs, k)[:real])
     labels = np.asarray([it.label for it in items])
-    out = {}
-    for name, r in rows.items():
-        logprobs, n_tokens, n_bytes = (np.stack(col) for col in zip(*r))
-        out[name] = MCResult(logprobs, n_tokens, n_bytes, labels, normalize)
-    return out
+    n_bytes = np.asarray([b for _, _, b in encoded])
+    return {name: MCResult(np.concatenate(lp), np.concatenate(nt), n_bytes, labels, normalize)
+            for name, (lp, nt) in scores.items()}
 
 
-def score_retrieval_arms(items: list[RetrievalItem], arms: list[Arm], progress: bool = True,
+def score_retrieval_arms(items: list[RetrievalItem], arms: list[Arm], batch_size: int = 8, progress: bool = True,
                          desc: str = "retrieval") -> dict[str, RetrievalResult]:
-    """Exact-match retrieval for every arm (items outer, arms inner)."""
+    """Exact-match retrieval for every arm, `batch_size` items at a time (rows padded to the longest prompt; a short
+    last batch repeats its last item so every batch has one shape)."""
     if not items:
         raise ValueError("no retrieval items")
-    rows = {a.name: [] for a in arms}
-    for item in tqdm(items, desc=desc, unit="item", disable=not progress):
+    rows = {a.name: ([], [], []) for a in arms}
+    bs = even_batch(len(items), batch_size)
+    for start in tqdm(range(0, len(items), bs), desc=desc, unit="batch", disable=not progress):
+        chunk = items[start : start + bs]
+        real = len(chunk)
+        chunk = chunk + [chunk[-1]] * (bs - real)
+        prefix, lengths = pad_prompts([it.prompt_ids[:-1] for it in chunk])
+        last = np.asarray([it.prompt_ids[-1] for it in chunk], np.int32)
+        answers, answer_lengths = pad_prompts([it.answer_ids for it in chunk])
         for arm in arms:
             cfg, params = arm.model
-            rows[arm.name].append(retrieval.score_item(item, params, cfg, arm.prefix_fn))
-    out = {}
-    for name, r in rows.items():
-        generated, correct, logprob = zip(*r)
-        out[name] = RetrievalResult(np.asarray(correct, np.float64), list(generated), np.asarray(logprob))
-    return out
+            cache = arm.batch_fn(prefix, lengths)
+            out = greedy_from_prefix(params, cfg, cache, last, int(answer_lengths.max()))
+            logprob, _ = continuation_logprobs(params, cfg, cache, last, answers, answer_lengths)
+            generated, correct, lp = rows[arm.name]
+            for i in range(real):
+                n = int(answer_lengths[i])
+                generated.append(out[i, :n].tolist())
+                correct.append(float(out[i, :n].tolist() == list(chunk[i].answer_ids)))
+                lp.append(float(logprob[i]))
+    return {name: RetrievalResult(np.asarray(c, np.float64), g, np.asarray(lp)) for name, (g, c, lp) in rows.items()}

@@ -204,7 +204,8 @@ def _speed(m: dict, charts: dict) -> list[str]:
     first = next(iter(tp.values()))
     out = ["## Speed: decode, TTFT and active compute", "",
            f"Batch {first['batch_size']}, {first['new_tokens']} new tokens (EOS ignored), medians of "
-           f"{first['repeats']} interleaved rounds after a compile round. Decode tok/s = tokens after the first / "
+           f"{first['repeats']} interleaved rounds after a compile round (decode phase: median of "
+           f"{first.get('decode_repeats', 1)} runs per round). Decode tok/s = tokens after the first / "
            "their time. TTFT = prefill (+ map) + first token. Active compute = source prefill + target decode once, "
            "map and transfer on both participating devices.", "",
            "| prefix | decode tok/s target | source | mapped | mapped / target | TTFT s target | source | mapped "

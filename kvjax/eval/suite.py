@@ -60,7 +60,7 @@ def run_mc(ec: MCEval, source: Model, target: Model, maps: dict, tokenizer) -> d
         if not where:
             continue
         items = load_mc(where, schema=schema, split=ec.split, limit=ec.limit)
-        results = score_mc_arms(items, tokenizer, arms, ec.normalize, desc=schema)
+        results = score_mc_arms(items, tokenizer, arms, ec.normalize, ec.batch_size, desc=schema)
         out[schema] = {"items": len(items), "normalize": ec.normalize, "source": where,
                        "arms": {name: {"correct": r.correct.tolist(), "predictions": r.predictions.tolist()}
                                 for name, r in results.items()}}
@@ -81,7 +81,7 @@ def run_retrieval(ec: RetrievalEval, source: Model, target: Model, maps: dict, t
             items = load_retrieval(retrieval_file(ec, length), tokenizer, limit=ec.limit)
         else:
             items = make_needle_items(heldout.reshape(-1), tokenizer, length, ec.limit, seed)
-        results = score_retrieval_arms(items, arms, desc=f"retrieval {length}")
+        results = score_retrieval_arms(items, arms, ec.batch_size, desc=f"retrieval {length}")
         out[str(length)] = {"items": len(items), "source": retrieval_file(ec, length) if ec.files else "generated",
                             "arms": {name: {"correct": r.correct.tolist(), "answer_logprob": r.answer_logprob.tolist()}
                                      for name, r in results.items()}}
@@ -92,7 +92,7 @@ def run_retrieval(ec: RetrievalEval, source: Model, target: Model, maps: dict, t
 
 def run_throughput(ec: ThroughputEval, source: Model, target: Model, kvmap, heldout: np.ndarray) -> dict:
     rows = measure_throughput(source, target, kvmap, heldout.reshape(-1), ec.lengths, new_tokens=ec.new_tokens,
-                              repeats=ec.repeats, batch_size=ec.batch_size)
+                              repeats=ec.repeats, batch_size=ec.batch_size, decode_repeats=ec.decode_repeats)
     for length, r in rows.items():
         log.info("throughput %5d: decode tok/s %s, TTFT s %s, active s %s", length,
                  {k: round(v, 1) for k, v in r["decode_tps"].items()}, {k: round(v, 4) for k, v in r["ttft_s"].items()},

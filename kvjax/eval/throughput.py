@@ -15,7 +15,8 @@ first_token (the prompt's last token: its logits give the first new token), deco
                  Here both models share the same devices, so transfer is 0 and the x2 is the seed's convention.
 
 Every arm is compiled in a warm-up round; then `repeats` timed rounds run the arms interleaved (rotating order) and
-the medians are reported.
+the medians are reported. A decode of a small model takes milliseconds, so within a round the decode phase is re-run
+`decode_repeats` times from the same cache and its median is that round's decode time.
 """
 
 from __future__ import annotations
@@ -44,23 +45,24 @@ def active_seconds(arm: str, phases: dict) -> float:
     return phases["prefill"] + phases["first_token"] + phases["decode"]
 
 
-def _run(arm: str, source: Model, target: Model, kvmap: KVMap, prompts: np.ndarray, new_tokens: int) -> dict:
+def _run(arm: str, source: Model, target: Model, kvmap: KVMap, prompts: np.ndarray, new_tokens: int,
+         decode_repeats: int) -> dict:
+    kw = dict(eos_token_ids=(), timings=True, decode_repeats=decode_repeats)
     if arm == "mapped":
-        out, phases = split_generate(source, target, kvmap, prompts, new_tokens, eos_token_ids=(), timings=True)
+        out, phases = split_generate(source, target, kvmap, prompts, new_tokens, **kw)
     else:
-        out, phases = native_generate(source if arm == "source" else target, prompts, new_tokens, eos_token_ids=(),
-                                      timings=True)
+        out, phases = native_generate(source if arm == "source" else target, prompts, new_tokens, **kw)
     if np.asarray(out).shape != (len(prompts), new_tokens):
         raise RuntimeError(f"{arm}: expected {new_tokens} new tokens per row, got {np.asarray(out).shape}")
     return phases
 
 
 def measure_throughput(source: Model, target: Model, kvmap: KVMap, tokens: np.ndarray, lengths, *,
-                       new_tokens: int = 64, repeats: int = 5, batch_size: int = 1,
+                       new_tokens: int = 64, repeats: int = 5, batch_size: int = 1, decode_repeats: int = 1,
                        progress: bool = True) -> dict[int, dict]:
     """Per prefix length: decode_tps, ttft_s, active_s, latency_s ({arm: seconds}) and phases_s ({arm: {phase: s}}),
-    medians over `repeats` rounds. `tokens`: a flat held-out token array; row r of a batch is the r-th consecutive
-    slice of each length."""
+    medians over `repeats` rounds (within a round the decode phase runs `decode_repeats` times from the same cache).
+    `tokens`: a flat held-out token array; row r of a batch is the r-th consecutive slice of each length."""
     if new_tokens < 2:
         raise ValueError("new_tokens must be >= 2 (decode speed counts the tokens after the first)")
     tokens = np.asarray(tokens, np.int32).reshape(-1)
@@ -76,7 +78,7 @@ def measure_throughput(source: Model, target: Model, kvmap: KVMap, tokens: np.nd
         for r in range(repeats + 1):  # round 0 compiles and is not counted
             order = ARMS[r % len(ARMS):] + ARMS[: r % len(ARMS)]
             for arm in order:
-                phases = _run(arm, source, target, kvmap, prompts, new_tokens)
+                phases = _run(arm, source, target, kvmap, prompts, new_tokens, decode_repeats if r else 1)
                 if r:
                     runs[arm].append(phases)
                 bar.update()
@@ -88,7 +90,7 @@ def measure_throughput(source: Model, target: Model, kvmap: KVMap, tokens: np.nd
             row["active_s"][arm] = med([active_seconds(arm, p) for p in rs])
             row["latency_s"][arm] = med([sum(p.values()) for p in rs])
             row["phases_s"][arm] = {k: med([p[k] for p in rs]) for k in rs[0]}
-        row.update(new_tokens=new_tokens, batch_size=batch_size, repeats=repeats)
+        row.update(new_tokens=new_tokens, batch_size=batch_size, repeats=repeats, decode_repeats=decode_repeats)
         out[int(length)] = row
     bar.close()
     return out

@@ -90,12 +90,27 @@ def _clock(timings: bool):
     return phases, mark
 
 
+def _timed_decode(mark, phases: dict, repeats: int, *args):
+    """The decode phase; with timings and repeats > 1 it is re-run from the same cache (not donated) and the median
+    time kept: short decodes are too brief to time once. The tokens are the first run's."""
+    out = mark("decode", _decode(*args))
+    if repeats > 1 and "decode" in phases:
+        times = [phases["decode"]]
+        for _ in range(repeats - 1):
+            t0 = time.perf_counter()
+            jax.block_until_ready(_decode(*args))
+            times.append(time.perf_counter() - t0)
+        phases["decode"] = float(np.median(times))
+    return out
+
+
 def native_generate(model: Model, prompts, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
-                    key=None, eos_token_ids=None, pad_token_id: int | None = None, timings: bool = False):
+                    key=None, eos_token_ids=None, pad_token_id: int | None = None, timings: bool = False,
+                    decode_repeats: int = 1):
     """One model reads the prompt and answers, in split_generate's phases: it prefills all but each prompt's last
     token, runs that token (the first new token's logits), then decodes. Same arguments and cache capacity as
     split_generate; returns tokens int32 [B, N], and with `timings` a dict of seconds (prefill, first_token,
-    decode). Greedy output equals kvjax.generate's."""
+    decode; `decode_repeats` as in split_generate). Greedy output equals kvjax.generate's."""
     cfg, params = model
     tokens, lengths, eos, pad, capacity, last = _prepare(prompts, max_new_tokens, eos_token_ids, pad_token_id, cfg,
                                                          temperature, key)
@@ -104,8 +119,9 @@ def native_generate(model: Model, prompts, max_new_tokens: int, *, temperature: 
     cache = mark("prefill", _native_prefill(params, cfg, jnp.asarray(tokens[:, :t]), jnp.asarray(lengths - 1),
                                             capacity))
     logits, cache = mark("first_token", _first(params, cfg, last, cache))
-    out = mark("decode", _decode(params, cfg, cache, logits, key if key is not None else jax.random.key(0),
-                                 int(max_new_tokens), Sampling(float(temperature), float(top_p)), eos, pad))
+    out = _timed_decode(mark, phases, decode_repeats, params, cfg, cache, logits,
+                        key if key is not None else jax.random.key(0), int(max_new_tokens),
+                        Sampling(float(temperature), float(top_p)), eos, pad)
     return (out, phases) if timings else out
 
 
@@ -123,13 +139,14 @@ def _gate_failed(gate) -> str:
 def split_generate(source: Model, target: Model, kvmap: KVMap, prompts, max_new_tokens: int, *,
                    temperature: float = 0.0, top_p: float = 1.0, key=None, eos_token_ids=None,
                    pad_token_id: int | None = None, timings: bool = False, gate=None, pipeline: bool = False,
-                   impl: str = "xla"):
+                   impl: str = "xla", decode_repeats: int = 1):
     """Source prefill -> map -> target decode. The source reads each prompt but its last token; the target reads
     that last token from the mapped cache and produces every generated token (greedy by default).
 
     `prompts`: list of token lists (>= 2 tokens each) or int array [B, T]. Returns tokens int32 [B, N], and with
     `timings` also a dict of per-phase seconds (source_prefill, map, first_token, decode), each measured with
-    block_until_ready (so phases do not overlap; use timings=False for the fastest path).
+    block_until_ready (so phases do not overlap; use timings=False for the fastest path). With timings,
+    `decode_repeats` > 1 re-runs the decode phase from the same cache and reports its median time.
 
     `gate`: the map's quality gate (kvjax.gate.GateResult, e.g. kvjax.load_gate("runs/toy/gate.json"), or a bool).
     With a gate the result is a SplitResult (tokens, phases, path, reason); when the gate failed, the map is not
@@ -146,7 +163,7 @@ def split_generate(source: Model, target: Model, kvmap: KVMap, prompts, max_new_
     if gate is not None:
         reason = _gate_failed(gate)
         kwargs = dict(temperature=temperature, top_p=top_p, key=key, eos_token_ids=eos_token_ids,
-                      pad_token_id=pad_token_id, timings=timings)
+                      pad_token_id=pad_token_id, timings=timings, decode_repeats=decode_repeats)
         if reason:
             log.warning("split_generate: %s; falling back to native target prefill", reason)
             result = native_generate(target, prompts, max_new_tokens, **kwargs)
@@ -168,6 +185,7 @@ def split_generate(source: Model, target: Model, kvmap: KVMap, prompts, max_new_
                                                            jnp.asarray(lengths - 1)))
         cache = mark("map", _map(kvmap, src_cache, capacity, t, impl))
     logits, cache = mark("first_token", _first(tparams, tcfg, last, cache))
-    out = mark("decode", _decode(tparams, tcfg, cache, logits, key if key is not None else jax.random.key(0),
-                                 int(max_new_tokens), Sampling(float(temperature), float(top_p)), eos, pad))
+    out = _timed_decode(mark, phases, decode_repeats, tparams, tcfg, cache, logits,
+                        key if key is not None else jax.random.key(0), int(max_new_tokens),
+                        Sampling(float(temperature), float(top_p)), eos, pad)
     return (out, phases) if timings else out
