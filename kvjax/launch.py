@@ -23,138 +23,14 @@ import sys
 import time
 
 from kvjax.config_flags import ConfigFlagError, build, describe_config, parse_argv, to_dict
-from kvjax.gate import GateConfig
-from kvjax.run_config import ARMS, RunConfig
+from kvjax.preflight import LaunchError, make_mesh, resolve_models, validate
+from kvjax.run_config import RunConfig
 from kvjax.stages import RunDir, Stage, StageConflict, model_identity, read_json, write_json
 
 log = logging.getLogger("kvjax.launch")
 DEFAULT_CONFIG = "toy"
 EVALS = ("distances", "kl", "mc", "retrieval", "throughput")
 STAGES = ("calibrate", "ridge", "residual", *EVALS, "report")
-
-
-class LaunchError(Exception):
-    """A problem the user can fix; the message says how. Raised before any work whenever possible."""
-
-
-# ---- configuration: resolve and validate before any work -----------------------------------------------------------
-
-def resolve_models(cfg: RunConfig) -> RunConfig:
-    """Fill empty model paths from their environment variables; a missing checkpoint is an error naming both."""
-    out = {}
-    for role in ("source", "target"):
-        mc = getattr(cfg, role)
-        path = mc.path or (os.environ.get(mc.env, "") if mc.env else "")
-        if not path:
-            how = f"set {mc.env}=/path/to/{mc.name or role} or pass" if mc.env else "pass"
-            raise LaunchError(f"no {role} checkpoint given for {mc.name or role}: {how} "
-                              f"--config.{role}.path=/path/to/{mc.name or role} (an HF directory with config.json "
-                              "and *.safetensors)")
-        if not os.path.isdir(path):
-            via = f" (from ${mc.env})" if not mc.path and mc.env else ""
-            raise LaunchError(f"{role} checkpoint directory {path!r}{via} does not exist; set "
-                              f"--config.{role}.path{' or ' + mc.env if mc.env else ''} to an HF checkpoint directory")
-        out[role] = dataclasses.replace(mc, path=path, name=mc.name or os.path.basename(os.path.normpath(path)))
-    return dataclasses.replace(cfg, **out)
-
-
-def validate(cfg: RunConfig) -> None:
-    """Every check that needs no computation; all problems are reported at once."""
-    import numpy as np
-
-    from kvjax.corpus import CorpusError, check_source
-    from kvjax.eval.multiple_choice import NORMALIZE
-    from kvjax.eval.suite import check_sources, retrieval_file
-    from kvjax.hf import CheckpointError, load_hf_config
-    from kvjax.models.config import ConfigError
-
-    problems = []
-    cfgs = {}
-    for role in ("source", "target"):
-        mc = getattr(cfg, role)
-        try:
-            cfgs[role] = load_hf_config(mc.path)
-        except (CheckpointError, ConfigError) as e:
-            problems.append(f"{role}: {e}")
-        if mc.dtype not in ("float32", "bfloat16"):
-            problems.append(f"{role}.dtype={mc.dtype!r}: use float32 or bfloat16")
-    if not os.path.isfile(os.path.join(cfg.target.path, "tokenizer.json")):
-        problems.append(f"target checkpoint {cfg.target.path} has no tokenizer.json (the pair's shared tokenizer)")
-    if len(cfgs) == 2 and cfgs["source"].vocab_size != cfgs["target"].vocab_size:
-        problems.append(f"source and target vocabularies differ ({cfgs['source'].vocab_size} vs "
-                        f"{cfgs['target'].vocab_size}); a cache map needs models that share a tokenizer")
-    d = cfg.data
-    for source in d.train_text + (d.heldout_text if not d.heldout_windows else ()):
-        try:
-            check_source(source, d.manifest)
-        except CorpusError as e:
-            problems.append(f"data: {e}")
-    if not d.train_text:
-        problems.append("data.train_text is empty: give the calibration text (e.g. stdlib:train)")
-    ev = cfg.eval
-    rows_needed = (ev.distances.windows if ev.distances.enabled else 0) + (ev.kl.windows if ev.kl.enabled else 0)
-    len_needed = max(ev.distances.window_len if ev.distances.enabled else 0,
-                     ev.kl.prefix_len + ev.kl.cont_len if ev.kl.enabled else 0)
-    if d.heldout_windows:
-        if not os.path.isfile(d.heldout_windows):
-            problems.append(f"data.heldout_windows: no such file {d.heldout_windows}")
-        else:
-            shape = np.load(d.heldout_windows, mmap_mode="r").shape
-            if len(shape) != 2 or shape[0] < rows_needed or shape[1] < len_needed:
-                problems.append(f"data.heldout_windows {d.heldout_windows} has shape {shape}; the distance + KL "
-                                f"evaluations need >= {rows_needed} rows of >= {len_needed} tokens")
-    elif d.heldout_window_len < len_needed:
-        problems.append(f"data.heldout_window_len={d.heldout_window_len} is shorter than the {len_needed} tokens the "
-                        "distance / KL windows need")
-    m = cfg.map
-    if m.pairing != "depth" and not (m.pairing.startswith("top") and m.pairing[3:].isdigit()):
-        problems.append(f"map.pairing={m.pairing!r}: use 'depth' or 'topK' (e.g. top2)")
-    elif m.pairing != "depth" and "source" in cfgs and not 1 <= int(m.pairing[3:]) <= cfgs["source"].num_layers:
-        problems.append(f"map.pairing={m.pairing}: K must be in 1..{cfgs['source'].num_layers}")
-    for name, value in (("map.calib_windows", m.calib_windows), ("map.select_windows", m.select_windows),
-                        ("map.window_len", m.window_len), ("map.batch_size", m.batch_size),
-                        ("map.residual_rank", m.residual_rank)):
-        if value < 1:
-            problems.append(f"{name} must be >= 1, got {value}")
-    if cfg.residual.steps < 0:
-        problems.append(f"residual.steps must be >= 0, got {cfg.residual.steps}")
-    for name, arms in (("eval.mc.arms", ev.mc.arms), ("eval.retrieval.arms", ev.retrieval.arms)):
-        bad = [a for a in arms if a not in ARMS]
-        if bad:
-            problems.append(f"{name}: unknown arms {bad}; choose from {list(ARMS)}")
-    if ev.mc.enabled:
-        problems += check_sources(ev.mc)
-        if ev.mc.normalize not in NORMALIZE:
-            problems.append(f"eval.mc.normalize={ev.mc.normalize!r}: choose from {list(NORMALIZE)}")
-    if ev.retrieval.enabled:
-        if ev.retrieval.files:
-            for length in ev.retrieval.lengths:
-                path = retrieval_file(ev.retrieval, length)
-                if not os.path.isfile(path):
-                    problems.append(f"eval.retrieval.files: no {path} for length {length} (or set "
-                                    "eval.retrieval.files='' to generate needle items from the held-out text)")
-        if not ev.retrieval.lengths or min(ev.retrieval.lengths) < 16:
-            problems.append("eval.retrieval.lengths must be lengths >= 16 tokens")
-    if ev.throughput.enabled and (not ev.throughput.lengths or min(ev.throughput.lengths) < 2
-                                  or ev.throughput.new_tokens < 2 or ev.throughput.repeats < 1
-                                  or ev.throughput.decode_repeats < 1):
-        problems.append("eval.throughput needs lengths >= 2, new_tokens >= 2, repeats >= 1 and decode_repeats >= 1")
-    for f in dataclasses.fields(GateConfig):
-        value = getattr(cfg.gate, f.name)
-        if value is not None and ("cos" in f.name or "retention" in f.name) and not -1 <= value <= 10:
-            problems.append(f"gate.{f.name}={value} is out of range")
-    if problems:
-        raise LaunchError("the config has problems (nothing was run):\n  - " + "\n  - ".join(problems))
-
-
-def make_mesh(cfg: RunConfig):
-    import jax
-
-    from kvjax.sharding import make_mesh as mesh_of
-    try:
-        return mesh_of(cfg.mesh.data, cfg.mesh.model or None)
-    except ValueError as e:
-        raise LaunchError(f"mesh: {e} (devices: {jax.device_count()}; set --config.mesh.data / --config.mesh.model)")
 
 
 # ---- stages ------------------------------------------------------------------------------------------------------
@@ -215,6 +91,10 @@ class Job:
         if self._mesh is None:
             self._mesh = make_mesh(self.cfg)
         return self._mesh
+
+    def parallel_mesh(self):
+        """The mesh for the mapper's data-parallel paths (fit_map / train_residual mesh=), None on one device."""
+        return self.mesh() if self.mesh().size > 1 else None
 
     def models(self):
         if self._models is None:
@@ -363,7 +243,7 @@ class Job:
         calib, select = np.asarray(self.data("calib")), np.asarray(self.data("select"))
         kvmap, report = kvjax.fit_map(source, target, calib, select, pairing=pairing, rank=cfg.map.rank,
                                       residual_rank=cfg.map.residual_rank, batch_size=cfg.map.batch_size,
-                                      seed=cfg.seed)
+                                      seed=cfg.seed, mesh=self.parallel_mesh())
         data = read_json(self.run.path("data", "data.json"))
         info = {"source": cfg.source.path, "target": cfg.target.path, "config": cfg.name,
                 "calib_sha256": data["sha256"]["calib"], "calib_tokens": report["calib_tokens"],
@@ -385,7 +265,7 @@ class Job:
         self.run.claim_workdir(stage, workdir)
         ridge = self.map("ridge")
         kvmap, history = kvjax.train_residual(ridge, source, target, np.asarray(self.data("train_tokens")),
-                                              self.cfg.residual, workdir=workdir)
+                                              self.cfg.residual, workdir=workdir, mesh=self.parallel_mesh())
         info = dict(read_manifest(self.run.path("map_ridge"))["info"], residual_steps=self.cfg.residual.steps,
                     residual=dataclasses.asdict(self.cfg.residual))
         kvjax.save_map(self.run.path("map"), kvmap, info=info)

@@ -151,6 +151,10 @@ def test_cli_errors_exit_nonzero_and_write_nothing(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "no such file missing.jsonl" in err and "map.pairing='best'" in err and "unknown arms ['oracle']" in err
     assert launch.main([f"--config.output_dir={out}", "--bogus"]) == 2
+    wrong = tmp_path / "wrong_schema.jsonl"
+    wrong.write_text(json.dumps({"goal": "a", "sol1": "b", "sol2": "c", "label": 0}) + "\n")
+    assert launch.main([f"--config.output_dir={out}", f"--config.eval.mc.hellaswag={wrong}"]) == 2
+    assert "lacks field 'ctx' of the 'hellaswag' schema" in capsys.readouterr().err
     assert not out.exists()
 
 
