@@ -2,6 +2,7 @@
 split_generate's fallback, the report's files and metrics.json schema; the qwen32_8 path end to end with tiny random
 checkpoints standing in for Qwen3-32B / 8B (sharded over conftest's 8 fake CPU devices)."""
 
+import dataclasses
 import json
 import logging
 import os
@@ -257,11 +258,20 @@ def test_batched_arm_scorers_match_item_by_item(fitted, tmp_path):
     haystack = np.random.RandomState(0).randint(1, 8192, 500)
     needles = make_needle_items(haystack, tok, 40, 3, seed=0)
     assert all(len(it.prompt_ids) == 40 for it in needles)
-    batched = score_retrieval_arms(needles, arms, batch_size=2, progress=False)
-    for arm in arms:
-        one = score_retrieval(needles, arm.model[1], arm.model[0], prefix_fn=arm.prefix_fn, progress=False)
-        assert batched[arm.name].generated == one.generated
-        np.testing.assert_allclose(batched[arm.name].answer_logprob, one.answer_logprob, rtol=1e-4, atol=1e-3)
+    # a target whose greedy answer is right: teacher forcing must call it a hit, as greedy decoding does
+    greedy = [np.asarray(kvjax.generate(target[1], target[0], [it.prompt_ids], 6, eos_token_ids=()))[0].tolist()
+              for it in needles]
+    hits = [dataclasses.replace(it, answer_ids=g) for it, g in zip(needles, greedy)]
+    for items in (needles, hits):
+        batched = score_retrieval_arms(items, arms, batch_size=2, progress=False)
+        for arm in arms:
+            one = score_retrieval(items, arm.model[1], arm.model[0], prefix_fn=arm.prefix_fn, progress=False)
+            np.testing.assert_array_equal(batched[arm.name].correct, one.correct)
+            np.testing.assert_allclose(batched[arm.name].answer_logprob, one.answer_logprob, rtol=1e-4, atol=1e-3)
+            for it, g, o in zip(items, batched[arm.name].generated, one.generated):
+                miss = next((i for i, (a, b) in enumerate(zip(g, it.answer_ids)) if a != b), len(g))
+                assert g[: miss + 1] == o[: miss + 1]  # greedy's tokens, up to its first miss
+    assert batched["target"].correct.all()
 
 
 # ---- end to end ----------------------------------------------------------------------------------------------------

@@ -22,9 +22,9 @@ import numpy as np
 from tqdm import tqdm
 
 from kvjax.cache import KVCache, init_cache
-from kvjax.eval.likelihood import bucket, continuation_logprobs, native_prefix_cache
+from kvjax.eval.likelihood import bucket, continuation_logprobs, fit_capacity, native_prefix_cache
 from kvjax.eval.multiple_choice import MCItem, MCResult, PrefixFn, encode
-from kvjax.eval.retrieval import RetrievalItem, RetrievalResult, greedy_from_prefix
+from kvjax.eval.retrieval import RetrievalItem, RetrievalResult
 from kvjax.generation import pad_prompts
 from kvjax.mapper.calibrate import Model
 from kvjax.mapper.kvmap import KVMap, LinearMap, apply_map, direct_map, spec_for
@@ -183,10 +183,37 @@ def score_mc_arms(items: list[MCItem], tokenizer, arms: list[Arm], normalize: st
             for name, (lp, nt) in scores.items()}
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _teacher_forced(params, cfg, cache, tokens, answer_lengths):
+    """tokens [B, 1 + A] = last prompt token then the answer: (answer sum log-prob [B], top token at each answer
+    position [B, A] (-1 past each row's length))."""
+    logits, _ = forward(params, cfg, tokens, cache, lengths=1 + answer_lengths)
+    logits = logits[:, :-1].astype(jnp.float32)  # position j predicts answer token j
+    logp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), tokens[:, 1:, None], -1)[..., 0]
+    mask = jnp.arange(tokens.shape[1] - 1)[None, :] < answer_lengths[:, None]
+    return jnp.where(mask, logp, 0.0).sum(1), jnp.where(mask, jnp.argmax(logits, -1), -1)
+
+
+def answer_scores(model: Model, cache: KVCache, last, answers, answer_lengths):
+    """(exact match [B], answer log-prob [B], top tokens [B, A]) of answers right-padded [B, A] after a prefix cache
+    and each prompt's last token. Exact match = every answer token is the model's top prediction given the answer
+    so far, i.e. greedy decoding would produce the answer; one teacher-forced pass instead of a decode loop."""
+    cfg, params = model
+    answers, answer_lengths = np.asarray(answers, np.int32), np.asarray(answer_lengths, np.int32)
+    tokens = np.concatenate([np.asarray(last, np.int32)[:, None], answers], axis=1)
+    cache = fit_capacity(cache, bucket(int(jnp.max(cache.lengths)) + tokens.shape[1]))
+    logprob, top = _teacher_forced(params, cfg, cache, jnp.asarray(tokens), jnp.asarray(answer_lengths))
+    top = np.asarray(top)
+    mask = np.arange(answers.shape[1])[None, :] < answer_lengths[:, None]
+    return np.all((top == answers) | ~mask, axis=1), np.asarray(logprob), top
+
+
 def score_retrieval_arms(items: list[RetrievalItem], arms: list[Arm], batch_size: int = 8, progress: bool = True,
                          desc: str = "retrieval") -> dict[str, RetrievalResult]:
-    """Exact-match retrieval for every arm, `batch_size` items at a time (rows padded to the longest prompt; a short
-    last batch repeats its last item so every batch has one shape)."""
+    """Exact-match retrieval for every arm, `batch_size` items at a time (see answer_scores; same `correct` and
+    `answer_logprob` as kvjax.eval.score_retrieval's greedy decoding; `generated` holds the model's top token at each
+    answer position, which is greedy decoding's output up to its first miss). A short last batch repeats its last
+    item so every batch has one shape."""
     if not items:
         raise ValueError("no retrieval items")
     rows = {a.name: ([], [], []) for a in arms}
@@ -199,14 +226,11 @@ def score_retrieval_arms(items: list[RetrievalItem], arms: list[Arm], batch_size
         last = np.asarray([it.prompt_ids[-1] for it in chunk], np.int32)
         answers, answer_lengths = pad_prompts([it.answer_ids for it in chunk])
         for arm in arms:
-            cfg, params = arm.model
-            cache = arm.batch_fn(prefix, lengths)
-            out = greedy_from_prefix(params, cfg, cache, last, int(answer_lengths.max()))
-            logprob, _ = continuation_logprobs(params, cfg, cache, last, answers, answer_lengths)
-            generated, correct, lp = rows[arm.name]
+            correct, logprob, top = answer_scores(arm.model, arm.batch_fn(prefix, lengths), last, answers,
+                                                  answer_lengths)
+            generated, hits, lp = rows[arm.name]
             for i in range(real):
-                n = int(answer_lengths[i])
-                generated.append(out[i, :n].tolist())
-                correct.append(float(out[i, :n].tolist() == list(chunk[i].answer_ids)))
+                generated.append(top[i, : int(answer_lengths[i])].tolist())
+                hits.append(float(correct[i]))
                 lp.append(float(logprob[i]))
     return {name: RetrievalResult(np.asarray(c, np.float64), g, np.asarray(lp)) for name, (g, c, lp) in rows.items()}
