@@ -53,6 +53,13 @@ class TrainConfig:
     copy_prob: float = 0.0
     copy_spans: int = 4
     copy_len: tuple[int, int] = (16, 64)
+    # tokens between the end of a span and the start of its copy, drawn uniformly from [lo, hi]; None = the copy goes
+    # anywhere after its span (most copies then sit a few hundred tokens away: long-range recall stays untrained)
+    copy_gap: tuple[int, int] | None = None
+    # fraction of spans whose content is first replaced by tokens drawn at random from the same window: the copy is
+    # then predictable only by recall (ordinary text is half-predictable from local context, so copying it teaches
+    # little precise long-range recall, e.g. of a number)
+    copy_random: float = 0.0
 
 
 @dataclasses.dataclass
@@ -80,7 +87,8 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
 
 
 def batch_at(data: np.ndarray, step: int, batch_size: int, seq_len: int, seed: int, copy_prob: float = 0.0,
-             copy_spans: int = 4, copy_len: tuple[int, int] = (16, 64)) -> np.ndarray:
+             copy_spans: int = 4, copy_len: tuple[int, int] = (16, 64),
+             copy_gap: tuple[int, int] | None = None, copy_random: float = 0.0) -> np.ndarray:
     """Windows [B, seq_len + 1] drawn uniformly from `data`; a pure function of (seed, step) so runs resume exactly.
     With copy_prob > 0, that fraction of windows gets `copy_spans` spans repeated later in the window (see
     TrainConfig.copy_prob)."""
@@ -93,12 +101,22 @@ def batch_at(data: np.ndarray, step: int, batch_size: int, seq_len: int, seed: i
         lo, hi = copy_len
         if not 0 < lo <= hi or 2 * hi >= seq_len:
             raise ValueError(f"copy_len {copy_len} must satisfy 0 < lo <= hi < seq_len / 2 = {seq_len / 2}")
+        if copy_gap is not None and not 0 <= copy_gap[0] <= copy_gap[1] <= seq_len + 1 - 2 * hi:
+            raise ValueError(f"copy_gap {copy_gap} must satisfy 0 <= lo <= hi <= seq_len + 1 - 2 * copy_len[1] = "
+                             f"{seq_len + 1 - 2 * hi}")
         aug = np.random.default_rng([seed, step, 1])
         for row in np.flatnonzero(aug.random(batch_size) < copy_prob):
             for _ in range(copy_spans):
                 n = int(aug.integers(lo, hi + 1))
-                src = int(aug.integers(0, seq_len + 1 - 2 * n))
-                dst = int(aug.integers(src + n, seq_len + 2 - n))
+                if copy_gap is None:
+                    src = int(aug.integers(0, seq_len + 1 - 2 * n))
+                    dst = int(aug.integers(src + n, seq_len + 2 - n))
+                else:
+                    gap = int(aug.integers(copy_gap[0], copy_gap[1] + 1))
+                    src = int(aug.integers(0, seq_len + 2 - 2 * n - gap))
+                    dst = src + n + gap
+                if copy_random > 0 and aug.random() < copy_random:
+                    batch[row, src : src + n] = batch[row, aug.integers(0, seq_len + 1, n)]
                 batch[row, dst : dst + n] = batch[row, src : src + n]
     return batch
 
@@ -155,7 +173,8 @@ def train(cfg: Qwen3Config, tc: TrainConfig, train_tokens: np.ndarray, heldout_t
     with open(metrics_path, "a") as metrics_file:
         for step in bar:
             state, m = step_fn(state, batch_at(train_tokens, step, tc.batch_size, tc.seq_len, tc.seed, tc.copy_prob,
-                                                        tc.copy_spans, tc.copy_len))
+                                                        tc.copy_spans, tc.copy_len, tc.copy_gap,
+                                                        tc.copy_random))
             loss = float(m["loss"])  # one sync per step keeps the progress bar and the timings honest
             done = step + 1
             if done % tc.eval_every == 0 or done in (tc.steps, tc.end_at):

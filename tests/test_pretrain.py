@@ -57,6 +57,28 @@ def test_copy_augmentation_repeats_spans_and_is_deterministic():
         batch_at(data, 0, 4, 16, seed=3, copy_prob=0.5, copy_len=(8, 16))
 
 
+def test_copy_gap_places_copies_at_the_requested_distance():
+    data = np.arange(50_000)  # consecutive ids: a copied token's value says where in the window it came from
+    plain = batch_at(data, 5, 32, 256, seed=2)
+    aug = batch_at(data, 5, 32, 256, seed=2, copy_prob=1.0, copy_spans=1, copy_len=(8, 8), copy_gap=(100, 120))
+    for r in range(32):
+        moved = np.flatnonzero(aug[r] != plain[r])
+        assert len(moved) == 8 and np.all(np.diff(moved) == 1)  # one contiguous span of 8
+        src = int(np.flatnonzero(plain[r] == aug[r][moved[0]])[0])
+        assert 100 <= moved[0] - (src + 8) <= 120
+    rand = batch_at(data, 5, 32, 256, seed=2, copy_prob=1.0, copy_spans=1, copy_len=(8, 8), copy_gap=(100, 120),
+                    copy_random=1.0)
+    for r in range(32):  # ids are unique, so 8 equal tokens at two places can only be a span and its copy
+        found = [(s, g) for s in range(257 - 16) for g in range(0, 258 - 16 - s)
+                 if np.array_equal(rand[r, s : s + 8], rand[r, s + 8 + g : s + 16 + g])]
+        assert len(found) == 1 and 100 <= found[0][1] <= 120
+        s, _ = found[0]
+        assert not np.array_equal(rand[r, s : s + 8], plain[r, s : s + 8])  # the span itself was replaced ...
+        assert set(rand[r, s : s + 8].tolist()) <= set(plain[r].tolist())  # ... by tokens of the same window
+    with pytest.raises(ValueError, match="copy_gap"):
+        batch_at(data, 0, 4, 64, seed=3, copy_prob=0.5, copy_len=(8, 16), copy_gap=(0, 40))
+
+
 def test_training_learns_and_resumes_exactly(tmp_path):
     data, heldout = corpus(), corpus(seed=1)
     tc = TrainConfig(seq_len=32, batch_size=4, steps=8, lr=1e-2, warmup_steps=2, eval_every=2, eval_batches=2,
