@@ -35,5 +35,6 @@ def get_config() -> RunConfig:
             retrieval=RetrievalEval(lengths=(1024, 2048, 4096, 8192, 16384), files="", limit=50, batch_size=2),
             throughput=ThroughputEval(lengths=(1024, 2048, 4096, 8192, 16384), new_tokens=64, repeats=5),
         ),
-        gate=GateConfig(min_key_cos=0.85, min_value_cos=0.4, min_kl_reduction=0.0, min_mc_retention=0.98),
+        gate=GateConfig(min_key_cos=0.85, min_value_cos=0.4, max_kl_vs_target=1.0, min_kl_reduction=0.0,
+                        min_mc_retention=0.98),
     )

@@ -42,5 +42,6 @@ def get_config() -> RunConfig:
             throughput=ThroughputEval(lengths=(256, 512, 1024, 2048, 4096), new_tokens=64, repeats=3,
                                       decode_repeats=9),
         ),
-        gate=GateConfig(min_key_cos=0.8, min_value_cos=0.5, min_kl_reduction=0.0, min_mc_retention=0.95),
+        gate=GateConfig(min_key_cos=0.8, min_value_cos=0.5, max_kl_vs_target=1.0, min_kl_reduction=0.0,
+                        min_mc_retention=0.95),
     )

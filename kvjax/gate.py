@@ -18,6 +18,9 @@ class GateConfig:
     min_key_cos: float | None = 0.8  # mean key cosine to the native target cache (pre-RoPE)
     min_value_cos: float | None = 0.5  # mean value cosine
     max_kl: float | None = None  # source-teacher KL of the final map, nats/token
+    # KL of the final map / KL of the native target (the target having read the prompt itself): above 1, the mapped
+    # cache leaves the target further from the source than its own prefill would, so the split path only costs
+    max_kl_vs_target: float | None = 1.0
     min_kl_reduction: float | None = 0.0  # 1 - KL(residual) / KL(ridge)
     min_mc_retention: float | None = 0.95  # mapped accuracy / native target accuracy, worst multiple-choice set
     min_retrieval_retention: float | None = None  # mapped / native target retrieval accuracy, worst length
@@ -94,6 +97,7 @@ def evaluate_gate(metrics: dict, config: GateConfig, map_arm: str = "residual") 
     add("key_cos", dist.get("key_cos", {}).get(map_arm), config.min_key_cos, "min")
     add("value_cos", dist.get("value_cos", {}).get(map_arm), config.min_value_cos, "min")
     add("kl", kl.get(map_arm), config.max_kl, "max")
+    add("kl_vs_target", kl.get("vs_target"), config.max_kl_vs_target, "max")
     add("kl_reduction", kl.get("reduction") if map_arm == "residual" else None, config.min_kl_reduction, "min",
         "" if map_arm == "residual" else "no residual trained")
     worst, where = None, ""

@@ -44,14 +44,15 @@ REQUIRED = [  # metrics.json paths the issue fixes; "*" = every key at that leve
     "distances.value_cos.ridge", "distances.value_cos.residual", "distances.key_nrmse.raw",
     "distances.key_nrmse.ridge", "distances.key_nrmse.residual", "distances.value_nrmse.raw",
     "distances.value_nrmse.ridge", "distances.value_nrmse.residual",
-    "kl.ridge", "kl.residual", "kl.reduction", "kl.residual_minus_ridge_ci95",
+    "kl.ridge", "kl.residual", "kl.reduction", "kl.residual_minus_ridge_ci95", "kl.target", "kl.vs_target",
+    "kl.final_minus_target_ci95", "kl.agreement.with_source", "kl.agreement.target_with_source",
     *[f"mc.{s}.acc.{a}" for s in ("hellaswag", "piqa") for a in ("target", "source", "direct", "ridge", "residual")],
     "mc.hellaswag.gap_recovered", "mc.piqa.gap_recovered", "mc.hellaswag.delta_vs_target_ci95",
     "mc.piqa.delta_vs_target_ci95",
     *[f"retrieval.*.{a}" for a in ("target", "source", "residual")],
     *[f"throughput.*.{m}.{a}" for m in ("decode_tps", "ttft_s", "active_s") for a in ("target", "source", "mapped")],
     "gate.passed", "gate.thresholds.min_key_cos", "gate.thresholds.min_kl_reduction",
-    "gate.thresholds.min_mc_retention",
+    "gate.thresholds.min_mc_retention", "gate.thresholds.max_kl_vs_target",
 ]
 
 
@@ -182,7 +183,8 @@ def test_gate_thresholds():
                       "piqa": {"acc": {"target": 0.6, "residual": 0.66}}},
                "retrieval": {"1024": {"target": 0.0, "residual": 0.0}}}
     g = evaluate_gate(metrics, GateConfig())
-    assert g.passed and {c.name for c in g.checks} == {"key_cos", "value_cos", "kl_reduction", "mc_retention"}
+    assert g.passed and {c.name for c in g.checks} == {"key_cos", "value_cos", "kl_vs_target", "kl_reduction",
+                                                       "mc_retention"}
     assert g.to_json()["checks"]["mc_retention"]["value"] == pytest.approx(0.98)
     g = evaluate_gate(metrics, GateConfig(min_mc_retention=0.99, max_kl=0.3, min_retrieval_retention=0.5))
     assert not g.passed and {c.name for c in g.failed} == {"mc_retention", "kl"}
@@ -191,6 +193,12 @@ def test_gate_thresholds():
     assert not evaluate_gate({}, GateConfig()).passed  # thresholds but nothing measured: no pass
     assert evaluate_gate(metrics, GateConfig(None, None, None, None, None, None)).passed  # no thresholds at all
     assert evaluate_gate({"kl": {"ridge": 0.5}}, GateConfig(max_kl=0.6), map_arm="ridge").passed
+    # a map that leaves the target further from the source than its own prefill fails (default threshold 1.0)
+    worse = evaluate_gate({**metrics, "kl": {**metrics["kl"], "target": 0.38, "vs_target": 0.4 / 0.38}}, GateConfig())
+    assert not worse.passed and [c.name for c in worse.failed] == ["kl_vs_target"]
+    assert "kl_vs_target 1.053 > 1" in worse.summary()
+    assert evaluate_gate({**metrics, "kl": {**metrics["kl"], "target": 0.45, "vs_target": 0.4 / 0.45}},
+                         GateConfig()).passed
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import re
 
 import numpy as np
 
+from kvjax.eval.agreement import next_token_agreement
 from kvjax.eval.arms import injection_kind, make_arms, score_mc_arms, score_retrieval_arms
 from kvjax.eval.distances import map_distances
 from kvjax.eval.multiple_choice import load_mc
@@ -43,13 +44,24 @@ def run_distances(ec: DistancesEval, source: Model, target: Model, maps: dict, h
 
 
 def run_kl(ec: KLEval, source: Model, target: Model, maps: dict, heldout: np.ndarray, skip: int) -> dict:
-    """maps: {"ridge": ..., "residual": ...} (residual optional)."""
+    """maps: {"ridge": ..., "residual": ...} (residual optional; the last one is the final map). Besides each map's
+    KL, the native target's own KL to the source on the same windows (what the map must beat: the target having
+    read the prefix itself) and the final map's next-token agreement."""
     windows = kl_windows(heldout, ec, skip)
     per_window = {}
     for name, kvmap in maps.items():
         per_window[name] = evaluate_kl(kvmap, source, target, windows, ec.prefix_len, ec.batch_size).tolist()
         log.info("KL %-8s %.4f nats/token over %d windows", name, float(np.mean(per_window[name])), len(windows))
-    return {"per_window": per_window, "windows": len(windows), "prefix_len": ec.prefix_len, "cont_len": ec.cont_len}
+    final = list(maps)[-1]
+    agree = next_token_agreement(maps[final], source, target, windows, ec.prefix_len, ec.batch_size)
+    per_window["target"] = agree["kl_native"].tolist()
+    log.info("KL %-8s %.4f nats/token (the target reading the prefix itself)", "target", agree["kl_native"].mean())
+    agreement = {"map": final, **{k: agree[k].tolist() for k in ("with_source", "with_target", "target_with_source")}}
+    log.info("next-token agreement of %s: with the source %.4f (native target %.4f), with the native target %.4f", final,
+             agree["with_source"].mean(),
+             agree["target_with_source"].mean(), agree["with_target"].mean())
+    return {"per_window": per_window, "agreement": agreement, "windows": len(windows), "prefix_len": ec.prefix_len,
+            "cont_len": ec.cont_len}
 
 
 def run_mc(ec: MCEval, source: Model, target: Model, maps: dict, tokenizer) -> dict:
