@@ -20,8 +20,9 @@ Outputs (schemas in checkpoints/toy/eval/README.md):
                        answer  " {value}"            -> 6 tokens: a space and one token per digit
                    so an induction-capable model answers by copying. Change them with --needle/--query/--answer
                    (format fields {key} and {value}), e.g. --query "assert {key} ==". --depth LO HI sets where the
-                   needle goes (fraction of the prompt), --value-digits the number's length. Prompts are stored as
-                   text only (re-tokenized at load, `length` checks it); answer_ids are stored.
+                   needle goes (fraction of the prompt), --value-digits the number's length (--value-letters N:
+                   N random letters instead; worse for the v2 source: 8/24 at 1K for 4 letters, 11/24 for 5 digits).
+                   Prompts are stored as text only (re-tokenized at load, `length` checks it); answer_ids are stored.
   heldout_windows.npy  uint16 [N, T+1] (--windows, --window-len): disjoint aligned windows of work/toy/data/heldout.npy
                    (may cross file boundaries, whose EOS id 0 they then contain), for perplexity and KL.
   meta.json        the arguments, counts and tokenizer/manifest sha256 of this build.
@@ -176,7 +177,10 @@ def build_mc(cands, docs, pool, n_items: int, n_options: int, args, tok, rng, de
 def needle_item(doc: Doc, length: int, args, tok, rng, used: set) -> dict | None:
     """One retrieval prompt of exactly `length` tokens from `doc`, or None if this draw does not work out."""
     key = f"_{rng.choice(KEY_WORDS)}_{''.join(rng.choice(list(string.ascii_lowercase), 4))}"
-    value = str(rng.integers(10 ** (args.value_digits - 1), 10 ** args.value_digits))
+    if args.value_letters:
+        value = "".join(rng.choice(list(string.ascii_lowercase), args.value_letters))
+    else:
+        value = str(rng.integers(10 ** (args.value_digits - 1), 10 ** args.value_digits))
     fields = {"key": key, "value": value}
     needle, query, answer = (t.format(**fields) for t in (args.needle, args.query, args.answer))
     ends = np.flatnonzero(doc.cut_tokens >= length + 16)
@@ -263,7 +267,8 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--answer", default=" {value}", help="what the model must generate after the query")
     p.add_argument("--depth", type=float, nargs=2, default=(0.1, 0.2), metavar=("LO", "HI"),
                    help="the needle starts at a line start within this fraction of the prompt")
-    p.add_argument("--value-digits", type=int, default=5)
+    p.add_argument("--value-digits", type=int, default=5, help="the value: a number of this many digits ...")
+    p.add_argument("--value-letters", type=int, default=0, help="... or, if > 0, this many random lowercase letters")
     p.add_argument("--haystack", choices=("stdlib", "pydoc"), default="stdlib", help="held-out source of contexts")
     p.add_argument("--windows", type=int, default=256, help="held-out windows for perplexity / KL")
     p.add_argument("--window-len", type=int, default=1025, help="tokens per window (T + 1)")
