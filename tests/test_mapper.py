@@ -1,5 +1,6 @@
 """The cache map: pairing, ridge statistics, RoPE round trip, fit/apply, residual, artifacts, split-path generation."""
 
+import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -130,6 +131,16 @@ def test_residual_training_resumes_exactly(pair, tmp_path):
     assert [h["step"] for h in hist] == [3, 4]  # picked up at the checkpoint
     for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed)):
         np.testing.assert_array_equal(a, b)
+    # a checkpoint of another run is refused, not resumed: another ridge (the models changed) or other settings
+    other, _ = kvjax.fit_map(source, target, windows(16, 40, seed=5), windows(8, 40, seed=1), batch_size=8,
+                             residual_rank=4)
+    with pytest.raises(ValueError, match="ridge_sha256.*Delete"):
+        kvjax.train_residual(other, source, target, tokens, rc, workdir=str(tmp_path / "b"))
+    with pytest.raises(ValueError, match="differs in settings"):
+        kvjax.train_residual(kvmap, source, target, tokens, dataclasses.replace(rc, lr=2e-2),
+                             workdir=str(tmp_path / "b"))
+    kvjax.train_residual(kvmap, source, target, tokens, dataclasses.replace(rc, save_every=1),
+                         workdir=str(tmp_path / "b"))  # the checkpoint interval is not part of a run's identity
 
 
 def test_topk_pairing_concatenates_the_best_source_layers(pair):

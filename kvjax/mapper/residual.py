@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -129,6 +130,36 @@ def _step_fn(opt: optax.GradientTransformation, rc: ResidualConfig, scfg, tcfg):
     return step
 
 
+def run_identity(kvmap: KVMap, rc: ResidualConfig) -> dict:
+    """What a residual checkpoint belongs to: the map's models and pairing, a hash of its frozen (ridge) part and the
+    training settings. Resuming from a checkpoint of another identity would silently continue another run."""
+    frozen = hashlib.sha256()
+    for lm in (*kvmap.keys, *kvmap.values):
+        for name in ("mu", "scale", "w_in", "w_out", "bias"):
+            frozen.update(np.ascontiguousarray(jax.device_get(getattr(lm, name)), np.float32).tobytes())
+    settings = {k: v for k, v in dataclasses.asdict(rc).items() if k != "save_every"}
+    return {"map": kvmap.map_id, "pairing": [list(p) for p in kvmap.spec.pairing],
+            "residual_rank": kvmap.spec.residual_rank, "ridge_sha256": frozen.hexdigest(), "settings": settings}
+
+
+def _check_identity(workdir: str, identity: dict, has_checkpoint: bool) -> None:
+    path = os.path.join(workdir, "residual_identity.json")
+    stored = None
+    if os.path.isfile(path):
+        with open(path) as f:
+            stored = json.load(f)
+    if has_checkpoint and stored != identity:
+        what = ("it has no residual_identity.json (an older kvjax)" if stored is None else
+                "it differs in " + ", ".join(k for k in identity if stored.get(k) != identity[k]))
+        raise ValueError(f"{workdir}/residual_ckpt holds a residual checkpoint of another run ({what}); resuming from "
+                         f"it would continue that run. Delete {workdir}/residual_ckpt or pass another workdir.")
+    if stored is None and distributed.is_primary():
+        os.makedirs(workdir, exist_ok=True)
+        with open(path + ".tmp", "w") as f:  # atomic: other processes may be reading it
+            json.dump(identity, f, indent=1)
+        os.replace(path + ".tmp", path)
+
+
 def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarray, rc: ResidualConfig,
                    workdir: str | None = None, stop_at: int | None = None,
                    mesh: Mesh | None = None) -> tuple[KVMap, list[dict]]:
@@ -142,6 +173,7 @@ def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarra
     process calls this (checkpoints are written jointly through orbax, `workdir` must be on a shared filesystem);
     only process 0 writes the log file."""
     from kvjax.pretrain import batch_at
+    identity = None if workdir is None else run_identity(kvmap, rc)  # before any placement on a mesh
     opt = make_optimizer(rc, kvmap)
     window = rc.prefix_len + rc.cont_len
     (scfg, sparams), (tcfg, tparams) = source, target
@@ -164,6 +196,7 @@ def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarra
     if workdir is not None:
         manager = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "residual_ckpt")),
                                         options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+        _check_identity(workdir, identity, manager.latest_step() is not None)
         if manager.latest_step() is not None:
             start = manager.latest_step()
             kvmap, opt_state = manager.restore(start, args=ocp.args.StandardRestore((kvmap, opt_state)))
