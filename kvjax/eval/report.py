@@ -150,7 +150,10 @@ def render_report(metrics: dict, charts: dict[str, str]) -> str:
 def _summary(m: dict, src: str, tgt: str, final: str) -> list[str]:
     out = ["## Summary", ""]
     gate = m["gate"]
-    out.append(f"- **Quality gate: {'PASS' if gate['passed'] else 'FAIL'}** (map: {final}). "
+    failed = [f"{name} {c['value']:.4g} {'<' if c['kind'] == 'min' else '>'} {c['threshold']:.4g}"
+              for name, c in gate.get("checks", {}).items() if c.get("passed") is False]
+    out.append(f"- **Quality gate: {'PASS' if gate['passed'] else 'FAIL'}** (map: {final}"
+               + (f"; failed: {', '.join(failed)}" if failed else "") + "). "
                + ("The map may serve requests." if gate["passed"] else
                   "`split_generate(..., gate=kvjax.load_gate(...))` falls back to native target prefill."))
     for name, mc in (m.get("mc") or {}).items():
