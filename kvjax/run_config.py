@@ -97,6 +97,8 @@ class ThroughputEval:
     new_tokens: int = 64  # fixed generation length; decode tok/s counts the tokens after the first
     repeats: int = 5  # timed rounds after a warm-up round (arms interleaved); medians are reported
     decode_repeats: int = 5  # decode phase re-runs per round from the same cache (its median): short decodes are noisy
+    # target and mapped decode tok/s from this many alternating timings of the two decodes (0: from the rounds)
+    paired_decode: int = 15
     batch_size: int = 1  # requests decoded together
 
 

@@ -104,7 +104,8 @@ def run_retrieval(ec: RetrievalEval, source: Model, target: Model, maps: dict, t
 
 def run_throughput(ec: ThroughputEval, source: Model, target: Model, kvmap, heldout: np.ndarray) -> dict:
     rows = measure_throughput(source, target, kvmap, heldout.reshape(-1), ec.lengths, new_tokens=ec.new_tokens,
-                              repeats=ec.repeats, batch_size=ec.batch_size, decode_repeats=ec.decode_repeats)
+                              repeats=ec.repeats, batch_size=ec.batch_size, decode_repeats=ec.decode_repeats,
+                              paired_decode=ec.paired_decode)
     for length, r in rows.items():
         log.info("throughput %5d: decode tok/s %s, TTFT s %s, active s %s", length,
                  {k: round(v, 1) for k, v in r["decode_tps"].items()}, {k: round(v, 4) for k, v in r["ttft_s"].items()},

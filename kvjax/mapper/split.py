@@ -189,3 +189,31 @@ def split_generate(source: Model, target: Model, kvmap: KVMap, prompts, max_new_
                         key if key is not None else jax.random.key(0), int(max_new_tokens),
                         Sampling(float(temperature), float(top_p)), eos, pad)
     return (out, phases) if timings else out
+
+
+def paired_decode_seconds(source: Model, target: Model, kvmap: KVMap, prompts, max_new_tokens: int,
+                          repeats: int) -> dict[str, list[float]]:
+    """Seconds of the decode phase (greedy, max_new_tokens - 1 tokens after the first, no EOS stop) of the native
+    target and of the target on the mapped cache, timed alternately `repeats` times each (target, mapped, mapped,
+    target, ...) from the same two prefilled caches, so that drifts in machine speed hit both arms alike: the paired
+    measurement behind "mapped decode runs at native target speed". Compiles first (not timed)."""
+    (scfg, sparams), (tcfg, tparams) = source, target
+    check_models(kvmap, scfg, tcfg)
+    tokens, lengths, eos, pad, capacity, last = _prepare(prompts, max_new_tokens, (), None, tcfg, 0.0, None)
+    t = tokens.shape[1] - 1
+    prefix, prefix_lengths = jnp.asarray(tokens[:, :t]), jnp.asarray(lengths - 1)
+    caches = {"target": _native_prefill(tparams, tcfg, prefix, prefix_lengths, capacity),
+              "mapped": _map(kvmap, _source_prefill(sparams, scfg, prefix, prefix_lengths), capacity, t)}
+    args = {}
+    for arm, cache in caches.items():
+        logits, cache = _first(tparams, tcfg, last, cache)
+        args[arm] = (tparams, tcfg, cache, logits, jax.random.key(0), int(max_new_tokens), Sampling(), eos, pad)
+        jax.block_until_ready(_decode(*args[arm]))  # compile
+    times = {arm: [] for arm in args}
+    for r in range(repeats):
+        for arm in (("target", "mapped") if r % 2 == 0 else ("mapped", "target")):
+            t0 = time.perf_counter()
+            jax.block_until_ready(_decode(*args[arm]))
+            times[arm].append(time.perf_counter() - t0)
+    return times
+
