@@ -138,8 +138,9 @@ def run_identity(kvmap: KVMap, rc: ResidualConfig) -> dict:
         for name in ("mu", "scale", "w_in", "w_out", "bias"):
             frozen.update(np.ascontiguousarray(jax.device_get(getattr(lm, name)), np.float32).tobytes())
     settings = {k: v for k, v in dataclasses.asdict(rc).items() if k != "save_every"}
-    return {"map": kvmap.map_id, "pairing": [list(p) for p in kvmap.spec.pairing],
-            "residual_rank": kvmap.spec.residual_rank, "ridge_sha256": frozen.hexdigest(), "settings": settings}
+    identity = {"map": kvmap.map_id, "pairing": kvmap.spec.pairing, "residual_rank": kvmap.spec.residual_rank,
+                "ridge_sha256": frozen.hexdigest(), "settings": settings}
+    return json.loads(json.dumps(identity))  # as it reads back from residual_identity.json (tuples -> lists)
 
 
 def _check_identity(workdir: str, identity: dict, has_checkpoint: bool) -> None:

@@ -216,4 +216,3 @@ def paired_decode_seconds(source: Model, target: Model, kvmap: KVMap, prompts, m
             jax.block_until_ready(_decode(*args[arm]))
             times[arm].append(time.perf_counter() - t0)
     return times
-
