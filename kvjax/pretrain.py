@@ -60,6 +60,11 @@ class TrainConfig:
     # then predictable only by recall (ordinary text is half-predictable from local context, so copying it teaches
     # little precise long-range recall, e.g. of a number)
     copy_random: float = 0.0
+    # this fraction of windows is replaced by the pure induction task: `repeat_span` tokens drawn at random from the
+    # data, repeated until the window is full, so everything after the first period is predictable only by copying
+    # (`python -m launch.toy.copy_probe` trains a shape on this task alone)
+    repeat_prob: float = 0.0
+    repeat_span: int = 128
 
 
 @dataclasses.dataclass
@@ -88,10 +93,12 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
 
 def batch_at(data: np.ndarray, step: int, batch_size: int, seq_len: int, seed: int, copy_prob: float = 0.0,
              copy_spans: int = 4, copy_len: tuple[int, int] = (16, 64),
-             copy_gap: tuple[int, int] | None = None, copy_random: float = 0.0) -> np.ndarray:
+             copy_gap: tuple[int, int] | None = None, copy_random: float = 0.0, repeat_prob: float = 0.0,
+             repeat_span: int = 128) -> np.ndarray:
     """Windows [B, seq_len + 1] drawn uniformly from `data`; a pure function of (seed, step) so runs resume exactly.
     With copy_prob > 0, that fraction of windows gets `copy_spans` spans repeated later in the window (see
-    TrainConfig.copy_prob)."""
+    TrainConfig.copy_prob); with repeat_prob > 0, that fraction is replaced by random tokens of `data` repeated with
+    period `repeat_span` (TrainConfig.repeat_prob)."""
     if len(data) < seq_len + 2:
         raise ValueError(f"token array of {len(data)} tokens is shorter than one window of {seq_len + 1}")
     rng = np.random.default_rng([seed, step])
@@ -118,6 +125,13 @@ def batch_at(data: np.ndarray, step: int, batch_size: int, seq_len: int, seed: i
                 if copy_random > 0 and aug.random() < copy_random:
                     batch[row, src : src + n] = batch[row, aug.integers(0, seq_len + 1, n)]
                 batch[row, dst : dst + n] = batch[row, src : src + n]
+    if repeat_prob > 0:
+        if not 0 < 2 * repeat_span <= seq_len + 1:
+            raise ValueError(f"repeat_span {repeat_span} must fit at least twice in a window of {seq_len + 1} tokens")
+        rep = np.random.default_rng([seed, step, 2])
+        for row in np.flatnonzero(rep.random(batch_size) < repeat_prob):
+            span = data[rep.integers(0, len(data), repeat_span)].astype(np.int32)
+            batch[row] = np.tile(span, -(-(seq_len + 1) // repeat_span))[: seq_len + 1]
     return batch
 
 
@@ -174,7 +188,7 @@ def train(cfg: Qwen3Config, tc: TrainConfig, train_tokens: np.ndarray, heldout_t
         for step in bar:
             state, m = step_fn(state, batch_at(train_tokens, step, tc.batch_size, tc.seq_len, tc.seed, tc.copy_prob,
                                                         tc.copy_spans, tc.copy_len, tc.copy_gap,
-                                                        tc.copy_random))
+                                                        tc.copy_random, tc.repeat_prob, tc.repeat_span))
             loss = float(m["loss"])  # one sync per step keeps the progress bar and the timings honest
             done = step + 1
             if done % tc.eval_every == 0 or done in (tc.steps, tc.end_at):

@@ -126,3 +126,18 @@ def test_copy_probe_batches_repeat_and_losses_split_at_the_repeat():
     nll = -np.take_along_axis(np.asarray(logp), seqs[:, 1:, None], -1)[..., 0]  # nll[:, t] predicts token t + 1
     first, repeat = half_losses(params, CFG, seqs)
     np.testing.assert_allclose([first, repeat], [nll[:, :39].mean(), nll[:, 40:].mean()], rtol=1e-5)
+
+
+def test_repeat_prob_replaces_windows_by_random_tokens_repeated():
+    data = np.arange(50_000)
+    kw = dict(copy_prob=0.5, copy_len=(8, 16))
+    plain = batch_at(data, 3, 64, 99, seed=1, **kw)
+    a = batch_at(data, 3, 64, 99, seed=1, **kw, repeat_prob=0.5, repeat_span=40)
+    assert a.shape == (64, 100) and np.array_equal(a, batch_at(data, 3, 64, 99, seed=1, **kw, repeat_prob=0.5,
+                                                               repeat_span=40))
+    rep = np.asarray([np.array_equal(r[40:80], r[:40]) and np.array_equal(r[80:], r[:20]) for r in a])
+    assert 16 < rep.sum() < 48  # about half the windows
+    assert np.array_equal(a[~rep], plain[~rep])  # the others are untouched (copy augmentation included)
+    assert not any(np.all(np.diff(row[:40]) == 1) for row in a[rep])  # random draws, not a text window
+    with pytest.raises(ValueError, match="repeat_span"):
+        batch_at(data, 0, 4, 99, seed=1, repeat_prob=0.5, repeat_span=60)
