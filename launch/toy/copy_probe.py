@@ -21,14 +21,14 @@ import numpy as np
 
 from configs.toy_pair import _model
 from kvjax.models.qwen3 import forward_nocache
-from kvjax.pretrain import TrainConfig, init_state, make_train_step
+from kvjax.pretrain import TrainConfig, batch_at, init_state, make_train_step
 from launch.toy.train import load_tokens
 
 
-def repeated_batch(tokens: np.ndarray, rng: np.random.Generator, batch: int, span: int) -> np.ndarray:
-    """int32 [batch, 2 * span]: random training-split tokens, each row's first half repeated."""
-    x = tokens[rng.integers(0, len(tokens), (batch, span))].astype(np.int32)
-    return np.concatenate([x, x], axis=1)
+def repeated_batch(tokens: np.ndarray, step: int, batch: int, span: int, seed: int) -> np.ndarray:
+    """int32 [batch, 2 * span]: random training-split tokens, each row's first half repeated (the trainer's own
+    `repeat_prob` windows, so the probe sees exactly what a training config with it would)."""
+    return batch_at(tokens, step, batch, 2 * span - 1, seed, repeat_prob=1.0, repeat_span=span)
 
 
 def half_losses(params, cfg, seqs: np.ndarray) -> tuple[float, float]:
@@ -63,14 +63,13 @@ def main() -> None:
     tc = TrainConfig(seq_len=2 * args.span - 1, batch_size=args.batch, steps=args.steps, lr=args.lr,
                      warmup_steps=min(20, args.steps // 5), seed=args.seed)
     tokens, _ = load_tokens(args.data_dir)
-    rng, probe_rng = np.random.default_rng(args.seed), np.random.default_rng(args.seed + 1)
-    probe = repeated_batch(tokens, probe_rng, 32, args.span)  # fixed sequences never trained on
+    probe = repeated_batch(tokens, 0, 32, args.span, seed=args.seed + 1)  # fixed sequences, not trained on
     print(f"{cfg.num_params() / 1e6:.2f}M params, {args.layers} x {args.hidden}, {args.heads} q / {args.kv_heads} kv "
           f"heads x {args.head_dim}, lr {args.lr:g}", flush=True)
     state, step_fn = init_state(cfg, tc), make_train_step(cfg, tc)
     t0 = time.perf_counter()
     for i in range(1, args.steps + 1):
-        state, _ = step_fn(state, repeated_batch(tokens, rng, args.batch, args.span))
+        state, _ = step_fn(state, repeated_batch(tokens, i, args.batch, args.span, seed=args.seed))
         if i % args.every == 0 or i == args.steps:
             first, repeat = half_losses(state.params, cfg, probe)
             print(f"step {i:5d}  first half {first:.2f}  repeat {repeat:.2f}  ({time.perf_counter() - t0:.0f} s)",
