@@ -276,3 +276,33 @@ def test_shipped_windows_are_heldout_slots():
     heldout = np.load(REPO / "work/toy/data/heldout.npy")
     slots = {bytes(s.tobytes()) for s in heldout[: len(heldout) // 1025 * 1025].reshape(-1, 1025)}
     assert all(w.tobytes() in slots for w in np.load(EVAL / "heldout_windows.npy"))
+
+
+def test_reading_gap_splits_the_kl(params):
+    from kvjax.eval import reading_gap
+    from kvjax.mapper.residual import kl
+    other_cfg = kvjax.Qwen3Config(vocab_size=8192, hidden_size=96, intermediate_size=128, num_layers=3, num_heads=2,
+                                  num_kv_heads=2, head_dim=16, tie_word_embeddings=True, eos_token_ids=(0,),
+                                  pad_token_id=0)
+    source, target = (other_cfg, kvjax.init_params(other_cfg, jax.random.key(1))), (CFG, params)
+    windows = np.random.default_rng(0).integers(1, 8192, (3, 40))
+    m = reading_gap(source, target, windows, prefix=32, short=4, batch_size=2)
+    assert all(v.shape == (3,) for v in m.values())
+    # the full view is plain forward_nocache over the whole window
+    tok = jax.numpy.asarray(windows, jax.numpy.int32)
+    s_full = forward_nocache(source[1], other_cfg, tok[:, :-1])[:, 31:]
+    t_full = forward_nocache(params, CFG, tok[:, :-1])[:, 31:]
+    np.testing.assert_allclose(m["kl_full"], np.asarray(kl(s_full, t_full).mean(-1)), rtol=1e-4, atol=1e-6)
+    t_short = forward_nocache(params, CFG, tok[:, 28:-1])[:, 3:]  # the first continuation prediction sees 4 tokens
+    np.testing.assert_allclose(m["target_reading"], np.asarray(kl(t_full, t_short).mean(-1)), rtol=1e-4, atol=1e-6)
+    lp = jax.nn.log_softmax(t_full, -1)
+    ce = -np.take_along_axis(np.asarray(lp), windows[:, 32:, None], -1)[..., 0].mean(-1)
+    np.testing.assert_allclose(m["ce_target_full"], ce, rtol=1e-5)
+    assert (m["source_reading"] > 1e-4).all() and (m["kl_full"] > 1e-3).all()
+    # reading everything in the "short" view: nothing left to read; a model against itself: no gap
+    same = reading_gap(source, target, windows, prefix=32, short=32)
+    np.testing.assert_allclose(same["source_reading"], 0, atol=1e-5)
+    np.testing.assert_allclose(same["kl_local"], same["kl_full"], rtol=1e-5)
+    np.testing.assert_allclose(reading_gap(target, target, windows, prefix=32)["kl_full"], 0, atol=1e-5)
+    with pytest.raises(ValueError, match="short"):
+        reading_gap(source, target, windows, prefix=32, short=33)

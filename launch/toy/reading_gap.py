@@ -1,0 +1,53 @@
+"""How much of the source-target KL could a cache map remove at all? Splits it into reading and local modelling.
+
+    python -m launch.toy.reading_gap                        # prefixes 256 and 960, 128 held-out windows
+    python -m launch.toy.reading_gap --prefix 256 --short 1 16 64
+
+For each prefix length P, both models score the same 64 continuation tokens of held-out windows reading either the
+whole prefix or only its last S tokens (kvjax.eval.reading). `ceiling` = 1 - KL_local / KL_full: roughly how much
+lower the source-teacher KL would be if the target read the prefix as well as the source does and kept its own local
+modelling. A residual goal above this figure asks the map for more than reading.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+
+import kvjax
+from kvjax.eval import bootstrap_ci, reading_gap
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--toy-dir", default="checkpoints/toy")
+    p.add_argument("--prefix", type=int, nargs="+", default=(256, 960), help="prefix lengths P")
+    p.add_argument("--short", type=int, nargs="+", default=(16,), help="tokens of the prefix read in the local view")
+    p.add_argument("--cont", type=int, default=64)
+    p.add_argument("--windows", type=int, default=128, help="held-out windows (those fit_map scores KL on)")
+    args = p.parse_args(argv)
+    path = os.path.join(args.toy_dir, "eval", "heldout_windows.npy")
+    if not os.path.isfile(path):
+        raise SystemExit(f"no held-out windows at {path}: build them with `python -m launch.toy.evalsets`")
+    heldout = np.load(path).astype(np.int32)
+    if max(args.prefix) + args.cont > heldout.shape[1]:
+        raise SystemExit(f"--prefix + --cont must be <= {heldout.shape[1]} (the windows' length)")
+    source, target = (kvjax.load_hf(os.path.join(args.toy_dir, r)) for r in ("source", "target"))
+    print("| prefix | short | KL full (native target) | KL local | ceiling | source reading | target reading "
+          "| CE source full / short | CE target full / short |")
+    print("|---:|---:|---|---|---:|---:|---:|---|---|")
+    for prefix in args.prefix:
+        windows = heldout[32 : 32 + args.windows, : prefix + args.cont]
+        for short in args.short:
+            m = reading_gap(source, target, windows, prefix, short)
+            full, local = bootstrap_ci(m["kl_full"]), bootstrap_ci(m["kl_local"])
+            print(f"| {prefix} | {short} | {full} | {local} | {1 - local.mean / full.mean:.1%} "
+                  f"| {m['source_reading'].mean():.3f} | {m['target_reading'].mean():.3f} "
+                  f"| {m['ce_source_full'].mean():.3f} / {m['ce_source_short'].mean():.3f} "
+                  f"| {m['ce_target_full'].mean():.3f} / {m['ce_target_short'].mean():.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
