@@ -8,6 +8,7 @@ import pytest
 
 import kvjax
 from kvjax.mapper.calibrate import native_cache
+from kvjax.mapper.kvmap import ridge_only
 from kvjax.mapper.pairing import depth_pairing, topk_pairing
 from kvjax.mapper.residual import ResidualConfig, evaluate_kl
 from kvjax.mapper.ridge import Stats, chunk_stats, mse, select, solve, to_stats
@@ -93,15 +94,17 @@ def test_fit_apply_residual_save_load_between_different_models(pair, tmp_path):
     assert kvmap.keys[0].w_in.shape == (32, 8) and kvmap.keys[0].w_out.shape == (8, 16)
     ev = windows(8, 48, seed=5)
     before = evaluate_kl(kvmap, source, target, ev, prefix=32)
-    ridge_only = evaluate_kl(kvmap.replace(keys=tuple(k.replace(up=k.up * 0) for k in kvmap.keys)), source, target,
-                             ev, prefix=32)
-    np.testing.assert_allclose(before, ridge_only, rtol=1e-6)  # the residual starts exactly at the ridge map
+    np.testing.assert_allclose(before, evaluate_kl(ridge_only(kvmap), source, target, ev, prefix=32),
+                               rtol=1e-6)  # the residual starts exactly at the ridge map
     tokens = np.random.RandomState(7).randint(1, VOCAB, 5000).astype(np.uint16)
     rc = ResidualConfig(steps=6, batch_size=4, prefix_len=32, cont_len=16, lr=1e-2, warmup_steps=1, save_every=3)
     trained, hist = kvjax.train_residual(kvmap, source, target, tokens, rc, workdir=str(tmp_path / "run"))
     assert len(hist) == 6
     np.testing.assert_array_equal(trained.keys[0].w_in, kvmap.keys[0].w_in)  # ridge frozen
     assert np.abs(np.asarray(trained.keys[0].up)).max() > 0
+    after = evaluate_kl(trained, source, target, ev, prefix=32)
+    assert np.abs(after - before).max() > 1e-6
+    np.testing.assert_allclose(evaluate_kl(ridge_only(trained), source, target, ev, prefix=32), before, rtol=1e-6)
 
     kvjax.save_map(tmp_path / "map", trained, info={"note": "test"})
     loaded = kvjax.load_map(tmp_path / "map", source[0], target[0])

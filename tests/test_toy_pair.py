@@ -74,3 +74,14 @@ def test_source_retrieves_needles_the_target_cannot():
             for r in ROLES}
     # these 20: source 11/20; full set (200 items): source 65.0%, target 0% at 1K (checkpoints/toy/README.md)
     assert hits["target"] == 0 and hits["source"] >= 6, hits
+
+
+def test_reading_gap_command(capsys):
+    from launch.toy import reading_gap
+    reading_gap.main(["--toy-dir", TOY, "--prefix", "64", "--short", "8", "--cont", "16", "--windows", "4"])
+    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 64 | 8 |")]
+    assert len(row) == 1, row
+    with pytest.raises(SystemExit, match="windows' length"):
+        reading_gap.main(["--toy-dir", TOY, "--prefix", "1020", "--cont", "64"])
+    with pytest.raises(SystemExit, match="no map at"):
+        reading_gap.main(["--toy-dir", TOY, "--map", os.path.join(TOY, "no-such-map")])

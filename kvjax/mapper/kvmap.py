@@ -88,6 +88,13 @@ def linear_map(fit: RidgeFit, residual_rank: int, key: jax.Array, scale: float) 
                      up=jnp.zeros((residual_rank, fy), jnp.float32))
 
 
+def ridge_only(kvmap: KVMap) -> KVMap:
+    """The map without its residual (every output projection `up` zeroed): exactly its frozen ridge part, e.g. to
+    score a trained map against the ridge it started from."""
+    strip = lambda layers: tuple(m.replace(up=jnp.zeros_like(m.up)) for m in layers)  # noqa: E731
+    return kvmap.replace(keys=strip(kvmap.keys), values=strip(kvmap.values))
+
+
 def direct_map(source: Qwen3Config, target: Qwen3Config, pairing: Pairing) -> KVMap:
     """The direct-injection baseline: copy each paired source layer's K/V unchanged (keys re-rotated with the
     target's RoPE). Only defined when a pairing has one source layer and the KV shapes agree."""

@@ -2,11 +2,13 @@
 
     python -m launch.toy.reading_gap                        # prefixes 256 and 960, 128 held-out windows
     python -m launch.toy.reading_gap --prefix 256 --short 1 16 64
+    python -m launch.toy.reading_gap --map runs/toy_map/map   # also: that map's ridge and residual KL at each P
 
 For each prefix length P, both models score the same 64 continuation tokens of held-out windows reading either the
 whole prefix or only its last S tokens (kvjax.eval.reading). `ceiling` = 1 - KL_local / KL_full: roughly how much
 lower the source-teacher KL would be if the target read the prefix as well as the source does and kept its own local
-modelling. A residual goal above this figure asks the map for more than reading.
+modelling. A residual goal above this figure asks the map for more than reading. With --map, the map's KL at each P
+with and without its residual (the ridge alone = the residual's output projection zeroed), on the same windows.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import os
 import numpy as np
 
 import kvjax
-from kvjax.eval import bootstrap_ci, reading_gap
+from kvjax.eval import bootstrap_ci, paired_bootstrap_ci, reading_gap
+from kvjax.mapper.kvmap import ridge_only
+from kvjax.mapper.residual import evaluate_kl
 
 
 def main(argv=None) -> None:
@@ -27,6 +31,7 @@ def main(argv=None) -> None:
     p.add_argument("--short", type=int, nargs="+", default=(16,), help="tokens of the prefix read in the local view")
     p.add_argument("--cont", type=int, default=64)
     p.add_argument("--windows", type=int, default=128, help="held-out windows (those fit_map scores KL on)")
+    p.add_argument("--map", help="a map for this pair (python -m launch.toy.fit_map): score it at each prefix too")
     args = p.parse_args(argv)
     path = os.path.join(args.toy_dir, "eval", "heldout_windows.npy")
     if not os.path.isfile(path):
@@ -34,7 +39,11 @@ def main(argv=None) -> None:
     heldout = np.load(path).astype(np.int32)
     if max(args.prefix) + args.cont > heldout.shape[1]:
         raise SystemExit(f"--prefix + --cont must be <= {heldout.shape[1]} (the windows' length)")
+    if args.map and not os.path.isdir(args.map):
+        raise SystemExit(f"no map at {args.map}: fit one with `python -m launch.toy.fit_map` or drop --map")
     source, target = (kvjax.load_hf(os.path.join(args.toy_dir, r)) for r in ("source", "target"))
+    kvmap = kvjax.load_map(args.map, source[0], target[0]) if args.map else None
+    maps = []
     print("| prefix | short | KL full (native target) | KL local | ceiling | source reading | target reading "
           "| CE source full / short | CE target full / short |")
     print("|---:|---:|---|---|---:|---:|---:|---|---|")
@@ -47,6 +56,15 @@ def main(argv=None) -> None:
                   f"| {m['source_reading'].mean():.3f} | {m['target_reading'].mean():.3f} "
                   f"| {m['ce_source_full'].mean():.3f} / {m['ce_source_short'].mean():.3f} "
                   f"| {m['ce_target_full'].mean():.3f} / {m['ce_target_short'].mean():.3f} |", flush=True)
+        if kvmap is not None:
+            ridge = evaluate_kl(ridge_only(kvmap), source, target, windows, prefix)
+            mapped = evaluate_kl(kvmap, source, target, windows, prefix)
+            maps.append((prefix, ridge.mean(), mapped.mean(), paired_bootstrap_ci(mapped, ridge), m["kl_full"].mean()))
+    if maps:
+        print(f"\nmap {args.map}:\n\n| prefix | KL ridge | KL ridge + residual | change (paired 95% CI) | native target |")
+        print("|---:|---:|---:|---|---:|")
+        for prefix, ridge, mapped, ci, native in maps:
+            print(f"| {prefix} | {ridge:.4f} | {mapped:.4f} | {mapped / ridge - 1:+.1%} ({ci}) | {native:.4f} |")
 
 
 if __name__ == "__main__":
