@@ -83,5 +83,7 @@ def test_reading_gap_command(capsys):
     assert len(row) == 1, row
     with pytest.raises(SystemExit, match="windows' length"):
         reading_gap.main(["--toy-dir", TOY, "--prefix", "1020", "--cont", "64"])
+    with pytest.raises(SystemExit, match="--short must be"):
+        reading_gap.main(["--toy-dir", TOY, "--prefix", "64", "--short", "65"])
     with pytest.raises(SystemExit, match="no map at"):
         reading_gap.main(["--toy-dir", TOY, "--map", os.path.join(TOY, "no-such-map")])

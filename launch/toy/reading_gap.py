@@ -39,6 +39,8 @@ def main(argv=None) -> None:
     heldout = np.load(path).astype(np.int32)
     if max(args.prefix) + args.cont > heldout.shape[1]:
         raise SystemExit(f"--prefix + --cont must be <= {heldout.shape[1]} (the windows' length)")
+    if not 1 <= min(args.short) <= max(args.short) <= min(args.prefix):
+        raise SystemExit(f"--short must be between 1 and the shortest --prefix ({min(args.prefix)})")
     if args.map and not os.path.isdir(args.map):
         raise SystemExit(f"no map at {args.map}: fit one with `python -m launch.toy.fit_map` or drop --map")
     source, target = (kvjax.load_hf(os.path.join(args.toy_dir, r)) for r in ("source", "target"))
