@@ -60,6 +60,14 @@ class TrainConfig:
     # then predictable only by recall (ordinary text is half-predictable from local context, so copying it teaches
     # little precise long-range recall, e.g. of a number)
     copy_random: float = 0.0
+    # fraction of those random spans shaped as a fact: a key of copy_cue[0]..copy_cue[1] window tokens, the fixed
+    # tokens `copy_sep` (e.g. " ="), then tokens drawn from `copy_values` (e.g. digits), recalled as a whole when the
+    # key reappears. With several facts per window sharing the separator, the separator alone does not say which value
+    # follows: the model must match the whole key, as in needle retrieval ("_cfg_qmzx = 41199" ... "_cfg_qmzx =")
+    copy_values: tuple[int, ...] = ()
+    copy_value_frac: float = 0.0
+    copy_cue: tuple[int, int] = (2, 6)
+    copy_sep: tuple[int, ...] = ()
     # this fraction of windows is replaced by the pure induction task: `repeat_span` tokens drawn at random from the
     # data, repeated until the window is full, so everything after the first period is predictable only by copying
     # (`python -m launch.toy.copy_probe` trains a shape on this task alone)
@@ -94,11 +102,13 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
 def batch_at(data: np.ndarray, step: int, batch_size: int, seq_len: int, seed: int, copy_prob: float = 0.0,
              copy_spans: int = 4, copy_len: tuple[int, int] = (16, 64),
              copy_gap: tuple[int, int] | None = None, copy_random: float = 0.0, repeat_prob: float = 0.0,
-             repeat_span: int = 128) -> np.ndarray:
+             repeat_span: int = 128, copy_values: tuple[int, ...] = (), copy_value_frac: float = 0.0,
+             copy_cue: tuple[int, int] = (2, 6), copy_sep: tuple[int, ...] = ()) -> np.ndarray:
     """Windows [B, seq_len + 1] drawn uniformly from `data`; a pure function of (seed, step) so runs resume exactly.
     With copy_prob > 0, that fraction of windows gets `copy_spans` spans repeated later in the window (see
-    TrainConfig.copy_prob); with repeat_prob > 0, that fraction is replaced by random tokens of `data` repeated with
-    period `repeat_span` (TrainConfig.repeat_prob)."""
+    TrainConfig.copy_prob; copy_values/copy_value_frac/copy_cue/copy_sep shape some random spans as key, separator,
+    value); with repeat_prob > 0, that fraction is replaced by random tokens of `data` repeated with period
+    `repeat_span` (TrainConfig.repeat_prob)."""
     if len(data) < seq_len + 2:
         raise ValueError(f"token array of {len(data)} tokens is shorter than one window of {seq_len + 1}")
     rng = np.random.default_rng([seed, step])
@@ -111,6 +121,11 @@ def batch_at(data: np.ndarray, step: int, batch_size: int, seq_len: int, seed: i
         if copy_gap is not None and not 0 <= copy_gap[0] <= copy_gap[1] <= seq_len + 1 - 2 * hi:
             raise ValueError(f"copy_gap {copy_gap} must satisfy 0 <= lo <= hi <= seq_len + 1 - 2 * copy_len[1] = "
                              f"{seq_len + 1 - 2 * hi}")
+        if copy_value_frac > 0 and (not copy_values or not 0 < copy_cue[0] <= copy_cue[1] < lo - len(copy_sep)):
+            raise ValueError(f"copy_value_frac > 0 needs token ids in copy_values (have {len(copy_values)}) and a cue "
+                             f"0 < copy_cue[0] <= copy_cue[1] < copy_len[0] - len(copy_sep) (have copy_cue {copy_cue}, "
+                             f"copy_len {copy_len}, {len(copy_sep)} separator tokens)")
+        values, sep = np.asarray(copy_values, np.int32), np.asarray(copy_sep, np.int32)
         aug = np.random.default_rng([seed, step, 1])
         for row in np.flatnonzero(aug.random(batch_size) < copy_prob):
             for _ in range(copy_spans):
@@ -124,6 +139,11 @@ def batch_at(data: np.ndarray, step: int, batch_size: int, seq_len: int, seed: i
                     dst = src + n + gap
                 if copy_random > 0 and aug.random() < copy_random:
                     batch[row, src : src + n] = batch[row, aug.integers(0, seq_len + 1, n)]
+                    if copy_value_frac > 0 and aug.random() < copy_value_frac:
+                        cue = src + int(aug.integers(copy_cue[0], copy_cue[1] + 1))
+                        batch[row, cue : cue + len(sep)] = sep
+                        batch[row, cue + len(sep) : src + n] = values[aug.integers(0, len(values), src + n - cue
+                                                                                   - len(sep))]
                 batch[row, dst : dst + n] = batch[row, src : src + n]
     if repeat_prob > 0:
         if not 0 < 2 * repeat_span <= seq_len + 1:
@@ -188,7 +208,9 @@ def train(cfg: Qwen3Config, tc: TrainConfig, train_tokens: np.ndarray, heldout_t
         for step in bar:
             state, m = step_fn(state, batch_at(train_tokens, step, tc.batch_size, tc.seq_len, tc.seed, tc.copy_prob,
                                                         tc.copy_spans, tc.copy_len, tc.copy_gap,
-                                                        tc.copy_random, tc.repeat_prob, tc.repeat_span))
+                                                        tc.copy_random, tc.repeat_prob, tc.repeat_span,
+                                                        tc.copy_values, tc.copy_value_frac, tc.copy_cue,
+                                                        tc.copy_sep))
             loss = float(m["loss"])  # one sync per step keeps the progress bar and the timings honest
             done = step + 1
             if done % tc.eval_every == 0 or done in (tc.steps, tc.end_at):

@@ -79,6 +79,36 @@ def test_copy_gap_places_copies_at_the_requested_distance():
         batch_at(data, 0, 4, 64, seed=3, copy_prob=0.5, copy_len=(8, 16), copy_gap=(0, 40))
 
 
+def test_copy_values_shape_random_spans_as_facts():
+    data = np.arange(1_000, 60_000)  # unique ids above the value and separator ids, so nothing can be confused
+    values, sep = tuple(range(10)), (500, 501)
+    kw = dict(copy_prob=1.0, copy_spans=1, copy_len=(12, 12), copy_gap=(100, 120), copy_random=1.0)
+    old = batch_at(data, 5, 32, 256, seed=2, **kw)
+    aug = batch_at(data, 5, 32, 256, seed=2, **kw, copy_values=values, copy_value_frac=1.0, copy_cue=(2, 5),
+                   copy_sep=sep)
+    # without copy_value_frac the option leaves the batches of earlier configs exactly as they were
+    np.testing.assert_array_equal(old, batch_at(data, 5, 32, 256, seed=2, **kw, copy_values=values, copy_sep=sep))
+    for r in range(32):
+        where = np.flatnonzero(aug[r] < 10)  # the value of the fact and of its copy: two equal runs
+        breaks = np.flatnonzero(np.diff(where) > 1)
+        assert len(breaks) == 1
+        first, second = where[: breaks[0] + 1], where[breaks[0] + 1 :]
+        assert len(first) == len(second) and np.all(np.diff(first) == 1) and np.all(np.diff(second) == 1)
+        cue = 12 - len(sep) - len(first)
+        assert 2 <= cue <= 5 and np.array_equal(aug[r, first], aug[r, second])
+        start = first[0] - len(sep) - cue
+        assert (aug[r, start : start + cue] >= 1_000).all()  # the key: tokens of the window ...
+        assert aug[r, start + cue : first[0]].tolist() == list(sep)  # ... then the separator
+        copy = second[0] - len(sep) - cue
+        assert 100 <= copy - (start + 12) <= 120  # the whole fact reappears 100-120 tokens later
+        np.testing.assert_array_equal(aug[r, start : start + 12], aug[r, copy : copy + 12])
+    with pytest.raises(ValueError, match="copy_values"):
+        batch_at(data, 0, 4, 256, seed=3, copy_prob=1.0, copy_len=(8, 16), copy_random=1.0, copy_value_frac=0.5)
+    with pytest.raises(ValueError, match="copy_cue"):  # key + separator leave no room for a value
+        batch_at(data, 0, 4, 256, seed=3, copy_prob=1.0, copy_len=(8, 16), copy_random=1.0, copy_value_frac=0.5,
+                 copy_values=values, copy_cue=(2, 6), copy_sep=sep)
+
+
 def test_training_learns_and_resumes_exactly(tmp_path):
     data, heldout = corpus(), corpus(seed=1)
     tc = TrainConfig(seq_len=32, batch_size=4, steps=8, lr=1e-2, warmup_steps=2, eval_every=2, eval_batches=2,
