@@ -42,6 +42,16 @@ def test_tokenizer_round_trip_and_agrees_with_transformers(role):
     assert hf.eos_token_id == 0 and hf.pad_token_id == 0
 
 
+def test_training_config_token_ids_match_the_shipped_tokenizer():
+    from configs.toy_pair import DIGITS, EQUALS_SPACE, get_config
+    tok = kvjax.load_tokenizer(os.path.join(TOY, "tokenizer"))
+    assert DIGITS == tuple(tok.token_to_id(str(d)) for d in range(10))
+    assert list(EQUALS_SPACE) == tok.encode("x = 41199").ids[1:3]  # " =", " ", then one token per digit
+    assert tok.encode("x = 41199").ids[3:] == [DIGITS[int(d)] for d in "41199"]
+    facts = get_config().source_continue[-1]
+    assert facts.copy_values == DIGITS and facts.copy_sep == EQUALS_SPACE
+
+
 def test_kvjax_and_transformers_agree_on_heldout_loss(role):
     import transformers
     path = os.path.join(TOY, role)
@@ -72,8 +82,8 @@ def test_source_retrieves_needles_the_target_cannot():
     items = load_retrieval(os.path.join(TOY, "eval", "retrieval_1024.jsonl"), tok, limit=20)
     hits = {r: score_retrieval(items, *kvjax.load_hf(os.path.join(TOY, r))[::-1], progress=False).correct.sum()
             for r in ROLES}
-    # these 20: source 11/20; full set (200 items): source 65.0%, target 0% at 1K (checkpoints/toy/README.md)
-    assert hits["target"] == 0 and hits["source"] >= 6, hits
+    # these 20: source 19/20; full set (200 items): source 97.5%, target 0% at 1K (checkpoints/toy/README.md)
+    assert hits["target"] == 0 and hits["source"] >= 16, hits  # the goal: source >= 80%
 
 
 def test_reading_gap_command(capsys):
