@@ -306,3 +306,12 @@ def test_reading_gap_splits_the_kl(params):
     np.testing.assert_allclose(reading_gap(target, target, windows, prefix=32)["kl_full"], 0, atol=1e-5)
     with pytest.raises(ValueError, match="short"):
         reading_gap(source, target, windows, prefix=32, short=33)
+    # several local views in one pass: each the same as its own call
+    from kvjax.eval import reading_gaps
+    both = reading_gaps(source, target, windows, prefix=32, shorts=(4, 32, 4), batch_size=2)
+    assert list(both) == [4, 32]
+    for short, one in ((4, m), (32, same)):
+        for k, v in one.items():
+            np.testing.assert_allclose(both[short][k], v, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="short"):
+        reading_gaps(source, target, windows, prefix=32, shorts=())

@@ -15,6 +15,7 @@ estimate (not a bound) of the most any map can remove. Continuation tokens are a
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,24 +41,33 @@ def reading_gap(source, target, windows: np.ndarray, prefix: int, short: int = 1
     """Per-window metrics [N] (nats/token) on the continuation windows[:, prefix:] of int windows [N, prefix + cont]:
     kl_full, kl_local, source_reading, target_reading (module docstring) and ce_{source,target}_{full,short}.
     `source` and `target` are (cfg, params) pairs sharing a tokenizer."""
+    return reading_gaps(source, target, windows, prefix, (short,), batch_size)[short]
+
+
+def reading_gaps(source, target, windows: np.ndarray, prefix: int, shorts: Sequence[int],
+                 batch_size: int = 8) -> dict[int, dict[str, np.ndarray]]:
+    """reading_gap for several local views at once, {short: metrics}: the full-prefix logits are computed once."""
     windows = np.asarray(windows)
     cont = windows.shape[1] - prefix
-    if not 1 <= short <= prefix or cont < 1:
-        raise ValueError(f"need 1 <= short ({short}) <= prefix ({prefix}) < window length ({windows.shape[1]})")
-    out: dict[str, list] = {}
+    shorts = tuple(dict.fromkeys(shorts))
+    if not shorts or not all(1 <= s <= prefix for s in shorts) or cont < 1:
+        raise ValueError(f"need 1 <= short ({', '.join(map(str, shorts)) or 'none given'}) <= prefix ({prefix}) < "
+                         f"window length ({windows.shape[1]})")
+    out: dict[int, dict[str, list]] = {s: {} for s in shorts}
     for i in range(0, len(windows), batch_size):
         tokens = jnp.asarray(windows[i : i + batch_size], jnp.int32)
         targets = tokens[:, prefix:]
-        logits = {}
-        for role, (cfg, params) in (("source", source), ("target", target)):
-            logits[role, "full"] = _cont_logits(params, cfg, tokens, cont)
-            logits[role, "short"] = _cont_logits(params, cfg, tokens[:, prefix - short :], cont)
-        rows = {"kl_full": kl(logits["source", "full"], logits["target", "full"]),
-                "kl_local": kl(logits["source", "short"], logits["target", "short"]),
-                "source_reading": kl(logits["source", "full"], logits["source", "short"]),
-                "target_reading": kl(logits["target", "full"], logits["target", "short"])}
-        for (role, view), lg in logits.items():
-            rows[f"ce_{role}_{view}"] = _ce(lg, targets)
-        for k, v in rows.items():
-            out.setdefault(k, []).append(np.asarray(v.mean(-1)))
-    return {k: np.concatenate(v) for k, v in out.items()}
+        full = {role: _cont_logits(params, cfg, tokens, cont)
+                for role, (cfg, params) in (("source", source), ("target", target))}
+        for short in shorts:
+            local = {role: _cont_logits(params, cfg, tokens[:, prefix - short :], cont)
+                     for role, (cfg, params) in (("source", source), ("target", target))}
+            rows = {"kl_full": kl(full["source"], full["target"]),
+                    "kl_local": kl(local["source"], local["target"]),
+                    "source_reading": kl(full["source"], local["source"]),
+                    "target_reading": kl(full["target"], local["target"])}
+            for role in ("source", "target"):
+                rows[f"ce_{role}_full"], rows[f"ce_{role}_short"] = _ce(full[role], targets), _ce(local[role], targets)
+            for k, v in rows.items():
+                out[short].setdefault(k, []).append(np.asarray(v.mean(-1)))
+    return {s: {k: np.concatenate(v) for k, v in m.items()} for s, m in out.items()}

@@ -19,7 +19,7 @@ import os
 import numpy as np
 
 import kvjax
-from kvjax.eval import bootstrap_ci, paired_bootstrap_ci, reading_gap
+from kvjax.eval import bootstrap_ci, paired_bootstrap_ci, reading_gaps
 from kvjax.mapper.kvmap import ridge_only
 from kvjax.mapper.residual import evaluate_kl
 
@@ -51,8 +51,7 @@ def main(argv=None) -> None:
     print("|---:|---:|---|---|---:|---:|---:|---|---|")
     for prefix in args.prefix:
         windows = heldout[32 : 32 + args.windows, : prefix + args.cont]
-        for short in args.short:
-            m = reading_gap(source, target, windows, prefix, short)
+        for short, m in reading_gaps(source, target, windows, prefix, args.short).items():
             full, local = bootstrap_ci(m["kl_full"]), bootstrap_ci(m["kl_local"])
             print(f"| {prefix} | {short} | {full} | {local} | {1 - local.mean / full.mean:.1%} "
                   f"| {m['source_reading'].mean():.3f} | {m['target_reading'].mean():.3f} "
