@@ -105,6 +105,9 @@ def test_fit_apply_residual_save_load_between_different_models(pair, tmp_path):
     after = evaluate_kl(trained, source, target, ev, prefix=32)
     assert np.abs(after - before).max() > 1e-6
     np.testing.assert_allclose(evaluate_kl(ridge_only(trained), source, target, ev, prefix=32), before, rtol=1e-6)
+    by_pos = evaluate_kl(trained, source, target, ev, prefix=32, per_position=True, batch_size=3)
+    assert by_pos.shape == (8, 16) and (by_pos >= 0).all() and by_pos.std() > 0
+    np.testing.assert_allclose(by_pos.mean(1), after, rtol=1e-5)
 
     kvjax.save_map(tmp_path / "map", trained, info={"note": "test"})
     loaded = kvjax.load_map(tmp_path / "map", source[0], target[0])

@@ -97,3 +97,21 @@ def test_reading_gap_command(capsys):
         reading_gap.main(["--toy-dir", TOY, "--prefix", "64", "--short", "65"])
     with pytest.raises(SystemExit, match="no map at"):
         reading_gap.main(["--toy-dir", TOY, "--map", os.path.join(TOY, "no-such-map")])
+    with pytest.raises(SystemExit, match="give it one with --map"):
+        reading_gap.main(["--toy-dir", TOY, "--by-position"])
+
+
+def test_reading_gap_command_scores_a_map_by_position(tmp_path, capsys):
+    from launch.toy import reading_gap
+    source, target = (kvjax.load_hf(os.path.join(TOY, r)) for r in ROLES[::-1])
+    heldout = np.load(os.path.join(TOY, "eval", "heldout_windows.npy"))
+    kvmap, _ = kvjax.fit_map(source, target, heldout[200:216, :64], heldout[216:224, :64], batch_size=8,
+                             residual_rank=4)  # a quick ridge map (residual at zero) on windows the command skips
+    kvjax.save_map(tmp_path / "map", kvmap)
+    reading_gap.main(["--toy-dir", TOY, "--prefix", "64", "--short", "8", "--cont", "16", "--windows", "4",
+                      "--map", str(tmp_path / "map"), "--by-position"])
+    out = capsys.readouterr().out
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| 64 |")]
+    assert [r[1].strip() for r in rows[2:]] == ["0", "1", "2-3", "4-7", "8-15"], rows  # gap row, map row, buckets
+    for r in rows[2:]:  # residual at zero: ridge + residual == ridge, position by position
+        assert r[3] == r[4] and r[5].strip().startswith("+0.0%"), r

@@ -76,13 +76,19 @@ def student_logits(kvmap: KVMap, target: Model, source_cache, tokens: jax.Array,
     return forward(tparams, tcfg, tokens[:, prefix - 1 : -1], mapped)[0]
 
 
-def window_kl(kvmap: KVMap, source: Model, target: Model, tokens: jax.Array, prefix: int) -> jax.Array:
-    """Mean KL per window [B] of the target-from-mapped-cache vs the source, over the continuation tokens[:, prefix:]
-    (traceable)."""
+def position_kl(kvmap: KVMap, source: Model, target: Model, tokens: jax.Array, prefix: int) -> jax.Array:
+    """KL [B, T - prefix] of the target-from-mapped-cache vs the source at each continuation position of
+    tokens[:, prefix:] (traceable)."""
     scfg, sparams = source
     teacher = jax.lax.stop_gradient(forward_nocache(sparams, scfg, tokens[:, :-1])[:, prefix - 1 :])
     src_cache = jax.lax.stop_gradient(native_cache(sparams, scfg, tokens[:, : prefix - 1]))
-    return kl(teacher, student_logits(kvmap, target, src_cache, tokens, prefix)).mean(-1)
+    return kl(teacher, student_logits(kvmap, target, src_cache, tokens, prefix))
+
+
+def window_kl(kvmap: KVMap, source: Model, target: Model, tokens: jax.Array, prefix: int) -> jax.Array:
+    """Mean KL per window [B] of the target-from-mapped-cache vs the source, over the continuation tokens[:, prefix:]
+    (traceable)."""
+    return position_kl(kvmap, source, target, tokens, prefix).mean(-1)
 
 
 def rollout_windows(kvmap: KVMap, source: Model, target: Model, prefix_tokens: jax.Array, n: int) -> jax.Array:
@@ -100,14 +106,21 @@ def heldout_window_kl(kvmap, source_params, target_params, source_cfg, target_cf
     return window_kl(kvmap, (source_cfg, source_params), (target_cfg, target_params), tokens, prefix)
 
 
+@functools.partial(jax.jit, static_argnames=("source_cfg", "target_cfg", "prefix"))
+def heldout_position_kl(kvmap, source_params, target_params, source_cfg, target_cfg, tokens, prefix: int):
+    return position_kl(kvmap, (source_cfg, source_params), (target_cfg, target_params), tokens, prefix)
+
+
 def evaluate_kl(kvmap: KVMap, source: Model, target: Model, windows: np.ndarray, prefix: int,
-                batch_size: int = 8) -> np.ndarray:
-    """Per-window KL [N] (nats/token) on held-out windows int [N, prefix + cont]."""
+                batch_size: int = 8, per_position: bool = False) -> np.ndarray:
+    """Per-window KL [N] (nats/token) on held-out windows int [N, prefix + cont]; with `per_position`, the KL at
+    each continuation position [N, cont] instead (e.g. how much the map helps the first generated tokens)."""
     (scfg, sparams), (tcfg, tparams) = source, target
+    fn = heldout_position_kl if per_position else heldout_window_kl
     out = []
     for i in range(0, len(windows), batch_size):
         batch = jnp.asarray(windows[i : i + batch_size], jnp.int32)
-        out.append(np.asarray(heldout_window_kl(kvmap, sparams, tparams, scfg, tcfg, batch, prefix)))
+        out.append(np.asarray(fn(kvmap, sparams, tparams, scfg, tcfg, batch, prefix)))
     return np.concatenate(out)
 
 
