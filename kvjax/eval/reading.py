@@ -85,10 +85,10 @@ def native_kl_by_position(source, target, windows: np.ndarray, prefix: int, batc
     cont = windows.shape[1] - prefix
     if not 1 <= prefix or cont < 1:
         raise ValueError(f"need 1 <= prefix ({prefix}) < window length ({windows.shape[1]})")
+    (scfg, sparams), (tcfg, tparams) = source, target
     out = []
     for i in range(0, len(windows), batch_size):
         tokens = jnp.asarray(windows[i : i + batch_size], jnp.int32)
-        (scfg, sparams), (tcfg, tparams) = source, target
         out.append(np.asarray(_kl_by_position(_cont_logits(sparams, scfg, tokens, cont),
                                               _cont_logits(tparams, tcfg, tokens, cont))))
     return np.concatenate(out)
