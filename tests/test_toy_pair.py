@@ -115,3 +115,26 @@ def test_reading_gap_command_scores_a_map_by_position(tmp_path, capsys):
     assert [r[1].strip() for r in rows[2:]] == ["0", "1", "2-3", "4-7", "8-15"], rows  # gap row, map row, buckets
     for r in rows[2:]:  # residual at zero: ridge + residual == ridge, position by position
         assert r[3] == r[4] and r[5].strip().startswith("+0.0%"), r
+
+
+def test_needle_probe_command(capsys):
+    from launch.toy import needle_probe
+    from launch.toy.data import DataError
+    source = os.path.join(TOY, "source")
+    try:
+        needle_probe.main(["--n", "3", "--models", f"src={source}", "--needle", "{key}: {value}\n",
+                           "--query", "{key}:"])
+    except DataError as e:  # the held-out stdlib files of this machine's Python differ from the manifest's
+        pytest.skip(str(e).splitlines()[0])
+    out = capsys.readouterr().out
+    assert ": " in out.split("e.g. ...")[1].splitlines()[0]  # the example prompt ends with the new format
+    row = [line for line in out.splitlines() if line.startswith("| src |")]
+    assert len(row) == 1 and row[0].split("|")[2].strip().endswith("/3"), out
+    with pytest.raises(SystemExit):  # evalsets' own check: a needle must end with a newline
+        needle_probe.main(["--n", "3", "--models", f"src={source}", "--needle", "{key}: {value}"])
+    assert "--needle must end with a newline" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        needle_probe.main(["--models", os.path.join(TOY, "no-such-model")])
+    assert "NAME=DIR pairs" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="no HF checkpoint"):
+        needle_probe.main(["--models", f"x={os.path.join(TOY, 'no-such-model')}"])
