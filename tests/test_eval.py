@@ -315,7 +315,8 @@ def test_reading_gap_splits_the_kl(params):
             np.testing.assert_allclose(both[short][k], v, rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="short"):
         reading_gaps(source, target, windows, prefix=32, shorts=())
-    from kvjax.eval import native_kl_by_position
-    by_pos = native_kl_by_position(source, target, windows, prefix=32, batch_size=2)
-    assert by_pos.shape == (3, 8)
-    np.testing.assert_allclose(by_pos, np.asarray(kl(s_full, t_full)), rtol=1e-4, atol=1e-6)
+    by_pos = reading_gaps(source, target, windows, prefix=32, shorts=(4,), batch_size=2, by_position=True)[4]
+    assert all(v.shape == (3, 8) for v in by_pos.values())
+    np.testing.assert_allclose(by_pos["kl_full"], np.asarray(kl(s_full, t_full)), rtol=1e-4, atol=1e-6)
+    for k, v in m.items():
+        np.testing.assert_allclose(by_pos[k].mean(1), v, rtol=1e-5, atol=1e-7)

@@ -45,8 +45,9 @@ def reading_gap(source, target, windows: np.ndarray, prefix: int, short: int = 1
 
 
 def reading_gaps(source, target, windows: np.ndarray, prefix: int, shorts: Sequence[int],
-                 batch_size: int = 8) -> dict[int, dict[str, np.ndarray]]:
-    """reading_gap for several local views at once, {short: metrics}: the full-prefix logits are computed once."""
+                 batch_size: int = 8, by_position: bool = False) -> dict[int, dict[str, np.ndarray]]:
+    """reading_gap for several local views at once, {short: metrics}: the full-prefix logits are computed once.
+    With `by_position`, every metric is [N, cont] (one value per continuation position) instead of its mean [N]."""
     windows = np.asarray(windows)
     cont = windows.shape[1] - prefix
     shorts = tuple(dict.fromkeys(shorts))
@@ -69,26 +70,6 @@ def reading_gaps(source, target, windows: np.ndarray, prefix: int, shorts: Seque
             for role in ("source", "target"):
                 rows[f"ce_{role}_full"], rows[f"ce_{role}_short"] = _ce(full[role], targets), _ce(local[role], targets)
             for k, v in rows.items():
-                out[short].setdefault(k, []).append(np.asarray(v.mean(-1)))
+                out[short].setdefault(k, []).append(np.asarray(v if by_position else v.mean(-1)))
     return {s: {k: np.concatenate(v) for k, v in m.items()} for s, m in out.items()}
 
-
-@jax.jit
-def _kl_by_position(source_logits, target_logits):
-    return kl(source_logits, target_logits)
-
-
-def native_kl_by_position(source, target, windows: np.ndarray, prefix: int, batch_size: int = 8) -> np.ndarray:
-    """KL(source || native target) [N, cont] at each continuation position of windows[:, prefix:], both models reading
-    the whole window natively (the per-position form of reading_gap's kl_full)."""
-    windows = np.asarray(windows)
-    cont = windows.shape[1] - prefix
-    if not 1 <= prefix or cont < 1:
-        raise ValueError(f"need 1 <= prefix ({prefix}) < window length ({windows.shape[1]})")
-    (scfg, sparams), (tcfg, tparams) = source, target
-    out = []
-    for i in range(0, len(windows), batch_size):
-        tokens = jnp.asarray(windows[i : i + batch_size], jnp.int32)
-        out.append(np.asarray(_kl_by_position(_cont_logits(sparams, scfg, tokens, cont),
-                                              _cont_logits(tparams, tcfg, tokens, cont))))
-    return np.concatenate(out)
