@@ -246,6 +246,17 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
     print(f"wrote {path} ({len(rows)} items, {path.stat().st_size / 1e6:.2f} MB)")
 
 
+def heldout_docs(manifest_path: Path, tok, source: str | None = None) -> list[Doc]:
+    """The manifest's held-out files (of one source, e.g. "stdlib", if given), verified and tokenized, in manifest
+    order."""
+    manifest = json.loads(Path(manifest_path).read_text())
+    keep = lambda path: source is None or path.split("/")[0] == source  # noqa: E731
+    manifest["files"] = [e for e in manifest["files"] if e["split"] == "heldout" and keep(e["path"])]
+    manifest["sources"] = {k: v for k, v in manifest["sources"].items() if source is None or k == source}
+    texts = load_corpus(manifest, source_roots())
+    return [Doc(e["path"], texts[e["path"]], tok) for e in tqdm(manifest["files"], desc="tokenize", unit="file")]
+
+
 def parse_args(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", type=Path, default=REPO / "work/toy/data", help="launch.toy.data's arrays")
@@ -287,10 +298,7 @@ def main(argv=None) -> None:
             for k, path in (("manifest_sha256", args.manifest), ("tokenizer_sha256", args.tokenizer))}
     if any(meta[k] != v for k, v in shas.items()):
         raise SystemExit(f"{args.data} was built from another manifest or tokenizer: rerun python -m launch.toy.data")
-    manifest = json.loads(args.manifest.read_text())
-    manifest["files"] = [e for e in manifest["files"] if e["split"] == "heldout"]
-    texts = load_corpus(manifest, source_roots())
-    docs = [Doc(name, texts[name], tok) for name in tqdm(meta["files"]["heldout"], desc="tokenize", unit="file")]
+    docs = heldout_docs(args.manifest, tok)  # manifest order = meta["files"]["heldout"] (launch.toy.data writes both)
 
     rng = np.random.default_rng(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)

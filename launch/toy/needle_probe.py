@@ -14,7 +14,6 @@ held-out files of the haystack source, so no `launch.toy.data` step is needed.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import numpy as np
@@ -23,16 +22,7 @@ import kvjax
 from kvjax.eval import RetrievalItem, score_retrieval
 from kvjax.eval.multiple_choice import encode
 from launch.toy import evalsets
-from launch.toy.data import REPO, load_corpus, source_roots
-
-
-def heldout_docs(manifest_path: Path, tok, source: str) -> list[evalsets.Doc]:
-    """The manifest's held-out files of one source (e.g. "stdlib"), verified and tokenized, in manifest order."""
-    manifest = json.loads(Path(manifest_path).read_text())
-    manifest["files"] = [e for e in manifest["files"] if e["split"] == "heldout" and e["path"].split("/")[0] == source]
-    manifest["sources"] = {k: v for k, v in manifest["sources"].items() if k == source}
-    texts = load_corpus(manifest, source_roots())
-    return [evalsets.Doc(e["path"], texts[e["path"]], tok) for e in manifest["files"]]
+from launch.toy.data import REPO
 
 
 def main(argv=None) -> None:
@@ -52,7 +42,7 @@ def main(argv=None) -> None:
         if not Path(path, "config.json").is_file():
             raise SystemExit(f"--models {name}={path}: no HF checkpoint there (config.json missing)")
     tok = kvjax.load_tokenizer(next(iter(models.values())))
-    docs = heldout_docs(args.manifest, tok, fmt.haystack)
+    docs = evalsets.heldout_docs(args.manifest, tok, fmt.haystack)
     rows = evalsets.build_retrieval(docs, args.length, fmt, tok, np.random.default_rng(args.seed))
     items = [RetrievalItem(encode(tok, r["prompt"]), r["answer_ids"], r["length"], r["needle_position"], r["prompt"],
                            r["answer"]) for r in rows]
