@@ -269,6 +269,10 @@ def test_shipped_windows_and_meta():
     meta = json.loads((EVAL / "meta.json").read_text())
     assert meta["counts"]["hellaswag"] == len(jsonl(EVAL / "hellaswag.jsonl"))
     assert (EVAL / "README.md").is_file()
+    # the shipped sets are the builder's defaults: meta records every setting, so a rebuild writes the same meta
+    from launch.toy.evalsets import parse_args
+    defaults = {k: v for k, v in vars(parse_args([])).items() if not isinstance(v, Path)}
+    assert meta["args"] == json.loads(json.dumps(defaults))
 
 
 @pytest.mark.skipif(not (REPO / "work/toy/data/heldout.npy").is_file(), reason="needs python -m launch.toy.data")
