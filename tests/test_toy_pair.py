@@ -138,3 +138,69 @@ def test_needle_probe_command(capsys):
     assert "NAME=DIR pairs" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="no HF checkpoint"):
         needle_probe.main(["--models", f"x={os.path.join(TOY, 'no-such-model')}"])
+
+
+def test_prune_layers_keeps_the_chosen_layers():
+    import jax.numpy as jnp
+
+    from kvjax.models.qwen3 import forward_nocache
+    from launch.toy.pruned import prune_layers
+    cfg, params = kvjax.load_hf(os.path.join(TOY, "source"))
+    tokens = jnp.asarray(np.load(os.path.join(TOY, "eval", "heldout_windows.npy"))[:1, :32].astype(np.int32))
+    same_cfg, same = prune_layers(cfg, params, range(cfg.num_layers))
+    assert same_cfg == cfg
+    np.testing.assert_array_equal(forward_nocache(same, same_cfg, tokens), forward_nocache(params, cfg, tokens))
+    pcfg, pruned = prune_layers(cfg, params, (0, 3, 5))
+    assert pcfg.num_layers == 3 and all(a is params.layers[i] for a, i in zip(pruned.layers, (0, 3, 5)))
+    assert forward_nocache(pruned, pcfg, tokens).shape == (1, 32, cfg.vocab_size)
+    for bad in ((), (0, 6), (-1,)):
+        with pytest.raises(ValueError, match="at least one index"):
+            prune_layers(cfg, params, bad)
+
+
+def test_pruned_build_refuses_a_checkpoint_of_another_build(tmp_path):
+    from launch.toy.pruned import check_identity
+    work = str(tmp_path / "w")
+    ident = {"source_sha256": "a", "layers": [0, 3, 5], "train": {"steps": 100}}
+    check_identity(work, ident)
+    check_identity(work, ident)  # the same build resumes
+    with pytest.raises(SystemExit, match="layers differ.*delete"):
+        check_identity(work, {**ident, "layers": [0, 1]})
+    os.makedirs(tmp_path / "v" / "ckpt")
+    with pytest.raises(SystemExit, match="no pruned_identity.json"):
+        check_identity(str(tmp_path / "v"), ident)
+
+
+@pytest.mark.skipif(not os.path.isfile(os.path.join(TOY, "..", "..", "work", "toy", "data", "train.npy")),
+                    reason="needs the tokenized corpus: python -m launch.toy.data")
+def test_pruned_command_builds_a_toy_dir(tmp_path, monkeypatch):
+    import dataclasses
+
+    import launch.toy.pruned as pruned
+    from configs.toy_pair import get_config
+    cfg = get_config()
+    small = dataclasses.replace(cfg.pruned, layers=(0, 5), work_dir=str(tmp_path / "work"),
+                                out_dir=str(tmp_path / "out"),
+                                train=dataclasses.replace(cfg.pruned.train, steps=2, seq_len=64, batch_size=2,
+                                                          eval_every=2, save_every=2, eval_batches=1))
+    monkeypatch.setattr(pruned, "get_config", lambda: dataclasses.replace(cfg, pruned=small))
+    monkeypatch.chdir(os.path.join(TOY, "..", ".."))
+    pruned.main(["--shipped", os.path.abspath(TOY)])
+    tcfg, _ = kvjax.load_hf(str(tmp_path / "out" / "target"))
+    assert tcfg.num_layers == 2 and not os.path.exists(tmp_path / "out" / "target.tmp")
+    assert all(os.path.islink(tmp_path / "out" / d) for d in ("source", "eval", "tokenizer", "data"))
+    pruned.main(["--shipped", os.path.abspath(TOY)])  # finished: resumes at the last step and re-exports
+
+
+def test_mc_context_command(capsys):
+    from launch.toy.mc_context import cut_context, main
+    tok = kvjax.load_tokenizer(os.path.join(TOY, "target"))
+    items = kvjax.eval.load_mc(os.path.join(TOY, "eval", "hellaswag.jsonl"), schema="hellaswag", limit=3)
+    cut = cut_context(items, tok, 4)
+    assert [tok.encode(c.context).ids for c in cut] == [tok.encode(i.context).ids[-4:] for i in items]
+    assert [c.options for c in cut] == [i.options for i in items]
+    main(["--toy-dir", TOY, "--short", "1", "--limit", "4", "--sets", "piqa"])
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| piqa")]
+    assert len(rows) == 2 and "| full |" in rows[0] and "| last 1 |" in rows[1]
+    with pytest.raises(SystemExit):
+        main(["--models", "nonsense"])
