@@ -2,6 +2,8 @@
 
     python -m launch.toy.fit_map                    # ridge + residual, writes runs/toy_map/{map,report.json}
     python -m launch.toy.fit_map --residual-steps 0 # ridge only
+    python -m launch.toy.fit_map --toy-dir work/toy/pruned --out runs/pruned_map --pairing 3 --residual-steps 1500 \
+        --residual-lr 3e-3 --mc 1000                # + multiple choice of every arm (a finished run only evaluates)
 
 Calibration windows come from the training split (work/toy/data/train.npy); lambda selection uses separate
 training-split windows; distances and KL are measured on checkpoints/toy/eval/heldout_windows.npy.
@@ -19,11 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvjax
-from kvjax.eval import next_token_agreement, paired_bootstrap_ci
+from kvjax.eval import load_mc, next_token_agreement, paired_bootstrap_ci
+from kvjax.eval.arms import injection_map, make_arms, score_mc_arms
 from kvjax.eval.distances import cache_distances, feature_distances, raw_features
 from kvjax.mapper.calibrate import native_cache
 from kvjax.mapper.data import windows_from_tokens
 from kvjax.mapper.features import layer_features
+from kvjax.mapper.kvmap import ridge_only
 from kvjax.mapper.residual import ResidualConfig, evaluate_kl
 
 log = logging.getLogger("launch.toy.fit_map")
@@ -52,6 +56,28 @@ def distances(kvmap, source, target, windows) -> dict:
     return {"mapped": mean(per_layer), "raw": mean(raw), "mapped_per_layer": per_layer}
 
 
+def multiple_choice(toy_dir: str, source, target, maps: dict, limit: int) -> dict:
+    """Accuracy of every arm on both sets; mapped arms vs the native target (paired 95% CI, share of the gap)."""
+    tokenizer = kvjax.load_tokenizer(os.path.join(toy_dir, "target"))
+    arms = make_arms(["target", "source", *maps], source, target, maps)
+    out = {}
+    for schema in ("hellaswag", "piqa"):
+        items = load_mc(os.path.join(toy_dir, "eval", f"{schema}.jsonl"), schema=schema, limit=limit)
+        scored = score_mc_arms(items, tokenizer, arms, desc=schema)
+        correct = {n: np.asarray(r.correct, float) for n, r in scored.items()}
+        gap = correct["source"].mean() - correct["target"].mean()
+        row = {"items": len(items), "accuracy": {n: float(c.mean()) for n, c in correct.items()}}
+        for name in maps:
+            ci = paired_bootstrap_ci(correct[name], correct["target"])
+            row[f"{name}_minus_target_ci95"] = [ci.lo, ci.hi]
+            gain = correct[name].mean() - correct["target"].mean()
+            row[f"{name}_gap_recovered"] = float(gain / gap) if gap else None
+        out[schema] = row
+        log.info("%s (%d items): %s; residual - target CI %s", schema, len(items),
+                 {n: round(a, 4) for n, a in row["accuracy"].items()}, row.get("residual_minus_target_ci95"))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--toy-dir", default="checkpoints/toy")
@@ -68,6 +94,8 @@ def main() -> None:
     p.add_argument("--pairing", default="depth", help='"depth" or k: the top-k source layers by held-out R^2')
     p.add_argument("--prefix", type=int, default=256, help="prefix tokens mapped for KL (held-out windows)")
     p.add_argument("--cont", type=int, default=64, help="continuation tokens scored by KL")
+    p.add_argument("--mc", type=int, default=0, metavar="N",
+                   help="also score the first N items of the toy dir's multiple-choice sets with every arm")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
     source = kvjax.load_hf(os.path.join(args.toy_dir, "source"))
@@ -105,6 +133,11 @@ def main() -> None:
             "calib_sha256": hashlib.sha256(calib.tobytes()).hexdigest(), "calib_tokens": report["calib_tokens"],
             "fit": {k: v for k, v in report.items() if k != "layers"}, "layers": report["layers"]}
     kvjax.save_map(os.path.join(args.out, "map"), kvmap, info=info)
+    if args.mc:
+        maps = {"direct": injection_map(source[0], target[0]), "ridge": ridge_only(kvmap)}
+        if args.residual_steps:
+            maps["residual"] = kvmap
+        report["mc"] = multiple_choice(args.toy_dir, source, target, maps, args.mc)
     with open(os.path.join(args.out, "report.json"), "w") as f:
         json.dump(report, f, indent=2)
     print(json.dumps({k: v for k, v in report.items() if k not in ("layers", "distances_ridge", "distances_residual")}
