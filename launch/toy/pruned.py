@@ -3,9 +3,10 @@
     python -m launch.toy.data      # once: the tokenized corpus (work/toy/data)
     python -m launch.toy.pruned    # ~5 min on 2 cores: work/toy/pruned = a toy dir with this target + the shipped
                                    # source, eval sets, tokenizer and data manifest (links)
-    python -m launch.toy.fit_map --toy-dir work/toy/pruned --out runs/pruned_map --pairing 3 --residual-steps 600 \\
-        --residual-lr 3e-3
-    python -m kvjax.launch --config.target.path=work/toy/pruned/target --config.output_dir=runs/toy_pruned
+    python -m launch.toy.fit_map --toy-dir work/toy/pruned --out runs/pruned_map --pairing 3 --residual-steps 1500 \\
+        --residual-lr 3e-3 --mc 1000
+    python -m kvjax.launch --config.target.path=work/toy/pruned/target --config.output_dir=runs/toy_pruned \\
+        --config.map.pairing=top3 --config.residual.steps=600 --config.eval.mc.limit=500
 
 Why: the shipped target (2 x 64, trained from scratch) cannot read text, so no cache, mapped or its own, changes its
 answers much. This target keeps the source's attention readers but not the layers that build their inputs: it
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -29,6 +29,7 @@ from kvjax.hf import load_hf, save_hf
 from kvjax.models.config import Qwen3Config
 from kvjax.models.params import Params
 from kvjax.pretrain import train
+from launch.toy.fit_map import sha256_file
 from launch.toy.train import load_tokens
 
 log = logging.getLogger("launch.toy.pruned")
@@ -43,11 +44,6 @@ def prune_layers(cfg: Qwen3Config, params: Params, layers) -> tuple[Qwen3Config,
         raise ValueError(f"layers {layers}: need at least one index in [0, {cfg.num_layers})")
     return (dataclasses.replace(cfg, num_layers=len(layers)),
             Params(params.embed, tuple(params.layers[i] for i in layers), params.final_norm, params.lm_head))
-
-
-def _sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
 
 
 def check_identity(work_dir: str, identity: dict) -> None:
@@ -83,7 +79,7 @@ def main(argv=None) -> None:
     scfg, sparams = load_hf(source_dir)
     tcfg, init = prune_layers(scfg, sparams, pc.layers)
     train_settings = json.loads(json.dumps(dataclasses.asdict(pc.train)))  # as it reads back (tuples -> lists)
-    check_identity(pc.work_dir, {"source_sha256": _sha256(os.path.join(source_dir, "model.safetensors")),
+    check_identity(pc.work_dir, {"source_sha256": sha256_file(os.path.join(source_dir, "model.safetensors")),
                                  "layers": list(pc.layers), "train": train_settings})
     log.info("pruned target: source layers %s, %.2fM params (source %.2fM), %d steps", pc.layers,
              tcfg.num_params() / 1e6, scfg.num_params() / 1e6, pc.train.steps)
