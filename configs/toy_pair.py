@@ -43,8 +43,8 @@ class PrunedTargetConfig:
     """A target made from the trained source: keep some of its layers (with its embedding, final norm and tied
     head), then fine-tune that stack on text. It keeps the source's attention "readers" but not the layers that
     feed them, so it cannot read text by itself yet can read a cache in the source's coordinates: a target that can
-    use what the source read, which is what the cache map needs (WORKSPACE.md, "Cache map"). Not shipped (issue 3 asks for models trained from scratch, <= 40 MB in all); built
-    in minutes from the shipped source."""
+    use what the source read, which is what the cache map needs (WORKSPACE.md, "Cache map"). Not shipped (issue 3
+    asks for models trained from scratch, <= 40 MB in all); built in minutes from the shipped source."""
 
     layers: tuple[int, ...]  # source layers kept, in order
     train: TrainConfig  # the fine-tuning of the pruned stack

@@ -19,6 +19,7 @@ import numpy as np
 
 import kvjax
 from kvjax.eval import bootstrap_ci, load_mc, score_mc
+from launch.toy import model_dirs
 
 SCHEMAS = ("hellaswag", "piqa")
 
@@ -39,13 +40,7 @@ def main(argv=None) -> None:
     p.add_argument("--limit", type=int, default=400, help="first N items of each set")
     p.add_argument("--sets", nargs="+", choices=SCHEMAS, default=list(SCHEMAS))
     args = p.parse_args(argv)
-    pairs = args.models or [f"{r}={os.path.join(args.toy_dir, r)}" for r in ("target", "source")]
-    models = dict(m.split("=", 1) for m in pairs if "=" in m)
-    if len(models) != len(pairs):
-        p.error("--models takes NAME=DIR pairs, e.g. source=checkpoints/toy/source")
-    for name, path in models.items():
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise SystemExit(f"--models {name}={path}: no HF checkpoint there (config.json missing)")
+    models = model_dirs(p, args.models or [f"{r}={os.path.join(args.toy_dir, r)}" for r in ("target", "source")])
     tok = kvjax.load_tokenizer(next(iter(models.values())))
     loaded = {name: kvjax.load_hf(path) for name, path in models.items()}
     views = [0, *sorted(set(args.short))]

@@ -21,7 +21,7 @@ import numpy as np
 import kvjax
 from kvjax.eval import RetrievalItem, score_retrieval
 from kvjax.eval.multiple_choice import encode
-from launch.toy import evalsets
+from launch.toy import evalsets, model_dirs
 from launch.toy.data import REPO
 
 
@@ -35,12 +35,7 @@ def main(argv=None) -> None:
     p.add_argument("--manifest", type=Path, default=REPO / "checkpoints/toy/data/manifest.json")
     args, needle_args = p.parse_known_args(argv)
     fmt = evalsets.parse_args([*needle_args, "--n-retrieval", str(args.n)])  # the eval sets' own checks
-    models = dict(m.split("=", 1) for m in args.models if "=" in m)
-    if len(models) != len(args.models):
-        p.error("--models takes NAME=DIR pairs, e.g. source=checkpoints/toy/source")
-    for name, path in models.items():
-        if not Path(path, "config.json").is_file():
-            raise SystemExit(f"--models {name}={path}: no HF checkpoint there (config.json missing)")
+    models = model_dirs(p, args.models)
     tok = kvjax.load_tokenizer(next(iter(models.values())))
     docs = evalsets.heldout_docs(args.manifest, tok, fmt.haystack)
     rows = evalsets.build_retrieval(docs, args.length, fmt, tok, np.random.default_rng(args.seed))
