@@ -24,6 +24,10 @@ class GateConfig:
     min_kl_reduction: float | None = 0.0  # 1 - KL(residual) / KL(ridge)
     min_mc_retention: float | None = 0.95  # mapped accuracy / native target accuracy, worst multiple-choice set
     min_retrieval_retention: float | None = None  # mapped / native target retrieval accuracy, worst length
+    # (mapped - target) / (source - target) accuracy, worst multiple-choice set (undefined where the source is not
+    # ahead of the target: then the check is not measured)
+    min_mc_gap_recovered: float | None = None
+    min_mc_gain_ci_lo: float | None = None  # lower end of the paired 95% interval of mapped - target, worst set
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +112,14 @@ def evaluate_gate(metrics: dict, config: GateConfig, map_arm: str = "residual") 
             if r is not None and (worst is None or r < worst):
                 worst, where = r, name
     add("mc_retention", worst, config.min_mc_retention, "min", where)
+    gaps = [(m["gap_recovered_by_arm"][map_arm], name) for name, m in mc.items()
+            if (m.get("gap_recovered_by_arm") or {}).get(map_arm) is not None]
+    worst, where = min(gaps, default=(None, ""))
+    add("mc_gap_recovered", worst, config.min_mc_gap_recovered, "min", where)
+    lows = [(m["delta_vs_target"][map_arm]["ci95"][0], name) for name, m in mc.items()
+            if map_arm in (m.get("delta_vs_target") or {})]
+    worst, where = min(lows, default=(None, ""))
+    add("mc_gain_ci_lo", worst, config.min_mc_gain_ci_lo, "min", where)
     worst, where = None, ""
     for length, m in retrieval.items():
         if map_arm in m and "target" in m:

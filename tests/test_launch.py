@@ -123,6 +123,16 @@ def test_default_config_is_toy_and_overrides_are_typed():
     assert cfg.name == "toy" and cfg.eval.mc.limit == 7 and redo == ("mc", "report")
 
 
+def test_toy_pruned_config_runs_the_shipped_pruned_target_and_gates_on_the_map_goals():
+    cfg = config_flags.build("toy_pruned", [], RunConfig)
+    toy = config_flags.build("toy", [], RunConfig)
+    assert cfg.source == toy.source and os.path.isfile(os.path.join(cfg.target.path, "model.safetensors"))
+    assert cfg.output_dir != toy.output_dir and cfg.map.pairing == "top3" and cfg.map.residual_rank == 64
+    g = cfg.gate  # the cache-map issue's goals
+    assert (g.min_key_cos, g.min_value_cos, g.min_kl_reduction, g.min_mc_gap_recovered) == (0.9, 0.6, 0.2, 0.6)
+    assert g.min_mc_gain_ci_lo == 0.0
+
+
 @pytest.mark.parametrize("overrides, message", [
     ([("eval.mc.limt", "3")], "unknown config field 'eval.mc.limt' (did you mean 'eval.mc.limit'?)"),
     ([("nope", "3")], "unknown config field 'nope'"),
@@ -199,6 +209,27 @@ def test_gate_thresholds():
     assert "kl_vs_target 1.053 > 1" in worse.summary()
     assert evaluate_gate({**metrics, "kl": {**metrics["kl"], "target": 0.45, "vs_target": 0.4 / 0.45}},
                          GateConfig()).passed
+
+
+def test_gate_on_the_share_of_the_multiple_choice_gap():
+    def mc(gap_h, lo_h, gap_p, lo_p):
+        return {"mc": {"hellaswag": {"gap_recovered_by_arm": {"ridge": 0.1, "residual": gap_h},
+                                     "delta_vs_target": {"residual": {"mean": 0.1, "ci95": [lo_h, 0.2]}}},
+                       "piqa": {"gap_recovered_by_arm": {"residual": gap_p},
+                                "delta_vs_target": {"residual": {"mean": 0.1, "ci95": [lo_p, 0.2]}}}}}
+    only = dict.fromkeys(["min_key_cos", "min_value_cos", "max_kl_vs_target", "min_kl_reduction",
+                          "min_mc_retention"])
+    cfg = GateConfig(**only, min_mc_gap_recovered=0.6, min_mc_gain_ci_lo=0.0)
+    assert evaluate_gate(mc(0.77, 0.12, 0.86, 0.09), cfg).passed
+    g = evaluate_gate(mc(0.77, 0.12, 0.55, -0.01), cfg)
+    assert {(c.name, c.note) for c in g.failed} == {("mc_gap_recovered", "piqa"), ("mc_gain_ci_lo", "piqa")}
+    assert "mc_gap_recovered 0.55 < 0.6" in g.summary()
+    # source no better than target: the share is undefined (null), so the check is not measured and cannot pass
+    g = evaluate_gate({"mc": {"piqa": {"gap_recovered_by_arm": {"residual": None}}}},
+                      GateConfig(**only, min_mc_gap_recovered=0.6))
+    assert not g.passed and g.to_json()["checks"]["mc_gap_recovered"]["value"] is None
+    assert evaluate_gate(mc(0.05, 0.0, 0.05, 0.0), cfg, map_arm="ridge").to_json()["checks"]["mc_gap_recovered"][
+        "value"] == pytest.approx(0.1)
 
 
 @pytest.fixture(scope="module")

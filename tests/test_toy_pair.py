@@ -1,4 +1,5 @@
-"""The shipped toy pair (checkpoints/toy): loads unchanged in kvjax and transformers, agrees, and is a real pair."""
+"""The shipped toy pair (checkpoints/toy) and its pruned target: load unchanged in kvjax and transformers, agree, and
+make a real pair."""
 
 import json
 import os
@@ -11,10 +12,11 @@ import kvjax
 from kvjax.eval import window_losses
 
 TOY = os.path.join(os.path.dirname(__file__), "..", "checkpoints", "toy")
-ROLES = ("target", "source")
+ROLES = ("target", "source")  # the pair trained from scratch
+PRUNED = "pruned"  # a target cut from the source (python -m launch.toy.pruned; configs/toy_pruned.py)
 
 
-@pytest.fixture(scope="module", params=ROLES)
+@pytest.fixture(scope="module", params=ROLES + (PRUNED,))
 def role(request):
     return request.param
 
@@ -29,6 +31,9 @@ def test_shipped_checkpoints_are_hf_qwen3_and_small():
     target, source = (kvjax.load_hf_config(os.path.join(TOY, r)) for r in ROLES)
     assert source.num_params() > 3 * target.num_params()
     assert source.vocab_size == target.vocab_size
+    pruned = json.load(open(os.path.join(TOY, PRUNED, "config.json")))
+    assert pruned["architectures"] == ["Qwen3ForCausalLM"] and pruned["torch_dtype"] == "bfloat16"
+    assert os.path.getsize(os.path.join(TOY, PRUNED, "model.safetensors")) <= 10 * 2**20
 
 
 def test_tokenizer_round_trip_and_agrees_with_transformers(role):
@@ -58,7 +63,8 @@ def test_kvjax_and_transformers_agree_on_heldout_loss(role):
     windows = np.load(os.path.join(TOY, "eval", "heldout_windows.npy"))[:2, :257].astype(np.int64)
     cfg, params = kvjax.load_hf(path)
     ours = window_losses(params, cfg, windows, batch_size=2)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    # float32 like load_hf (the pruned target is stored in bfloat16; transformers would compute in it)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.inference_mode():
         logits = model(torch.as_tensor(windows[:, :-1])).logits
         theirs = torch.nn.functional.cross_entropy(logits.transpose(1, 2), torch.as_tensor(windows[:, 1:]),
@@ -70,10 +76,11 @@ def test_kvjax_and_transformers_agree_on_heldout_loss(role):
 def test_source_is_clearly_better_than_target():
     windows = np.load(os.path.join(TOY, "eval", "heldout_windows.npy"))[:8, :513]
     ce = {}
-    for r in ROLES:
+    for r in ROLES + (PRUNED,):
         cfg, params = kvjax.load_hf(os.path.join(TOY, r))
         ce[r] = window_losses(params, cfg, windows, batch_size=8).mean()
     assert ce["source"] <= 0.85 * ce["target"], ce  # full held-out numbers: checkpoints/toy/README.md
+    assert ce["source"] <= 0.85 * ce[PRUNED] and ce[PRUNED] < ce["target"], ce  # between the two
 
 
 def test_source_retrieves_needles_the_target_cannot():
@@ -173,7 +180,7 @@ def test_pruned_build_refuses_a_checkpoint_of_another_build(tmp_path):
 
 @pytest.mark.skipif(not os.path.isfile(os.path.join(TOY, "..", "..", "work", "toy", "data", "train.npy")),
                     reason="needs the tokenized corpus: python -m launch.toy.data")
-def test_pruned_command_builds_a_toy_dir(tmp_path, monkeypatch):
+def test_pruned_command_builds_a_checkpoint(tmp_path, monkeypatch):
     import dataclasses
 
     import launch.toy.pruned as pruned
@@ -186,9 +193,10 @@ def test_pruned_command_builds_a_toy_dir(tmp_path, monkeypatch):
     monkeypatch.setattr(pruned, "get_config", lambda: dataclasses.replace(cfg, pruned=small))
     monkeypatch.chdir(os.path.join(TOY, "..", ".."))
     pruned.main(["--shipped", os.path.abspath(TOY)])
-    tcfg, _ = kvjax.load_hf(str(tmp_path / "out" / "target"))
-    assert tcfg.num_layers == 2 and not os.path.exists(tmp_path / "out" / "target.tmp")
-    assert all(os.path.islink(tmp_path / "out" / d) for d in ("source", "eval", "tokenizer", "data"))
+    tcfg, params = kvjax.load_hf(str(tmp_path / "out"))
+    assert tcfg.num_layers == 2 and not os.path.exists(tmp_path / "out.tmp")
+    assert params.embed.dtype == np.float32  # stored in bfloat16, loaded in float32
+    assert json.load(open(tmp_path / "out" / "config.json"))["torch_dtype"] == "bfloat16"
     pruned.main(["--shipped", os.path.abspath(TOY)])  # finished: resumes at the last step and re-exports
 
 

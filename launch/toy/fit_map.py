@@ -2,8 +2,9 @@
 
     python -m launch.toy.fit_map                    # ridge + residual, writes runs/toy_map/{map,report.json}
     python -m launch.toy.fit_map --residual-steps 0 # ridge only
-    python -m launch.toy.fit_map --toy-dir work/toy/pruned --out runs/pruned_map --pairing 3 --residual-steps 1500 \
-        --residual-lr 3e-3 --mc 1000                # + multiple choice of every arm (a finished run only evaluates)
+    python -m launch.toy.fit_map --target checkpoints/toy/pruned --out runs/pruned_map --pairing 3 \
+        --residual-steps 1500 --residual-lr 3e-3 --mc 1000   # + multiple choice of every arm (a finished run only
+                                                             # evaluates)
 
 Calibration windows come from the training split (work/toy/data/train.npy); lambda selection uses separate
 training-split windows; distances and KL are measured on checkpoints/toy/eval/heldout_windows.npy.
@@ -57,8 +58,9 @@ def distances(kvmap, source, target, windows) -> dict:
 
 
 def multiple_choice(toy_dir: str, source, target, maps: dict, limit: int) -> dict:
-    """Accuracy of every arm on both sets; mapped arms vs the native target (paired 95% CI, share of the gap)."""
-    tokenizer = kvjax.load_tokenizer(os.path.join(toy_dir, "target"))
+    """Accuracy of every arm on both sets; mapped arms vs the native target (paired 95% CI, share of the gap). The
+    pair shares one tokenizer (the map's manifest checks it); it is read from TOY_DIR/source."""
+    tokenizer = kvjax.load_tokenizer(os.path.join(toy_dir, "source"))
     arms = make_arms(["target", "source", *maps], source, target, maps)
     out = {}
     for schema in ("hellaswag", "piqa"):
@@ -80,7 +82,8 @@ def multiple_choice(toy_dir: str, source, target, maps: dict, limit: int) -> dic
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--toy-dir", default="checkpoints/toy")
+    p.add_argument("--toy-dir", default="checkpoints/toy", help="source/, target/, eval/ (held-out windows, MC sets)")
+    p.add_argument("--target", default=None, help="another target checkpoint (default: TOY_DIR/target)")
     p.add_argument("--data-dir", default="work/toy/data")
     p.add_argument("--out", default="runs/toy_map")
     p.add_argument("--calib-windows", type=int, default=256, help="calibration windows of --window tokens")
@@ -99,7 +102,8 @@ def main() -> None:
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
     source = kvjax.load_hf(os.path.join(args.toy_dir, "source"))
-    target = kvjax.load_hf(os.path.join(args.toy_dir, "target"))
+    target_dir = args.target or os.path.join(args.toy_dir, "target")
+    target = kvjax.load_hf(target_dir)
     train_tokens = np.load(os.path.join(args.data_dir, "train.npy"), mmap_mode="r")
     calib = windows_from_tokens(train_tokens, args.calib_windows, args.window, seed=1)
     select = windows_from_tokens(train_tokens, 32, args.window, seed=2)
@@ -128,8 +132,8 @@ def main() -> None:
     agree = next_token_agreement(kvmap, source, target, kl_windows, args.prefix)
     report["agreement"] = {k: float(v.mean()) for k, v in agree.items()}
     log.info("next-token agreement: %s", report["agreement"])
-    info = {"source": os.path.join(args.toy_dir, "source"), "target": os.path.join(args.toy_dir, "target"),
-            "tokenizer_sha256": sha256_file(os.path.join(args.toy_dir, "target", "tokenizer.json")),
+    info = {"source": os.path.join(args.toy_dir, "source"), "target": target_dir,
+            "tokenizer_sha256": sha256_file(os.path.join(target_dir, "tokenizer.json")),
             "calib_sha256": hashlib.sha256(calib.tobytes()).hexdigest(), "calib_tokens": report["calib_tokens"],
             "fit": {k: v for k, v in report.items() if k != "layers"}, "layers": report["layers"]}
     kvjax.save_map(os.path.join(args.out, "map"), kvmap, info=info)

@@ -2,7 +2,7 @@
 to its last S tokens, beside the full context.
 
     python -m launch.toy.mc_context --short 1 16 64 --limit 400
-    python -m launch.toy.mc_context --models pruned=work/toy/pruned/target source=checkpoints/toy/source
+    python -m launch.toy.mc_context --models pruned=checkpoints/toy/pruned source=checkpoints/toy/source
 
 A prefix cache (mapped or native) can only move the part of an accuracy that needs more than the last few context
 tokens: what a model scores with S = 1 is what it gets from the endings alone. Contexts are cut at token level and

@@ -1,17 +1,14 @@
 """Build the pruned target: the shipped source's layers `pruned.layers` (configs/toy_pair.py), fine-tuned on text.
 
     python -m launch.toy.data      # once: the tokenized corpus (work/toy/data)
-    python -m launch.toy.pruned    # ~5 min on 2 cores: work/toy/pruned = a toy dir with this target + the shipped
-                                   # source, eval sets, tokenizer and data manifest (links)
-    python -m launch.toy.fit_map --toy-dir work/toy/pruned --out runs/pruned_map --pairing 3 --residual-steps 1500 \\
-        --residual-lr 3e-3 --mc 1000
-    python -m kvjax.launch --config.target.path=work/toy/pruned/target --config.output_dir=runs/toy_pruned \\
-        --config.map.pairing=top3 --config.residual.steps=600 --config.eval.mc.limit=500
+    python -m launch.toy.pruned    # ~5 min on 2 cores: checkpoints/toy/pruned, an HF checkpoint (bf16 weights)
+    python -m kvjax.launch --config=toy_pruned    # the main job on the shipped source and this target
 
 Why: the shipped target (2 x 64, trained from scratch) cannot read text, so no cache, mapped or its own, changes its
 answers much. This target keeps the source's attention readers but not the layers that build their inputs: it
 cannot read by itself, yet reads a cache in the source's coordinates — the regime the map is for (WORKSPACE.md,
 "Cache map"). Resumable (orbax checkpoints every `save_every` steps); a rerun of a finished build only re-exports.
+Trained in float32, exported in `export_dtype` (bfloat16 halves the shipped size; kvjax.load_hf computes in float32).
 """
 
 from __future__ import annotations
@@ -33,7 +30,6 @@ from launch.toy.fit_map import sha256_file
 from launch.toy.train import load_tokens
 
 log = logging.getLogger("launch.toy.pruned")
-LINKED = ("source", "eval", "tokenizer", "data")  # of the shipped toy dir, linked into the pruned toy dir
 
 
 def prune_layers(cfg: Qwen3Config, params: Params, layers) -> tuple[Qwen3Config, Params]:
@@ -66,15 +62,14 @@ def check_identity(work_dir: str, identity: dict) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shipped", default="checkpoints/toy", help="the toy dir whose source is pruned")
+    parser.add_argument("--shipped", default="checkpoints/toy", help="the toy dir whose source/ is pruned")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
     cfg = get_config()
     pc = cfg.pruned
     source_dir = os.path.join(args.shipped, "source")
     if not os.path.isfile(os.path.join(source_dir, "model.safetensors")):
-        sys.exit(f"no source checkpoint in {source_dir}; pass --shipped DIR (a toy dir with source/, eval/, "
-                 "tokenizer/, data/)")
+        sys.exit(f"no source checkpoint in {source_dir}; pass --shipped DIR (a toy dir with source/)")
     train_tokens, heldout_tokens = load_tokens(cfg.data_dir)
     scfg, sparams = load_hf(source_dir)
     tcfg, init = prune_layers(scfg, sparams, pc.layers)
@@ -85,22 +80,14 @@ def main(argv=None) -> None:
              tcfg.num_params() / 1e6, scfg.num_params() / 1e6, pc.train.steps)
     params = train(tcfg, pc.train, train_tokens, heldout_tokens, pc.work_dir, name="pruned target", init=init)
 
-    out = pc.out_dir
-    tmp = os.path.join(out, "target.tmp")
+    out = pc.out_dir.rstrip("/")
+    tmp = out + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(out, exist_ok=True)
-    save_hf(tmp, tcfg, params, tokenizer_dir=cfg.tokenizer_dir)
+    save_hf(tmp, tcfg, params, tokenizer_dir=cfg.tokenizer_dir, dtype=pc.export_dtype)
     load_hf(tmp)  # the exported directory must load back before it replaces the old one
-    shutil.rmtree(os.path.join(out, "target"), ignore_errors=True)
-    os.replace(tmp, os.path.join(out, "target"))
-    for name in LINKED:
-        link, dest = os.path.join(out, name), os.path.abspath(os.path.join(args.shipped, name))
-        if os.path.islink(link) and os.readlink(link) != dest:
-            os.remove(link)
-        if not os.path.lexists(link):
-            os.symlink(dest, link)
-    log.info("pruned target exported to %s/target; toy dir %s", out, out)
-
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    log.info("pruned target exported to %s (%s weights)", out, pc.export_dtype)
 
 if __name__ == "__main__":
     main()

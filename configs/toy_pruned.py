@@ -1,0 +1,36 @@
+"""The main job on the shipped source and the pruned target (checkpoints/toy/pruned), a target that can read a cache.
+
+    python -m kvjax.launch --config=toy_pruned          # writes runs/toy_pruned/ (about 30 min on 2 CPU cores)
+
+The default toy target (2 x 64, trained from scratch) reads nothing beyond its last ~16 tokens, so no cache moves its
+answers and the default run's gate fails, correctly. The pruned target keeps three of the source's layers (0, 3, 5)
+and was fine-tuned on text (`python -m launch.toy.pruned`): it cannot read by itself, yet reads a cache in the
+source's coordinates — the regime the map is for (WORKSPACE.md, "Cache map").
+
+Settings: the best measured map on this pair (top-3 pairing by held-out R^2, a rank-64 residual, 1500 steps at lr
+3e-3) with fit_map's calibration and KL sizes (256 x 512 calibration tokens, 128 KL windows) and 1000 multiple-choice
+items per set. The gate holds the cache-map issue's quality goals: key / value cosine >= 0.90 / 0.60, the residual
+>= 20% below the ridge in source-teacher KL, and on every multiple-choice set the mapped target ahead of the native
+one (paired interval above zero) by >= 60% of the target-to-source gap.
+"""
+
+import dataclasses
+
+from configs import toy
+from kvjax.gate import GateConfig
+
+
+def get_config():
+    base = toy.get_config()
+    return dataclasses.replace(
+        base,
+        name="toy_pruned",
+        target=dataclasses.replace(base.target, path=f"{toy.TOY}/pruned", name="pruned toy target"),
+        output_dir="runs/toy_pruned",
+        map=dataclasses.replace(base.map, calib_windows=256, select_windows=32, pairing="top3", residual_rank=64),
+        residual=dataclasses.replace(base.residual, steps=1500, warmup_steps=20, save_every=100),
+        eval=dataclasses.replace(base.eval, kl=dataclasses.replace(base.eval.kl, windows=128),
+                                 mc=dataclasses.replace(base.eval.mc, limit=1000)),
+        gate=GateConfig(min_key_cos=0.9, min_value_cos=0.6, max_kl_vs_target=1.0, min_kl_reduction=0.2,
+                        min_mc_retention=1.0, min_mc_gap_recovered=0.6, min_mc_gain_ci_lo=0.0),
+    )
