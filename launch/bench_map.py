@@ -4,12 +4,14 @@ against the source prefill it follows.
     python -m launch.bench_map                  # both parts
     python -m launch.bench_map --part fit       # fit at 3 calibration sizes (4x steps), one subprocess each
     python -m launch.bench_map --part apply     # apply_map vs source prefill at 2K tokens
+    python -m launch.bench_map --target checkpoints/toy/pruned --pairing 3 --residual-rank 64   # toy_pruned's map
 
 Fit: each size runs in its own process (peak RSS is per process); a warm-up fit on a few windows compiles
 everything first, so the timed parts are streaming
 (the statistics, which grow with tokens) and the whole fit_map (statistics + lambda selection + solve). Expect time ~ proportional to tokens and memory flat
 (the statistics are fixed-size; batches are streamed). Apply: medians of interleaved repeats, batch 1. Weights do not
-change either cost, only shapes: by default the shipped pair in checkpoints/toy.
+change either cost, only shapes (and the pairing: top-k feeds k source layers to each target layer): by default the
+shipped pair in checkpoints/toy.
 """
 
 from __future__ import annotations
@@ -25,6 +27,15 @@ import time
 import numpy as np
 
 
+def load_pair(args):
+    import kvjax
+    return (kvjax.load_hf(f"{args.toy_dir}/source"), kvjax.load_hf(args.target or f"{args.toy_dir}/target"))
+
+
+def pairing_arg(args):
+    return args.pairing if args.pairing == "depth" else int(args.pairing)
+
+
 def fit_one(args) -> dict:
     import jax
 
@@ -32,17 +43,18 @@ def fit_one(args) -> dict:
     from kvjax.mapper.calibrate import batches_of, collect_stats
     from kvjax.mapper.data import windows_from_tokens
     from kvjax.mapper.pairing import depth_pairing
-    source, target = (kvjax.load_hf(f"{args.toy_dir}/{r}") for r in ("source", "target"))
+    source, target = load_pair(args)
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, source[0].vocab_size, 4_000_000).astype(np.int32)
     held = windows_from_tokens(tokens, 8, args.window, seed=2)
-    kvjax.fit_map(source, target, windows_from_tokens(tokens, 8, args.window, seed=3), held, residual_rank=16)
+    fit = dict(pairing=pairing_arg(args), residual_rank=args.residual_rank)
+    kvjax.fit_map(source, target, windows_from_tokens(tokens, 8, args.window, seed=3), held, **fit)
     calib = windows_from_tokens(tokens, args.fit_one, args.window, seed=1)
     pairing = depth_pairing(source[0].num_layers, target[0].num_layers)
     t0 = time.perf_counter()
     collect_stats(source, target, pairing, batches_of(calib, 8))  # the part that grows with calibration tokens
     t1 = time.perf_counter()
-    jax.block_until_ready(kvjax.fit_map(source, target, calib, held, residual_rank=16)[0])
+    jax.block_until_ready(kvjax.fit_map(source, target, calib, held, **fit)[0])
     t2 = time.perf_counter()
     return {"windows": args.fit_one, "tokens": args.fit_one * args.window, "stats_seconds": t1 - t0,
             "fit_seconds": t2 - t1, "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
@@ -52,7 +64,8 @@ def bench_fit(args) -> list[dict]:
     rows = []
     for n in args.sizes:
         cmd = [sys.executable, "-m", "launch.bench_map", "--fit-one", str(n), "--window", str(args.window),
-               "--toy-dir", args.toy_dir]
+               "--toy-dir", args.toy_dir, "--pairing", args.pairing, "--residual-rank", str(args.residual_rank)]
+        cmd += ["--target", args.target] if args.target else []
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
             sys.exit(f"fit at {n} windows failed:\n{out.stderr[-2000:]}")
@@ -74,12 +87,13 @@ def bench_apply(args) -> dict:
     import kvjax
     from kvjax.mapper.calibrate import native_cache
     from kvjax.mapper.data import windows_from_tokens
-    source, target = (kvjax.load_hf(f"{args.toy_dir}/{r}") for r in ("source", "target"))
+    source, target = load_pair(args)
     (scfg, sparams) = source
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, scfg.vocab_size, 400_000).astype(np.int32)
     kvmap, _ = kvjax.fit_map(source, target, windows_from_tokens(tokens, 16, 256, seed=1),
-                             windows_from_tokens(tokens, 8, 256, seed=2))
+                             windows_from_tokens(tokens, 8, 256, seed=2), pairing=pairing_arg(args),
+                             residual_rank=args.residual_rank)
     prompt = jnp.asarray(tokens[None, : args.apply_tokens])
     prefill = jax.jit(lambda p, t: native_cache(p, scfg, t))
     apply = jax.jit(lambda m, c: kvjax.apply_map(m, c))
@@ -107,6 +121,9 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", choices=["fit", "apply", "all"], default="all")
     p.add_argument("--toy-dir", default="checkpoints/toy")
+    p.add_argument("--target", default=None, help="another target checkpoint (default: TOY_DIR/target)")
+    p.add_argument("--pairing", default="depth", help='"depth" or k: the top-k source layers by held-out R^2')
+    p.add_argument("--residual-rank", type=int, default=16, help="the residual is applied too (zero at init)")
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--sizes", type=int, nargs="+", default=[16, 64, 256], help="calibration windows per fit")
     p.add_argument("--apply-tokens", type=int, default=2048)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import config_flags, launch
+from kvjax import config_flags, launch, preflight
 from kvjax.config_flags import ConfigFlagError
 from kvjax.gate import GateConfig, evaluate_gate, load_gate
 from kvjax.run_config import RunConfig
@@ -130,7 +130,8 @@ def test_toy_pruned_config_runs_the_shipped_pruned_target_and_gates_on_the_map_g
     assert cfg.output_dir != toy.output_dir and cfg.map.pairing == "top3" and cfg.map.residual_rank == 64
     g = cfg.gate  # the cache-map issue's goals
     assert (g.min_key_cos, g.min_value_cos, g.min_kl_reduction, g.min_mc_gap_recovered) == (0.9, 0.6, 0.2, 0.6)
-    assert g.min_mc_gain_ci_lo == 0.0
+    assert g.min_mc_gain_ci_lo == 0.0 and g.cos_arm == "ridge"
+    preflight.validate(cfg)  # every file it names exists and every setting is in range
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -167,6 +168,8 @@ def test_cli_errors_exit_nonzero_and_write_nothing(tmp_path, capsys):
     wrong.write_text(json.dumps({"goal": "a", "sol1": "b", "sol2": "c", "label": 0}) + "\n")
     assert launch.main([f"--config.output_dir={out}", f"--config.eval.mc.hellaswag={wrong}"]) == 2
     assert "lacks field 'ctx' of the 'hellaswag' schema" in capsys.readouterr().err
+    assert launch.main([f"--config.output_dir={out}", "--config.gate.cos_arm=ridg"]) == 2
+    assert "gate.cos_arm='ridg': use ridge, residual, raw or None" in capsys.readouterr().err
     assert not out.exists()
 
 
@@ -230,6 +233,13 @@ def test_gate_on_the_share_of_the_multiple_choice_gap():
     assert not g.passed and g.to_json()["checks"]["mc_gap_recovered"]["value"] is None
     assert evaluate_gate(mc(0.05, 0.0, 0.05, 0.0), cfg, map_arm="ridge").to_json()["checks"]["mc_gap_recovered"][
         "value"] == pytest.approx(0.1)
+    # cache distances of another arm than the gated map (the ridge, which a residual moves away from on purpose)
+    dist = {"distances": {"key_cos": {"ridge": 0.98, "residual": 0.7}, "value_cos": {"ridge": 0.97, "residual": 0.7}}}
+    cos = dict(only, min_key_cos=0.9, min_value_cos=0.6)
+    assert [c.name for c in evaluate_gate(dist, GateConfig(**cos)).failed] == ["key_cos"]
+    g = evaluate_gate(dist, GateConfig(**cos, cos_arm="ridge"))
+    assert g.passed and g.to_json()["checks"]["key_cos"] == {"value": 0.98, "threshold": 0.9, "kind": "min",
+                                                             "passed": True, "note": "ridge"}
 
 
 @pytest.fixture(scope="module")

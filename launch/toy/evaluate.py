@@ -3,8 +3,10 @@
     python -m launch.toy.evaluate                 # both models: held-out CE (kvjax and transformers), multiple
                                                   # choice with 95% bootstrap intervals, retrieval at 1K/2K/4K
     python -m launch.toy.evaluate --limit 50      # a quick look (first 50 items of every set)
+    python -m launch.toy.evaluate --target checkpoints/toy/pruned   # another target against the shipped source
 
-Writes checkpoints/toy/metrics.json; prints a markdown summary for checkpoints/toy/README.md.
+Writes checkpoints/toy/metrics.json (with --target T: checkpoints/toy/metrics_<basename of T>.json); prints a markdown
+summary for checkpoints/toy/README.md.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ def ci_dict(ci) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--toy-dir", default="checkpoints/toy")
+    parser.add_argument("--target", default=None, help="another target checkpoint (default: TOY_DIR/target)")
     parser.add_argument("--limit", type=int, default=None, help="first N items of every set (quick look)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--no-torch", action="store_true", help="skip the transformers cross-check")
@@ -68,7 +71,9 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
     evaldir = os.path.join(args.toy_dir, "eval")
     tokenizer = kvjax.load_tokenizer(os.path.join(args.toy_dir, "target"))
-    models = {r: kvjax.load_hf(os.path.join(args.toy_dir, r)) for r in ROLES}
+    paths = {"target": args.target or os.path.join(args.toy_dir, "target"),
+             "source": os.path.join(args.toy_dir, "source")}
+    models = {r: kvjax.load_hf(paths[r]) for r in ROLES}
     windows = np.load(os.path.join(evaldir, "heldout_windows.npy"))[: args.limit]
     out: dict = {"heldout_ce": {}, "repeated_passage_ce": {}, "mc": {}, "retrieval": {}}
 
@@ -76,7 +81,7 @@ def main() -> None:
         ce = heldout_loss(params, cfg, windows)
         out["heldout_ce"][role] = {"kvjax": ce}
         if not args.no_torch:
-            ref = torch_heldout_loss(os.path.join(args.toy_dir, role), windows)
+            ref = torch_heldout_loss(paths[role], windows)
             out["heldout_ce"][role].update(transformers=ref, rel_diff=abs(ce - ref) / ref)
         log.info("%s held-out CE %.4f nats/token", role, ce)
         first, repeat = repeated_passage_ce(params, cfg, windows[:16])
@@ -100,7 +105,9 @@ def main() -> None:
         out["retrieval"][str(length)]["items"] = len(items)
         log.info("retrieval %d: %s", length, out["retrieval"][str(length)])
 
-    with open(os.path.join(args.toy_dir, "metrics.json"), "w") as f:
+    out["models"] = paths
+    name = "metrics.json" if args.target is None else f"metrics_{os.path.basename(args.target.rstrip('/'))}.json"
+    with open(os.path.join(args.toy_dir, name), "w") as f:
         json.dump(out, f, indent=2)
     print(summary(out))
 
