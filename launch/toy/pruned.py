@@ -4,7 +4,7 @@
     python -m launch.toy.pruned    # ~5 min on 2 cores: checkpoints/toy/pruned, an HF checkpoint (bf16 weights)
     python -m kvjax.launch --config=toy_pruned    # the main job on the shipped source and this target
 
-Why: the shipped target (2 x 64, trained from scratch) cannot read text, so no cache, mapped or its own, changes its
+Why: the pair's target (2 x 64, trained from scratch) cannot read text, so no cache, mapped or its own, changes its
 answers much. This target keeps the source's attention readers but not the layers that build their inputs: it
 cannot read by itself, yet reads a cache in the source's coordinates — the regime the map is for (WORKSPACE.md,
 "Cache map"). Resumable (orbax checkpoints every `save_every` steps); a rerun of a finished build only re-exports.
@@ -88,6 +88,7 @@ def main(argv=None) -> None:
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     log.info("pruned target exported to %s (%s weights)", out, pc.export_dtype)
+
 
 if __name__ == "__main__":
     main()
