@@ -1,6 +1,6 @@
 """The main job on the shipped source and the pruned target (checkpoints/toy/pruned), a target that can read a cache.
 
-    python -m kvjax.launch --config=toy_pruned          # writes runs/toy_pruned/ (about 45 min on 2 CPU cores)
+    python -m kvjax.launch --config=toy_pruned    # writes runs/toy_pruned/ (53 min on 2 CPU cores, half of it shared)
 
 The default toy target (2 x 64, trained from scratch) reads nothing beyond its last ~16 tokens, so no cache moves its
 answers and the default run's gate fails, correctly. The pruned target keeps three of the source's layers (0, 3, 5)
