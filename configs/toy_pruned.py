@@ -9,11 +9,12 @@ source's coordinates — the regime the map is for (WORKSPACE.md, "Cache map").
 
 Settings: top-3 pairing by held-out R^2 and a rank-64 residual (the best maps fit_map measured on this pair), trained
 3000 steps at lr 3e-3 on up to 4M tokens of the standard library's train split (2.2M there; -20.3% KL vs the ridge,
-where 1500 steps on the default 1M tokens reached -19.4% and 2000 steps on 2.2M -20.0%); fit_map's calibration and
-KL sizes (256 x 512 calibration tokens, 128 KL windows) and 1000 multiple-choice items per set. The gate holds the cache-map issue's quality goals: the
-ridge's key / value cosine >= 0.90 / 0.60 (the residual moves the cache away from the native target's on purpose),
-the residual >= 20% below the ridge in source-teacher KL, and on every multiple-choice set the mapped target ahead of
-the native one (paired interval above zero) by >= 60% of the target-to-source gap.
+where 1500 steps on the default 1M tokens reached -19.4% and 2000 steps on 2.2M -20.0%); fit_map's calibration and KL
+sizes (256 x 512 calibration tokens, 128 KL windows) and 1000 multiple-choice items per set. The gate holds the
+cache-map issue's quality goals: the ridge's key / value cosine >= 0.90 / 0.60 (the residual moves the cache away from
+the native target's on purpose), the residual >= 20% below the ridge in source-teacher KL, and on every
+multiple-choice set the mapped target ahead of the native one (paired interval above zero) by >= 60% of the
+target-to-source gap.
 """
 
 import dataclasses
