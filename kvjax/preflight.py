@@ -139,11 +139,10 @@ def validate(cfg: RunConfig) -> None:
         problems.append("eval.throughput needs lengths >= 2, new_tokens >= 2, repeats >= 1 and decode_repeats >= 1")
     for f in dataclasses.fields(GateConfig):
         value = getattr(cfg.gate, f.name)
-        if f.name == "cos_arm":
-            if value not in (None, "raw", "ridge", "residual"):
-                problems.append(f"gate.cos_arm={value!r}: use ridge, residual, raw or None (the gated map)")
-        elif value is not None and ("cos" in f.name or "retention" in f.name) and not -1 <= value <= 10:
+        if isinstance(value, (int, float)) and ("cos" in f.name or "retention" in f.name) and not -1 <= value <= 10:
             problems.append(f"gate.{f.name}={value} is out of range")
+    if cfg.gate.cos_arm not in (None, "raw", "ridge", "residual"):
+        problems.append(f"gate.cos_arm={cfg.gate.cos_arm!r}: use ridge, residual, raw or None (the gated map)")
     if problems:
         raise LaunchError("the config has problems (nothing was run):\n  - " + "\n  - ".join(problems))
 

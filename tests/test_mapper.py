@@ -13,7 +13,7 @@ from kvjax.mapper.pairing import depth_pairing, topk_pairing
 from kvjax.mapper.residual import ResidualConfig, evaluate_kl
 from kvjax.mapper.ridge import Stats, chunk_stats, mse, select, solve, to_stats
 from kvjax.eval.distances import cache_distances
-from kvjax.models.rope import apply_rope, rope_angles, unapply_rope
+from kvjax.models.rope import apply_rope, rope_angles, rope_table, unapply_rope
 
 VOCAB = 96
 
@@ -48,6 +48,9 @@ def test_inverse_rope_is_exact():
     x = jax.random.normal(jax.random.key(0), (2, 3, 50, 32))
     cos, sin = rope_angles(jnp.arange(50), 32, 1e6)
     np.testing.assert_allclose(unapply_rope(apply_rope(x, cos, sin), cos, sin), x, atol=1e-5)
+    table = rope_table(50, 32, 1e6)  # the host-constant version the map's features use
+    np.testing.assert_allclose(table[0], cos, atol=2e-6)
+    np.testing.assert_allclose(table[1], sin, atol=2e-6)
 
 
 def test_streamed_ridge_recovers_a_linear_map_and_heldout_mse_is_exact():
