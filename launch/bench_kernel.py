@@ -158,9 +158,9 @@ def bench_ttft(args) -> list[dict]:
     import kvjax
     from kvjax.cache import init_cache
     from kvjax.generation import CACHE_ALIGN
-    from kvjax.kernels.pipeline import pipelined_prefill_map
     from kvjax.mapper.data import windows_from_tokens
-    from kvjax.mapper.split import _first, _map, _source_prefill
+    from kvjax.builders import Mapped, Pipelined
+    from kvjax.models.qwen3 import decode_jit
     from kvjax.models.qwen3 import forward
 
     source, target = (kvjax.load_hf(f"{args.toy_dir}/{r}") for r in ("source", "target"))
@@ -190,14 +190,11 @@ def bench_ttft(args) -> list[dict]:
 
     def run_split(prompt, capacity, pipeline):
         t = prompt.shape[1] - 1
-        lengths = jnp.full((1,), t, jnp.int32)
-        if pipeline:
-            cache = pipelined_prefill_map(source, kvmap, prompt[:, :t], lengths, capacity=capacity, impl="xla")
-        else:
-            cache = _map(kvmap, _source_prefill(sparams, scfg, prompt[:, :t], lengths), capacity, t)
-        logits, cache = _first(tparams, tcfg, prompt[:, t], cache)
+        cache = builders[pipeline](np.asarray(prompt[:, :t]), capacity=capacity)
+        logits, cache = decode_jit(tparams, tcfg, prompt[:, t], cache)
         return int(jnp.argmax(logits[0])), cache
 
+    builders = {False: Mapped(source, target, kvmap), True: Pipelined(source, target, kvmap, impl="xla")}
     variants = {"native source": lambda p, c: run_native(p, c),
                 "split (prefill, then map)": lambda p, c: run_split(p, c, False),
                 "split pipelined": lambda p, c: run_split(p, c, True)}

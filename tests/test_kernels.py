@@ -184,7 +184,8 @@ def test_pipelined_split_path_gives_the_same_tokens(pair):
     """split_generate's phases with the pipelined prefill+map in place of prefill-then-map: same greedy tokens."""
     import math
     from kvjax.generation import CACHE_ALIGN, Sampling, pad_prompts
-    from kvjax.mapper.split import _decode, _first
+    from kvjax.generation import decode_loop
+    from kvjax.models.qwen3 import decode_jit
     source, target, kvmap = pair
     prompts = [list(p) for p in np.random.RandomState(2).randint(1, VOCAB, (3, 30))]
     prompts[1] = prompts[1][:17]
@@ -201,8 +202,8 @@ def test_pipelined_split_path_gives_the_same_tokens(pair):
     for impl in ("xla", "pallas"):
         cache = pipelined_prefill_map(source, kvmap, tokens[:, :t], lengths - 1, capacity=capacity, impl=impl,
                                       interpret=impl == "pallas")
-        logits, cache = _first(target[1], target[0], last, cache)
-        got = _decode(target[1], target[0], cache, logits, jax.random.key(0), n_new, Sampling(0.0, 1.0), (), 0)
+        logits, cache = decode_jit(target[1], target[0], last, cache)
+        got = decode_loop(target[1], target[0], cache, logits, n_new, jax.random.key(0), Sampling(0.0, 1.0), (), 0)[0]
         np.testing.assert_array_equal(got, want)
 
 

@@ -22,9 +22,7 @@ from kvjax.kernels.map_insert import insert_layers
 from kvjax.mapper.kvmap import KVMap
 from kvjax.models.config import Qwen3Config
 from kvjax.models.params import Params
-from kvjax.models.qwen3 import _finish, _qkv, causal_attention
-from kvjax.models.rope import rope_angles
-from kvjax.sharding import constrain
+from kvjax.models.qwen3 import causal_attention, embed, finish, head_angles, qkv
 
 
 def _prefill_map(sparams: Params, scfg: Qwen3Config, kvmap: KVMap, tokens, lengths, capacity: int, dtype,
@@ -45,12 +43,11 @@ def _prefill_map(sparams: Params, scfg: Qwen3Config, kvmap: KVMap, tokens, lengt
     deepest = max(ready_after)
 
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))  # a fresh cache: row starts at 0
-    cos, sin = rope_angles(positions, scfg.head_dim, scfg.rope_theta)
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    x = constrain(sparams.embed[tokens], ("batch", None, None))
+    cos, sin = head_angles(scfg, positions)
+    x = embed(sparams, tokens)
     kv: dict[int, tuple[jax.Array, jax.Array]] = {}
     for i, lp in enumerate(sparams.layers[:deepest + 1]):
-        q, k, v = _qkv(lp, scfg, x, cos, sin)  # k post-RoPE, [B, T, Hs, hd]
+        q, k, v = qkv(lp, scfg, x, cos, sin)  # k post-RoPE, [B, T, Hs, hd]
         if i in last_use:
             to_cache = lambda a: a.astype(cache_dtype).transpose(0, 2, 1, 3)[None]  # noqa: E731  [1, B, Hs, T, hd]
             kv[i] = (to_cache(k), to_cache(v))
@@ -64,7 +61,7 @@ def _prefill_map(sparams: Params, scfg: Qwen3Config, kvmap: KVMap, tokens, lengt
         for s in [s for s, last in last_use.items() if last == i]:
             del kv[s]
         if i < deepest:
-            x = _finish(lp, scfg, x, causal_attention(q, k, v))
+            x = finish(lp, scfg, x, causal_attention(q, k, v))
     return KVCache(k=tgt_k, v=tgt_v, lengths=jnp.minimum(lengths, t), origin=f"mapped:{kvmap.map_id}")
 
 

@@ -16,32 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache import init_cache
+from kvjax.builders import CacheBuilder, Clock, Mapped, NativePrefill, Pipelined
 from kvjax.generation import CACHE_ALIGN, Sampling, decode_loop, pad_prompts
-from kvjax.mapper.calibrate import Model, native_cache
-from kvjax.mapper.kvmap import KVMap, apply_map, check_models
-from kvjax.models.qwen3 import forward
+from kvjax.mapper.calibrate import Model
+from kvjax.mapper.kvmap import KVMap, check_models
+from kvjax.models.qwen3 import decode_jit
 
 log = logging.getLogger(__name__)
-
-_source_prefill = jax.jit(native_cache, static_argnames=("cfg",))
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "capacity"))
-def _native_prefill(params, cfg, tokens, lengths, capacity):
-    cache = init_cache(cfg, tokens.shape[0], capacity, params.embed.dtype)
-    return forward(params, cfg, tokens, cache, lengths, last_only=True, fresh=True)[1]
-
-
-@functools.partial(jax.jit, static_argnames=("capacity", "length", "impl"))
-def _map(kvmap, source_cache, capacity, length, impl="xla"):
-    return apply_map(kvmap, source_cache, capacity=capacity, length=length, impl=impl)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def _first(params, cfg, last_tokens, cache):
-    logits, cache = forward(params, cfg, last_tokens[:, None], cache)
-    return logits[:, 0], cache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "n", "sampling", "eos", "pad"))
@@ -78,22 +59,11 @@ def _prepare(prompts, max_new_tokens: int, eos_ids, pad_id, cfg, temperature: fl
     return tokens, lengths, eos, int(pad), capacity, last
 
 
-def _clock(timings: bool):
-    phases, state = {}, {"t": time.perf_counter()}
-
-    def mark(name, value):
-        if timings:
-            jax.block_until_ready(value)
-            now = time.perf_counter()
-            phases[name], state["t"] = now - state["t"], now
-        return value
-    return phases, mark
-
-
-def _timed_decode(mark, phases: dict, repeats: int, *args):
+def _timed_decode(clock: Clock, repeats: int, *args):
     """The decode phase; with timings and repeats > 1 it is re-run from the same cache (not donated) and the median
     time kept: short decodes are too brief to time once. The tokens are the first run's."""
-    out = mark("decode", _decode(*args))
+    phases = clock.phases
+    out = clock("decode", _decode(*args))
     if repeats > 1 and "decode" in phases:
         times = [phases["decode"]]
         for _ in range(repeats - 1):
@@ -104,6 +74,33 @@ def _timed_decode(mark, phases: dict, repeats: int, *args):
     return out
 
 
+def generate_from(builder: CacheBuilder, prompts, max_new_tokens: int, *, temperature: float = 0.0,
+                  top_p: float = 1.0, key=None, eos_token_ids=None, pad_token_id: int | None = None,
+                  clock: Clock | None = None, decode_repeats: int = 1):
+    """The answering model of `builder` generates after each prompt from the cache the builder makes: the builder
+    reads all but each prompt's last token, the model runs that token (the first new token's logits), then decodes.
+    `prompts`: list of token lists (>= 2 tokens each) or int array [B, T]. Returns tokens int32 [B, N]. With an
+    enabled `clock` (kvjax.builders.Clock) each phase is timed with block_until_ready into clock.phases (the
+    builder's phases, first_token, decode); `decode_repeats` > 1 then re-runs the decode phase from the same cache
+    and keeps its median time."""
+    cfg, params = builder.model
+    clock = clock if clock is not None else Clock(enabled=False)
+    tokens, lengths, eos, pad, capacity, last = _prepare(prompts, max_new_tokens, eos_token_ids, pad_token_id, cfg,
+                                                         temperature, key)
+    t = tokens.shape[1] - 1
+    cache = builder(tokens[:, :t], lengths - 1, capacity=capacity, clock=clock)
+    logits, cache = clock("first_token", decode_jit(params, cfg, last, cache))
+    return _timed_decode(clock, decode_repeats, params, cfg, cache, logits,
+                         key if key is not None else jax.random.key(0), int(max_new_tokens),
+                         Sampling(float(temperature), float(top_p)), eos, pad)
+
+
+def _run(builder: CacheBuilder, prompts, max_new_tokens: int, timings: bool, **kwargs):
+    clock = Clock(enabled=timings)
+    out = generate_from(builder, prompts, max_new_tokens, clock=clock, **kwargs)
+    return (out, clock.phases) if timings else out
+
+
 def native_generate(model: Model, prompts, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
                     key=None, eos_token_ids=None, pad_token_id: int | None = None, timings: bool = False,
                     decode_repeats: int = 1):
@@ -111,18 +108,8 @@ def native_generate(model: Model, prompts, max_new_tokens: int, *, temperature: 
     token, runs that token (the first new token's logits), then decodes. Same arguments and cache capacity as
     split_generate; returns tokens int32 [B, N], and with `timings` a dict of seconds (prefill, first_token,
     decode; `decode_repeats` as in split_generate). Greedy output equals kvjax.generate's."""
-    cfg, params = model
-    tokens, lengths, eos, pad, capacity, last = _prepare(prompts, max_new_tokens, eos_token_ids, pad_token_id, cfg,
-                                                         temperature, key)
-    t = tokens.shape[1] - 1
-    phases, mark = _clock(timings)
-    cache = mark("prefill", _native_prefill(params, cfg, jnp.asarray(tokens[:, :t]), jnp.asarray(lengths - 1),
-                                            capacity))
-    logits, cache = mark("first_token", _first(params, cfg, last, cache))
-    out = _timed_decode(mark, phases, decode_repeats, params, cfg, cache, logits,
-                        key if key is not None else jax.random.key(0), int(max_new_tokens),
-                        Sampling(float(temperature), float(top_p)), eos, pad)
-    return (out, phases) if timings else out
+    return _run(NativePrefill(model), prompts, max_new_tokens, timings, temperature=temperature, top_p=top_p,
+                key=key, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, decode_repeats=decode_repeats)
 
 
 def _gate_failed(gate) -> str:
@@ -158,8 +145,7 @@ def split_generate(source: Model, target: Model, kvmap: KVMap, prompts, max_new_
     its timings have one phase "prefill_map" instead of source_prefill + map. `impl`: how the map runs, "xla",
     "pallas" (the fused map-and-insert kernel) or "auto" (kernel on GPU/TPU, XLA on CPU).
     """
-    (scfg, sparams), (tcfg, tparams) = source, target
-    check_models(kvmap, scfg, tcfg)
+    check_models(kvmap, source[0], target[0])
     if gate is not None:
         reason = _gate_failed(gate)
         kwargs = dict(temperature=temperature, top_p=top_p, key=key, eos_token_ids=eos_token_ids,
@@ -172,23 +158,10 @@ def split_generate(source: Model, target: Model, kvmap: KVMap, prompts, max_new_
                                     **kwargs)
         out, phases = result if timings else (result, {})
         return SplitResult(out, phases, "native_target" if reason else "split", reason)
-    tokens, lengths, eos, pad, capacity, last = _prepare(prompts, max_new_tokens, eos_token_ids, pad_token_id, tcfg,
-                                                         temperature, key)
-    t = tokens.shape[1] - 1
-    phases, mark = _clock(timings)
-    if pipeline:
-        from kvjax.kernels.pipeline import pipelined_prefill_map
-        cache = mark("prefill_map", pipelined_prefill_map(source, kvmap, jnp.asarray(tokens[:, :t]),
-                                                          jnp.asarray(lengths - 1), capacity=capacity, impl=impl))
-    else:
-        src_cache = mark("source_prefill", _source_prefill(sparams, scfg, jnp.asarray(tokens[:, :t]),
-                                                           jnp.asarray(lengths - 1)))
-        cache = mark("map", _map(kvmap, src_cache, capacity, t, impl))
-    logits, cache = mark("first_token", _first(tparams, tcfg, last, cache))
-    out = _timed_decode(mark, phases, decode_repeats, tparams, tcfg, cache, logits,
-                        key if key is not None else jax.random.key(0), int(max_new_tokens),
-                        Sampling(float(temperature), float(top_p)), eos, pad)
-    return (out, phases) if timings else out
+    builder = (Pipelined(source, target, kvmap, impl=impl) if pipeline else
+               Mapped(source, target, kvmap, impl=impl))
+    return _run(builder, prompts, max_new_tokens, timings, temperature=temperature, top_p=top_p, key=key,
+                eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, decode_repeats=decode_repeats)
 
 
 def paired_decode_seconds(source: Model, target: Model, kvmap: KVMap, prompts, max_new_tokens: int,
@@ -197,16 +170,13 @@ def paired_decode_seconds(source: Model, target: Model, kvmap: KVMap, prompts, m
     target and of the target on the mapped cache, timed alternately `repeats` times each (target, mapped, mapped,
     target, ...) from the same two prefilled caches, so that drifts in machine speed hit both arms alike: the paired
     measurement behind "mapped decode runs at native target speed". Compiles first (not timed)."""
-    (scfg, sparams), (tcfg, tparams) = source, target
-    check_models(kvmap, scfg, tcfg)
+    tcfg, tparams = target
     tokens, lengths, eos, pad, capacity, last = _prepare(prompts, max_new_tokens, (), None, tcfg, 0.0, None)
     t = tokens.shape[1] - 1
-    prefix, prefix_lengths = jnp.asarray(tokens[:, :t]), jnp.asarray(lengths - 1)
-    caches = {"target": _native_prefill(tparams, tcfg, prefix, prefix_lengths, capacity),
-              "mapped": _map(kvmap, _source_prefill(sparams, scfg, prefix, prefix_lengths), capacity, t)}
+    builders = {"target": NativePrefill(target), "mapped": Mapped(source, target, kvmap)}
     args = {}
-    for arm, cache in caches.items():
-        logits, cache = _first(tparams, tcfg, last, cache)
+    for arm, builder in builders.items():
+        logits, cache = decode_jit(tparams, tcfg, last, builder(tokens[:, :t], lengths - 1, capacity=capacity))
         args[arm] = (tparams, tcfg, cache, logits, jax.random.key(0), int(max_new_tokens), Sampling(), eos, pad)
         jax.block_until_ready(_decode(*args[arm]))  # compile
     times = {arm: [] for arm in args}

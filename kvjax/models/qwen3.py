@@ -79,7 +79,7 @@ def _write(buf: jax.Array, layer: int, new: jax.Array, positions: jax.Array) -> 
     return buf.at[layer, rows, :, positions].set(new.astype(buf.dtype), mode="drop")
 
 
-def _qkv(lp: LayerParams, cfg: Qwen3Config, x, cos, sin):
+def qkv(lp: LayerParams, cfg: Qwen3Config, x, cos, sin):
     """Normalised, rotated q [B, T, Hq, hd], k [B, T, Hkv, hd] and v [B, T, Hkv, hd] of one layer."""
     eps = cfg.rms_norm_eps
     h = rms_norm(x, lp.attn_norm, eps)
@@ -90,7 +90,7 @@ def _qkv(lp: LayerParams, cfg: Qwen3Config, x, cos, sin):
     return q, apply_rope(k, cos, sin), v
 
 
-def _finish(lp: LayerParams, cfg: Qwen3Config, x, attn):
+def finish(lp: LayerParams, cfg: Qwen3Config, x, attn):
     """Output projection and the SwiGLU MLP, each with its residual."""
     x = x + jnp.einsum("bthk,hkd->btd", attn, lp.o)
     h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
@@ -104,13 +104,13 @@ def layer_forward(lp: LayerParams, cfg: Qwen3Config, x, cos, sin, cache: KVCache
                   fresh: bool = False):
     """One decoder layer over cached context. x [B, T, D]; returns (x, cache with this layer's K/V written).
     `fresh`: the cache held nothing before these tokens, so attention needs only their own K/V."""
-    q, k, v = _qkv(lp, cfg, x, cos, sin)
+    q, k, v = qkv(lp, cfg, x, cos, sin)
     cache = cache.replace(k=_write(cache.k, layer, k, positions), v=_write(cache.v, layer, v, positions))
     if fresh:
         attn = causal_attention(q, k, v)
     else:
         attn = attend(q, cache.k, cache.v, positions, kv_len, layer)  # [B, T, Hq, hd]
-    return _finish(lp, cfg, x, attn), cache
+    return finish(lp, cfg, x, attn), cache
 
 
 def causal_attention(q, k, v, block: int = 128):
@@ -135,19 +135,31 @@ def causal_attention(q, k, v, block: int = 128):
     return _ungroup(o, t)
 
 
+def head_angles(cfg: Qwen3Config, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin for token positions int [B, T] (or [T]), shaped to broadcast over heads: [B or 1, T, 1, hd]."""
+    cos, sin = rope_angles(positions, cfg.head_dim, cfg.rope_theta)
+    if positions.ndim == 1:
+        cos, sin = cos[None], sin[None]
+    return cos[:, :, None, :], sin[:, :, None, :]
+
+
+def embed(params: Params, tokens: jax.Array) -> jax.Array:
+    """Token embeddings [B, T, D], batch-sharded under a mesh."""
+    return constrain(params.embed[tokens], ("batch", None, None))
+
+
 def forward_nocache(params: Params, cfg: Qwen3Config, tokens: jax.Array, remat: bool = False) -> jax.Array:
     """Logits [B, T, V] of whole sequences from position 0, without a cache (training, scoring)."""
     b, t = tokens.shape
-    cos, sin = rope_angles(jnp.arange(t), cfg.head_dim, cfg.rope_theta)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    cos, sin = head_angles(cfg, jnp.arange(t))
 
     def layer(lp, x):
-        q, k, v = _qkv(lp, cfg, x, cos, sin)
-        return _finish(lp, cfg, x, causal_attention(q, k, v))
+        q, k, v = qkv(lp, cfg, x, cos, sin)
+        return finish(lp, cfg, x, causal_attention(q, k, v))
 
     if remat:
         layer = jax.checkpoint(layer)
-    x = constrain(params.embed[tokens], ("batch", None, None))
+    x = embed(params, tokens)
     for lp in params.layers:
         x = layer(lp, x)
     return unembed(params, rms_norm(x, params.final_norm, cfg.rms_norm_eps))
@@ -171,9 +183,8 @@ def forward(params: Params, cfg: Qwen3Config, tokens: jax.Array, cache: KVCache,
     start = cache.lengths
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
     kv_len = start + lengths
-    cos, sin = rope_angles(positions, cfg.head_dim, cfg.rope_theta)  # [B, T, hd]
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    x = constrain(params.embed[tokens], ("batch", None, None))  # [B, T, D]
+    cos, sin = head_angles(cfg, positions)
+    x = embed(params, tokens)  # [B, T, D]
     for i, lp in enumerate(params.layers):
         x, cache = layer_forward(lp, cfg, x, cos, sin, cache, i, positions, kv_len, fresh)
     if last_only:
@@ -190,16 +201,17 @@ def _prefill(params, cfg, tokens, cache, lengths, last_only, fresh):
     return forward(params, cfg, tokens, cache, lengths, last_only, fresh)
 
 
-def _decode_step(params, cfg, tokens, cache):
+def decode(params, cfg, tokens, cache):
+    """One token per row int [B] after the cache (traceable): (logits [B, V], cache)."""
     logits, cache = forward(params, cfg, tokens[:, None], cache)
     return logits[:, 0], cache
 
 
 _prefill_jit = jax.jit(_prefill, static_argnames=("cfg", "last_only", "fresh"), donate_argnames=("cache",))
-_decode_step_jit = jax.jit(_decode_step, static_argnames=("cfg",), donate_argnames=("cache",))
+decode_jit = jax.jit(decode, static_argnames=("cfg",), donate_argnames=("cache",))
 
 
-def _check_cache(cfg: Qwen3Config, cache: KVCache, tokens: jax.Array, ndim: int, what: str) -> None:
+def _check_cache(cfg: Qwen3Config, cache: KVCache, tokens, ndim: int, what: str) -> None:
     from kvjax.cache import check_compatible
     if not isinstance(cache, KVCache):
         raise TypeError(f"{what}: cache must be a kvjax.KVCache (kvjax.init_cache), got {type(cache).__name__}")
@@ -212,28 +224,75 @@ def _check_cache(cfg: Qwen3Config, cache: KVCache, tokens: jax.Array, ndim: int,
                          f"{cache.batch_size}")
 
 
+def _on_host(*arrays):
+    """numpy values of `arrays` (None passes through) in one device-to-host transfer; host inputs cost nothing.
+    The compiled functions cannot raise, so what they would silently get wrong is checked here, before any compute
+    is queued."""
+    return [None if a is None else np.asarray(a) for a in jax.device_get(arrays)]
+
+
+def _int32(value, host: np.ndarray):
+    """The int32 argument for a compiled call: a device array as it is, else the host copy (the jitted call uploads
+    it more cheaply than a separate jnp.asarray dispatch)."""
+    if isinstance(value, jax.Array) and value.dtype == jnp.int32:
+        return value
+    return host.astype(np.int32, copy=False)
+
+
+def _check_token_ids(cfg: Qwen3Config, tokens: np.ndarray, real: np.ndarray, what: str) -> None:
+    """Ids outside the vocabulary would be gathered from a clamped embedding row: wrong logits, no error."""
+    bad = real & ((tokens < 0) | (tokens >= cfg.vocab_size))
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{what}: token ids must be in [0, {cfg.vocab_size}) (the model's vocab_size), got "
+                         f"{int(tokens[at])} at index {list(at)}; encode with the tokenizer of this model")
+
+
+LARGER_CACHE = "create a larger cache: kvjax.init_cache(cfg, batch, max_len) with max_len >= prompt + new tokens"
+
+
 def prefill(params: Params, cfg: Qwen3Config, tokens, cache: KVCache, lengths=None, *, last_only: bool = False,
             fresh: bool | None = None):
     """Process prompt tokens int32 [B, T] (right-padded; `lengths` [B] = real tokens per row) after what the cache
     holds. Returns (logits [B, T, V] or, with `last_only`, [B, V] at each row's last real token; cache). The cache
-    argument is donated: use the returned one. `fresh` says whether the cache is empty; by default it is read from
-    cache.lengths (one small device-to-host copy)."""
-    tokens = jnp.asarray(tokens)
+    argument is donated: use the returned one. Before compiling anything, the tokens, `lengths` and cache.lengths
+    are read on the host (one small device-to-host copy) to reject ids outside the vocabulary and prompts that
+    overflow the cache; `fresh` (whether the cache is empty) defaults to what that read shows."""
+    tokens = tokens if isinstance(tokens, jax.Array) else np.asarray(tokens)
     _check_cache(cfg, cache, tokens, 2, "prefill")
-    if tokens.shape[1] > cache.capacity:
-        raise ValueError(f"prefill: {tokens.shape[1]} tokens do not fit a cache of capacity {cache.capacity}; "
+    b, t = tokens.shape
+    if t > cache.capacity:
+        raise ValueError(f"prefill: {t} tokens do not fit a cache of capacity {cache.capacity}; "
                          "make the cache larger (kvjax.init_cache(cfg, batch, max_len))")
-    if lengths is not None:
-        lengths = jnp.asarray(lengths, jnp.int32)
+    if lengths is not None and not isinstance(lengths, jax.Array):
+        lengths = np.asarray(lengths)
+    host_tokens, host_lengths, cached = _on_host(tokens, lengths, cache.lengths)
+    new = np.full((b,), t) if host_lengths is None else host_lengths
+    if new.shape != (b,) or new.min() < 0 or new.max() > t:
+        raise ValueError(f"prefill: lengths must be [B] = [{b}] integers in 0..{t} (real tokens per row), got {new}")
+    _check_token_ids(cfg, host_tokens, np.arange(t)[None, :] < new[:, None], "prefill")
+    over = np.flatnonzero(cached + new > cache.capacity)
+    if over.size:
+        r = int(over[0])
+        raise ValueError(f"prefill: row {r} holds {int(cached[r])} positions and gets {int(new[r])} more, past the "
+                         f"cache capacity {cache.capacity}; {LARGER_CACHE}")
     if fresh is None:
-        fresh = not np.asarray(jax.device_get(cache.lengths)).any()
-    return _prefill_jit(params, cfg, tokens.astype(jnp.int32), cache, lengths, last_only, bool(fresh))
+        fresh = not cached.any()
+    lengths = None if lengths is None else _int32(lengths, host_lengths)
+    return _prefill_jit(params, cfg, _int32(tokens, host_tokens), cache, lengths, last_only, bool(fresh))
 
 
 def decode_step(params: Params, cfg: Qwen3Config, tokens, cache: KVCache):
     """One token per row, int32 [B], appended at each row's own position. Returns (logits [B, V], cache).
-    The cache argument is donated: use the returned one. Rows whose cache is full drop the write, so size the
-    cache for prompt + new tokens."""
-    tokens = jnp.asarray(tokens)
+    The cache argument is donated: use the returned one. The tokens and cache.lengths are read on the host (one
+    small device-to-host copy per step) to reject ids outside the vocabulary and a row whose cache is full, whose
+    write would fall outside the buffer: size the cache for prompt + new tokens."""
+    tokens = tokens if isinstance(tokens, jax.Array) else np.asarray(tokens)
     _check_cache(cfg, cache, tokens, 1, "decode_step")
-    return _decode_step_jit(params, cfg, tokens.astype(jnp.int32), cache)
+    host_tokens, cached = _on_host(tokens, cache.lengths)
+    _check_token_ids(cfg, host_tokens, np.ones(host_tokens.shape, bool), "decode_step")
+    full = np.flatnonzero(cached >= cache.capacity)
+    if full.size:
+        raise ValueError(f"decode_step: the cache is full (all {cache.capacity} positions used) in row(s) "
+                         f"{full.tolist()}, so the new token's keys/values would not be stored; {LARGER_CACHE}")
+    return decode_jit(params, cfg, _int32(tokens, host_tokens), cache)

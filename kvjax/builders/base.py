@@ -1,0 +1,85 @@
+"""The cache-builder interface: every way to give an answering model the cache of a prompt.
+
+A builder takes right-padded prompt tokens int [B, T] and per-row lengths [B] and returns the answering model's
+`KVCache` holding each row's tokens[:length] (lengths set, the rest of the buffer zero). Generation, every evaluation
+arm and throughput timing consume builders, so a new way to build a cache (a map, a pipelined map, a partial
+recomputation, ...) is one new builder and works everywhere at once.
+
+Builders are plain Python objects around jitted pure functions: the object holds the models and settings (static
+for tracing), the functions do the work. `Clock` lets a caller time a builder's phases without the builder knowing
+about benchmarks.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+
+import jax
+import numpy as np
+
+from kvjax.cache import KVCache
+
+BUCKET = 64  # the token axis is rounded up to a multiple of this: a handful of compiles for many prompt lengths
+
+
+def bucket(n: int, multiple: int = BUCKET) -> int:
+    """n rounded up to a positive multiple of `multiple`."""
+    return max(multiple, -(-n // multiple) * multiple)
+
+
+class Clock:
+    """Per-phase wall times of one build. `clock(name, value)` waits for `value` and books the time since the last
+    mark under `name`; a disabled clock returns the value untouched (no synchronisation, the fastest path)."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.phases: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def __call__(self, name: str, value):
+        if self.enabled:
+            jax.block_until_ready(value)
+            now = time.perf_counter()
+            self.phases[name] = self.phases.get(name, 0.0) + now - self._t
+            self._t = now
+        return value
+
+
+OFF = Clock(enabled=False)
+
+
+def as_batch(tokens, lengths=None) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens int32 [B, T], lengths int32 [B]) on the host, checked: the one place builders validate prompts."""
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 2 or tokens.shape[1] < 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"tokens must be an integer array [B, T] with T >= 1, got {tokens.dtype}{tokens.shape}")
+    lengths = np.full((tokens.shape[0],), tokens.shape[1], np.int32) if lengths is None else np.asarray(lengths)
+    if lengths.shape != (tokens.shape[0],) or lengths.min() < 0 or lengths.max() > tokens.shape[1]:
+        raise ValueError(f"lengths must be [B] = [{tokens.shape[0]}] in 0..{tokens.shape[1]}, got {lengths}")
+    return tokens.astype(np.int32), lengths.astype(np.int32)
+
+
+class CacheBuilder(abc.ABC):
+    """tokens int [B, T] (right-padded) + lengths [B] -> the answering model's KVCache of each row's tokens[:length].
+
+    `name` labels the builder in logs and reports; `model` is the (config, params) pair that answers from the cache
+    (decodes or scores). `capacity` (default: T rounded up to a multiple of BUCKET) is the cache's time axis; pass
+    prompt + new tokens to decode from it."""
+
+    name: str
+    model: tuple
+
+    @abc.abstractmethod
+    def build(self, tokens: np.ndarray, lengths: np.ndarray, capacity: int, clock: Clock) -> KVCache:
+        """The work, on checked host arrays (tokens [B, T], lengths [B]) and a capacity >= T."""
+
+    def __call__(self, tokens, lengths=None, *, capacity: int | None = None, clock: Clock = OFF) -> KVCache:
+        tokens, lengths = as_batch(tokens, lengths)
+        capacity = bucket(tokens.shape[1]) if capacity is None else int(capacity)
+        if capacity < tokens.shape[1]:
+            raise ValueError(f"capacity {capacity} is smaller than the {tokens.shape[1]} prompt tokens")
+        return self.build(tokens, lengths, capacity, clock)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"

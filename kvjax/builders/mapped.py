@@ -1,0 +1,69 @@
+"""Mapped caches: the source reads the prompt, a KVMap translates its cache into the target's coordinates.
+
+`Mapped` runs the source prefill and then the map (XLA, or the Pallas map-and-insert kernel); `Pipelined` runs both as
+one program, each target layer mapped as soon as its paired source layers exist (kvjax.kernels.pipeline). Several
+mapped builders over the same source share one `SourcePrefill`, so scoring arms side by side pays for the source's
+prefill (what a large source costs most) once per batch.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.builders.base import CacheBuilder, Clock
+from kvjax.builders.native import prefill_cache_jit
+from kvjax.cache import KVCache
+from kvjax.mapper.kvmap import KVMap, apply_map, check_models
+
+map_jit = jax.jit(apply_map, static_argnames=("capacity", "dtype", "length", "impl", "interpret"))
+
+
+class SourcePrefill:
+    """The source's cache of a batch (capacity = the batch's token axis). With `memo` (the default when builders
+    share one), the latest batch's cache is kept while the same batch is asked for again, so every mapped builder
+    holding this object reuses one source prefill per batch; without it (a builder's own, e.g. when timing), every
+    call prefills."""
+
+    def __init__(self, source, memo: bool = True):
+        self.model, self.memo = tuple(source), memo
+        self._key, self._cache = None, None
+
+    def __call__(self, tokens: np.ndarray, lengths: np.ndarray, clock: Clock) -> KVCache:
+        key = (tokens.shape, tokens.tobytes(), lengths.tobytes()) if self.memo else None
+        if key is None or key != self._key:
+            cfg, params = self.model
+            self._cache = clock("source_prefill", prefill_cache_jit(params, cfg, jnp.asarray(tokens),
+                                                                    jnp.asarray(lengths)))
+            self._key = key
+        return self._cache
+
+
+class Mapped(CacheBuilder):
+    """Source prefill, then `kvmap` (impl "xla", "pallas" or "auto": kvjax.kernels.map_insert.resolve_impl)."""
+
+    def __init__(self, source, target, kvmap: KVMap, name: str = "mapped", impl: str = "xla",
+                 shared: SourcePrefill | None = None):
+        check_models(kvmap, source[0], target[0])
+        self.model, self.kvmap, self.name, self.impl = tuple(target), kvmap, name, impl
+        self.source = shared if shared is not None else SourcePrefill(source, memo=False)
+
+    def build(self, tokens, lengths, capacity: int, clock: Clock) -> KVCache:
+        source_cache = self.source(tokens, lengths, clock)
+        return clock("map", map_jit(self.kvmap, source_cache, capacity=capacity, length=tokens.shape[1],
+                                    impl=self.impl))
+
+
+class Pipelined(CacheBuilder):
+    """The source prefill with the map interleaved layer by layer, in one program (same cache as `Mapped` up to float
+    rounding); one phase, "prefill_map"."""
+
+    def __init__(self, source, target, kvmap: KVMap, name: str = "pipelined", impl: str = "auto"):
+        check_models(kvmap, source[0], target[0])
+        self.source, self.model, self.kvmap, self.name, self.impl = tuple(source), tuple(target), kvmap, name, impl
+
+    def build(self, tokens, lengths, capacity: int, clock: Clock) -> KVCache:
+        from kvjax.kernels.pipeline import pipelined_prefill_map
+        return clock("prefill_map", pipelined_prefill_map(self.source, self.kvmap, tokens, lengths,
+                                                          capacity=capacity, impl=self.impl))

@@ -1,0 +1,93 @@
+"""Partial recomputation: the target recomputes some of its layers natively, the rest of its cache comes from a map.
+
+Seed 004: "Recomputing two target layers removed the nonlinear ceiling of an affine cache map". A linear map cannot
+reproduce what the target's own nonlinear layers would have written; letting the target run a few layers over the
+prompt itself repairs that at a fraction of its prefill. Two placements:
+
+  bottom k   the target's layers 0..k-1 run natively over the prompt; layers k.. come from the map. Costs k target
+             layers (the map still serves the layers above).
+  top k      the target runs over the prompt reading the mapped keys/values in its layers 0..L-k-1 (queries and
+             MLPs computed, K/V taken from the map) and recomputes the K/V of its top k layers from the hidden states
+             that reading produced. Costs a full pass of target queries and MLPs, so its value is quality, not speed.
+
+Both are one function, `recompute`: layer i uses its own K/V if i is in `layers`, else the mapped cache's; the
+target runs up to its highest recomputed layer and stops there.
+"""
+
+from __future__ import annotations
+
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.builders.base import CacheBuilder, Clock
+from kvjax.builders.mapped import Mapped, SourcePrefill
+from kvjax.builders.native import prefill_cache_jit
+from kvjax.cache import KVCache
+from kvjax.mapper.kvmap import KVMap
+from kvjax.models.qwen3 import causal_attention, embed, finish, head_angles, qkv
+
+MODES = ("bottom", "top")
+
+
+def recompute_layers(num_layers: int, k: int, mode: str) -> tuple[int, ...]:
+    """The target layers a placement recomputes: bottom k -> (0..k-1), top k -> (L-k..L-1)."""
+    if mode not in MODES:
+        raise ValueError(f"partial recomputation mode must be one of {MODES}, got {mode!r}")
+    if not 0 <= k <= num_layers:
+        raise ValueError(f"k = {k} recomputed layers: the target has {num_layers}; pass 0..{num_layers}")
+    return tuple(range(k)) if mode == "bottom" else tuple(range(num_layers - k, num_layers))
+
+
+def recompute(params, cfg, tokens: jax.Array, lengths: jax.Array, mapped: KVCache, layers: tuple[int, ...]
+              ) -> KVCache:
+    """`mapped` (a target cache holding the prompt, slots 0..T-1) with the K/V of `layers` recomputed by the target
+    running over tokens int [B, T] (traceable; `layers` static and non-empty). Layers not in `layers` are read, not
+    written: the target's attention there uses the mapped keys/values."""
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))  # a prompt starts at slot 0
+    cos, sin = head_angles(cfg, positions)
+    x = embed(params, tokens)
+    k_buf, v_buf = mapped.k, mapped.v
+    top = max(layers)
+    for i, lp in enumerate(params.layers[: top + 1]):
+        q, k, v = qkv(lp, cfg, x, cos, sin)  # a mapped layer's k, v are unused: XLA drops their projections
+        if i in layers:
+            k_buf = k_buf.at[i, :, :, :t].set(k.transpose(0, 2, 1, 3).astype(k_buf.dtype))
+            v_buf = v_buf.at[i, :, :, :t].set(v.transpose(0, 2, 1, 3).astype(v_buf.dtype))
+        else:
+            k = k_buf[i, :, :, :t].transpose(0, 2, 1, 3).astype(q.dtype)  # [B, T, Hkv, hd], post-RoPE like qkv's
+            v = v_buf[i, :, :, :t].transpose(0, 2, 1, 3).astype(q.dtype)
+        if i < top:
+            x = finish(lp, cfg, x, causal_attention(q, k, v))
+    return mapped.replace(k=k_buf, v=v_buf, lengths=lengths, origin=f"partial{list(layers)}:{mapped.origin}")
+
+
+recompute_jit = jax.jit(recompute, static_argnames=("cfg", "layers"), donate_argnames=("mapped",))
+
+
+class PartialRecompute(CacheBuilder):
+    """A mapped cache in which the target recomputes `k` of its layers (`mode` "bottom" or "top"). k = 0 is the
+    mapped cache itself; k = L (all layers) is the target's own prefill."""
+
+    def __init__(self, source, target, kvmap: KVMap, k: int, mode: str = "bottom", name: str | None = None,
+                 impl: str = "xla", shared: SourcePrefill | None = None):
+        self.layers = recompute_layers(target[0].num_layers, k, mode)
+        self.k, self.mode = k, mode
+        self.name = name or f"partial_{mode}{k}"
+        self.mapped = Mapped(source, target, kvmap, impl=impl, shared=shared)
+        self.model = self.mapped.model
+
+    def build(self, tokens, lengths, capacity: int, clock: Clock) -> KVCache:
+        cfg, params = self.model
+        if len(self.layers) == cfg.num_layers:  # nothing left to map: the native prefill, at its cost
+            return clock("recompute", prefill_cache_jit(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths),
+                                                        capacity))
+        mapped = self.mapped.build(tokens, lengths, capacity, clock)
+        if not self.layers:
+            return mapped
+        return clock("recompute", recompute_jit(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths), mapped,
+                                                self.layers))
+
+
+

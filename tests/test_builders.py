@@ -1,0 +1,110 @@
+"""Cache builders: native prefill, mapped, pipelined and partial recomputation agree with the paths they replace."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.builders import Clock, Mapped, NativePrefill, PartialRecompute, Pipelined, SourcePrefill, recompute
+from kvjax.builders.native import prefill_cache
+from kvjax.builders.partial import recompute_layers
+from kvjax.mapper.kvmap import apply_map
+from maptools import VOCAB, tiny_model, tiny_pair
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_pair()
+
+
+@pytest.fixture(scope="module")
+def kvmap(pair):
+    source, target = pair
+    windows = np.random.RandomState(0).randint(1, VOCAB, (8, 32)).astype(np.int32)
+    return kvjax.fit_map(source, target, windows, windows[:4], batch_size=8)[0]
+
+
+def batch(b=3, t=20, seed=1):
+    tokens = np.random.RandomState(seed).randint(1, VOCAB, (b, t)).astype(np.int32)
+    return tokens, np.asarray([t, t - 5, 7][:b], np.int32)
+
+
+def valid(cache, what):
+    """Per row, the valid part of k and v (what attention can read)."""
+    return [np.asarray(getattr(cache, what)[:, r, :, : int(cache.lengths[r])]) for r in range(cache.batch_size)]
+
+
+def assert_same_cache(got, want, atol=0.0):
+    np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(want.lengths))
+    for what in ("k", "v"):
+        for g, w in zip(valid(got, what), valid(want, what)):
+            np.testing.assert_allclose(g, w, atol=atol, rtol=0)
+
+
+def test_native_prefill_is_the_models_prefill(pair):
+    _, (cfg, params) = pair
+    tokens, lengths = batch()
+    built = NativePrefill((cfg, params))(tokens, lengths, capacity=128)
+    assert built.capacity == 128 and built.origin == "native"
+    _, want = kvjax.prefill(params, cfg, tokens, kvjax.init_cache(cfg, 3, 128), lengths)
+    assert_same_cache(built, want, atol=1e-6)
+    assert NativePrefill((cfg, params))(tokens, lengths).capacity == 64  # default: the token axis, bucketed
+
+
+def test_mapped_is_apply_map_of_the_source_cache_and_shares_one_prefill(pair, kvmap):
+    source, target = pair
+    tokens, lengths = batch()
+    shared = SourcePrefill(source)
+    clock = Clock()
+    built = Mapped(source, target, kvmap, shared=shared)(tokens, lengths, capacity=64, clock=clock)
+    assert set(clock.phases) == {"source_prefill", "map"} and built.is_mapped
+    want = apply_map(kvmap, prefill_cache(source[1], source[0], jnp.asarray(tokens), jnp.asarray(lengths)),
+                     capacity=64, length=tokens.shape[1])
+    assert_same_cache(built, want, atol=1e-5)
+    again = Clock()
+    Mapped(source, target, kvmap, name="other", shared=shared)(tokens, lengths, capacity=64, clock=again)
+    assert "source_prefill" not in again.phases  # the second builder reused the first one's source prefill
+    piped = Pipelined(source, target, kvmap, impl="xla")(tokens, lengths, capacity=64)
+    assert_same_cache(piped, built, atol=1e-5)
+
+
+def test_partial_recompute_ends(pair, kvmap):
+    source, target = pair
+    tokens, lengths = batch()
+    mapped = Mapped(source, target, kvmap)(tokens, lengths)
+    native = NativePrefill(target)(tokens, lengths)
+    for mode in ("bottom", "top"):
+        assert_same_cache(PartialRecompute(source, target, kvmap, 0, mode)(tokens, lengths), mapped)
+        assert_same_cache(PartialRecompute(source, target, kvmap, 2, mode)(tokens, lengths), native, atol=1e-6)
+    assert recompute_layers(4, 1, "bottom") == (0,) and recompute_layers(4, 1, "top") == (3,)
+    with pytest.raises(ValueError, match="pass 0..2"):
+        PartialRecompute(source, target, kvmap, 3)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        PartialRecompute(source, target, kvmap, 1, mode="middle")
+
+
+def test_partial_recompute_reads_mapped_layers_and_rewrites_only_its_own():
+    cfg, params = model = tiny_model(3, 32, 4, 2, 8, seed=3, theta=1e4)
+    tokens, lengths = batch()
+    native = NativePrefill(model)(tokens, lengths)
+    # reading an exact cache, the recomputed layers are the native ones: the hidden states that reach them match
+    for layers in ((0,), (2,), (1, 2)):
+        got = recompute(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths), native, layers)
+        assert_same_cache(got, native, atol=2e-6)
+    # reading a perturbed cache: layers outside `layers` stay as given, layer 2 now differs from the native one
+    noisy = native.replace(k=native.k + 0.5 * jax.random.normal(jax.random.key(0), native.k.shape))
+    got = recompute(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths), noisy, (2,))
+    np.testing.assert_array_equal(np.asarray(got.k[:2]), np.asarray(noisy.k[:2]))
+    assert not np.allclose(valid(got, "k")[0][2], valid(native, "k")[0][2], atol=1e-3)
+    assert got.origin.startswith("partial[2]")
+
+
+def test_builder_input_errors(pair):
+    builder = NativePrefill(pair[1])
+    with pytest.raises(ValueError, match="integer array"):
+        builder(np.zeros((2,), np.int32))
+    with pytest.raises(ValueError, match="lengths must be"):
+        builder(np.ones((2, 4), np.int32), [5, 1])
+    with pytest.raises(ValueError, match="capacity 2 is smaller"):
+        builder(np.ones((2, 4), np.int32), capacity=2)
