@@ -1,8 +1,9 @@
 """HF checkpoint directory <-> (Qwen3Config, Params), and the tokenizer.
 
 A checkpoint is a directory with config.json and either model.safetensors or a sharded
-model.safetensors.index.json. Tensors are streamed one at a time: each is read through a memory map, checked against
-the expected shape, converted to our layout and dtype, and placed on its devices before the next is read.
+model.safetensors.index.json. Files are read by the `safetensors` package (kvjax.tensorfile): every header is
+checked when its file is opened, then tensors are streamed one at a time: each is read from a memory map, checked
+against the expected shape, converted to our layout and dtype, and placed on its devices before the next is read.
 """
 
 from __future__ import annotations
@@ -74,9 +75,10 @@ def _open_weights(path: str) -> dict[str, SafetensorsFile]:
                 raise CheckpointError(f"{INDEX} names shard {shard!r} but {shard_path} is missing; the download "
                                       "is incomplete")
             files[shard] = SafetensorsFile(shard_path)
+        names = {shard: set(f.keys()) for shard, f in files.items()}
         out = {}
         for name, shard in weight_map.items():
-            if name not in files[shard].keys():
+            if name not in names[shard]:
                 raise CheckpointError(f"{INDEX} says {name!r} is in {shard}, but that file does not contain it")
             out[name] = files[shard]
         return out

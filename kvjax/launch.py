@@ -417,13 +417,20 @@ def parse(argv: list[str]) -> tuple[RunConfig | None, tuple[str, ...], bool]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     from kvjax.corpus import CorpusError
+    from kvjax.hf import CheckpointError
+    from kvjax.models.config import ConfigError
+    from kvjax.tensorfile import SafetensorsError
+    # bad input whose message already says what to fix: print it alone, no traceback. Checkpoint weights are first
+    # read inside a stage, before it writes anything, and a stage is marked done only once finished, so a rerun
+    # after the fix redoes exactly that stage.
+    bad_checkpoint = (CheckpointError, ConfigError, SafetensorsError)
     try:
         cfg, redo, help_ = parse(argv)
         if help_:
             return 0
         job = Job(cfg, redo)
         job.check()  # conflicts with an earlier run are reported before anything is written
-    except (ConfigFlagError, LaunchError, CorpusError) as e:
+    except (ConfigFlagError, LaunchError, CorpusError, *bad_checkpoint) as e:
         print(f"kvjax.launch: error: {e}", file=sys.stderr)
         return 2
     setup_logging(cfg.output_dir)
@@ -433,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("settings:\n%s", describe_config(cfg))
     try:
         summary = job.execute()
-    except (LaunchError, CorpusError) as e:
+    except (LaunchError, CorpusError, *bad_checkpoint) as e:
         log.error("%s", e)
         print(f"kvjax.launch: error: {e}", file=sys.stderr)
         return 1

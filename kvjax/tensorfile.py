@@ -1,104 +1,81 @@
-"""Minimal safetensors reader/writer over numpy memory maps.
+"""The .safetensors boundary: files are read and written by the `safetensors` package; this module turns the
+package's terse errors into ones that name the file and the fix, and makes writes atomic.
 
-Reading maps the file and hands out zero-copy views, one tensor at a time, so loading a checkpoint never holds more
-than the tensor being converted. bfloat16 is supported through ml_dtypes. No pickle anywhere.
+Reading uses `safe_open(path, framework="numpy")`. Opening parses the header and checks it against the file size
+(so a truncated or corrupt file fails here, before any tensor is read); each tensor is then read from a memory map
+only when asked for, so a checkpoint streams one tensor at a time. numpy rather than flax: a host array can be
+converted to our layout and dtype and then placed with any sharding, where the flax path would first put every
+tensor whole on the default device. bfloat16 arrives as ml_dtypes.bfloat16 (safetensors >= 0.8).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 
-import ml_dtypes
 import numpy as np
-
-DTYPES = {
-    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
-    "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
-}
-NAMES = {v: k for k, v in DTYPES.items()}
-MAX_HEADER = 100 * 1024 * 1024
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file as _save_file
 
 
 class SafetensorsError(ValueError):
-    """A .safetensors file that cannot be read."""
+    """A .safetensors file that cannot be read or written; the message names the file and the fix."""
+
+
+# The package's error text (safetensors 0.8) -> what it means for the user. Anything else is reported verbatim.
+_MEANINGS = (
+    ("header too small", "too short for a safetensors header"),
+    ("header too large", "corrupt safetensors header (it declares a header longer than a file may have)"),
+    ("invalid json", "corrupt safetensors header (not valid JSON)"),
+    ("invalid header length", "the file ends inside its header: it is truncated"),
+    ("invalid header", "corrupt safetensors header"),
+    ("incomplete metadata", "the tensor data does not match the header: the file is truncated (or has bytes "
+                            "appended)"),
+    ("invalid offset", "corrupt safetensors header (tensor offsets overlap or leave gaps)"),
+)
+
+
+def _read_error(path: str, e: Exception) -> SafetensorsError:
+    text = str(e)
+    meaning = next((m for key, m in _MEANINGS if key in text.lower()), "cannot be read as safetensors")
+    size = os.path.getsize(path) if os.path.exists(path) else 0
+    return SafetensorsError(f"{path} ({size} bytes): {meaning} [safetensors: {text}]; re-download or re-save it")
 
 
 class SafetensorsFile:
-    """Random access to the tensors of one .safetensors file."""
+    """The tensors of one .safetensors file, read lazily: names, shapes, and one tensor at a time."""
 
     def __init__(self, path: str):
-        self.path = path
-        size = os.path.getsize(path)
-        fix = f"re-download or re-save {path}"
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise SafetensorsError(f"{path}: file is {size} bytes, too short for a safetensors header; {fix}")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER or 8 + n > size:
-                raise SafetensorsError(f"{path}: corrupt safetensors header (declares {n} header bytes in a "
-                                       f"{size}-byte file); {fix}")
-            try:
-                header = json.loads(f.read(n))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise SafetensorsError(f"{path}: corrupt safetensors header ({e}); {fix}") from None
-        if not isinstance(header, dict):
-            raise SafetensorsError(f"{path}: corrupt safetensors header (not a JSON object); {fix}")
-        self.metadata = header.pop("__metadata__", None) or {}
-        self._data_start = 8 + n
-        self._entries = {}
-        for name, e in header.items():
-            try:
-                dtype = DTYPES[e["dtype"]]
-                shape = tuple(int(s) for s in e["shape"])
-                begin, end = (int(o) for o in e["data_offsets"])
-            except (KeyError, TypeError, ValueError):
-                raise SafetensorsError(f"{path}: corrupt safetensors header entry for {name!r}: {e!r}; {fix}") from None
-            if end - begin != dtype.itemsize * int(np.prod(shape)) or self._data_start + end > size:
-                raise SafetensorsError(f"{path}: tensor {name!r} ({e['dtype']} {list(shape)}) has inconsistent "
-                                       f"offsets {begin}..{end} in a {size}-byte file (truncated?); {fix}")
-            self._entries[name] = (dtype, shape, begin)
-        self._mm = np.memmap(path, dtype=np.uint8, mode="r") if size else None
+        self.path = os.fspath(path)
+        try:
+            self._file = safe_open(self.path, framework="numpy")
+        except SafetensorError as e:
+            raise _read_error(self.path, e) from None
+        self.metadata = self._file.metadata() or {}
 
     def keys(self) -> list[str]:
-        return list(self._entries)
+        return list(self._file.keys())
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._entries[name][1]
-
-    def dtype(self, name: str) -> np.dtype:
-        return self._entries[name][0]
+        """The tensor's shape, from the header alone."""
+        return tuple(self._file.get_slice(name).get_shape())
 
     def get(self, name: str) -> np.ndarray:
-        """A read-only zero-copy view of one tensor."""
-        dtype, shape, begin = self._entries[name]
-        start = self._data_start + begin
-        count = int(np.prod(shape))
-        return np.frombuffer(self._mm, dtype=dtype, count=count, offset=start).reshape(shape)
+        try:
+            return self._file.get_tensor(name)
+        except SafetensorError as e:  # the file changed on disk after it was opened
+            raise _read_error(self.path, e) from None
 
 
 def save_file(tensors: dict[str, np.ndarray], path: str, metadata: dict[str, str] | None = None) -> None:
-    """Write tensors (numpy arrays) to `path` atomically (temp file + rename)."""
-    header, offset, arrays = {}, 0, []
-    for name in sorted(tensors):
-        a = np.ascontiguousarray(tensors[name])
-        if a.dtype not in NAMES:
-            raise SafetensorsError(f"cannot store {name!r}: dtype {a.dtype} has no safetensors name")
-        header[name] = {"dtype": NAMES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
-        offset += a.nbytes
-        arrays.append(a)
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
+    """Write numpy arrays to `path` atomically (temp file + rename: a reader never sees half a file)."""
+    # the package reads each array's raw buffer, so a strided view (e.g. a transpose) must be made contiguous first
+    dense = {name: np.ascontiguousarray(a) for name, a in tensors.items()}
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for a in arrays:
-            f.write(a.tobytes())
+    try:
+        _save_file(dense, tmp, metadata={str(k): str(v) for k, v in (metadata or {}).items()} or None)
+    except (SafetensorError, ValueError, TypeError) as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise SafetensorsError(f"cannot write {path}: {e} (dtypes: "
+                               f"{sorted({str(a.dtype) for a in dense.values()})})") from None
     os.replace(tmp, path)
-

@@ -162,3 +162,40 @@ def test_cache_slice_and_inspect_helpers(model):
     k, v = valid(cache, 1)
     assert k.shape == (cfg.num_layers, cfg.num_kv_heads, 9, cfg.head_dim) and v.shape == k.shape
     np.testing.assert_array_equal(valid(sub, 1)[0], valid(cache, 0)[0])
+
+
+def test_prefill_and_decode_reject_token_ids_outside_the_vocabulary(model):
+    cfg, params = model  # vocab_size 160: id 160 would be gathered from a clamped embedding row
+    for bad in (160, -1):
+        tokens = np.full((2, 4), 5, np.int32)
+        tokens[1, 2] = bad
+        with pytest.raises(ValueError, match=rf"prefill: token ids must be in \[0, 160\).*got {bad} at index \[1, 2\]"):
+            kvjax.prefill(params, cfg, tokens, kvjax.init_cache(cfg, 2, 16))
+        with pytest.raises(ValueError, match=rf"decode_step: token ids must be in \[0, 160\).*got {bad}"):
+            kvjax.decode_step(params, cfg, jnp.asarray([5, bad], jnp.int32), kvjax.init_cache(cfg, 2, 16))
+    # padding past a row's length is never embedded into the cache, so any pad value is accepted there
+    tokens = np.asarray([[5, 6, 7], [8, -1, -1]], np.int32)
+    logits, _ = kvjax.prefill(params, cfg, tokens, kvjax.init_cache(cfg, 2, 16), np.asarray([3, 1]))
+    assert np.isfinite(np.asarray(logits)).all()
+
+
+def test_decode_on_a_full_cache_is_an_error(model):
+    cfg, params = model
+    cache = kvjax.init_cache(cfg, 2, 8)
+    tokens, lengths = kvjax.pad_prompts(prompts(cfg, [6, 3], seed=4))
+    _, cache = kvjax.prefill(params, cfg, tokens, cache, lengths)
+    nxt = np.asarray([5, 6], np.int32)
+    for _ in range(2):  # row 0 reaches capacity 8; both steps were stored
+        _, cache = kvjax.decode_step(params, cfg, nxt, cache)
+    np.testing.assert_array_equal(np.asarray(cache.lengths), [8, 5])
+    with pytest.raises(ValueError, match=r"cache is full \(all 8 positions used\) in row\(s\) \[0\].*init_cache"):
+        kvjax.decode_step(params, cfg, nxt, cache)
+    # the same overflow through a second prefill chunk
+    with pytest.raises(ValueError, match=r"row 0 holds 8 positions and gets 1 more, past the cache capacity 8"):
+        kvjax.prefill(params, cfg, nxt[:, None], cache)
+
+
+def test_prefill_rejects_bad_lengths(model):
+    cfg, params = model
+    with pytest.raises(ValueError, match=r"lengths must be \[B\] = \[2\] integers in 0..4"):
+        kvjax.prefill(params, cfg, np.zeros((2, 4), np.int32), kvjax.init_cache(cfg, 2, 16), [4, 5])

@@ -126,17 +126,63 @@ def test_shape_mismatch(ckpt):
         kvjax.load_hf(ckpt)
 
 
+def _header_len(b: bytes) -> int:
+    return struct.unpack("<Q", b[:8])[0]
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda b: b[:5], "too short for a safetensors header"),
     (lambda b: struct.pack("<Q", 10**12) + b[8:], "corrupt safetensors header"),
-    (lambda b: b[:8] + b"{not json" + b[17:], "corrupt safetensors header"),
+    (lambda b: b[:8] + b"{not json" + b[17:], r"corrupt safetensors header \(not valid JSON\)"),
+    (lambda b: b[: 8 + _header_len(b) // 2], "ends inside its header: it is truncated"),
     (lambda b: b[: len(b) // 2], "truncated"),
+    (lambda b: b[:-1], "truncated"),
+    (lambda b: b + b"\0" * 8, "bytes appended"),
 ])
 def test_corrupt_safetensors(ckpt, damage, message):
     p = ckpt / "model.safetensors"
     p.write_bytes(damage(p.read_bytes()))
-    with pytest.raises(kvjax.SafetensorsError, match=message):
+    with pytest.raises(kvjax.SafetensorsError, match=message) as e:
         kvjax.load_hf(ckpt)
+    assert str(p) in str(e.value) and "re-download or re-save it" in str(e.value)  # which file, and the fix
+
+
+def test_truncated_shard_of_index_names_the_shard(hf_checkpoints, tmp_path):
+    _, model = hf_checkpoints["gqa2_untied_odd"]
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    shard = sorted(tmp_path.glob("model-*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(kvjax.SafetensorsError, match=rf"{shard}.*truncated"):
+        kvjax.load_hf(tmp_path)
+
+
+def test_save_file_writes_strided_views_and_bfloat16_exactly(tmp_path):
+    import ml_dtypes
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    tensors = {"t": a.T, "b": (a / 7).astype(ml_dtypes.bfloat16), "i": np.arange(5, dtype=np.int64)}
+    save_file(tensors, str(tmp_path / "x.safetensors"), metadata={"format": "pt"})
+    f = SafetensorsFile(str(tmp_path / "x.safetensors"))
+    assert sorted(f.keys()) == ["b", "i", "t"] and f.shape("t") == (4, 3) and f.metadata == {"format": "pt"}
+    for name, want in tensors.items():
+        got = f.get(name)
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+    assert not list(tmp_path.glob("*.tmp"))
+    with pytest.raises(kvjax.SafetensorsError, match=r"cannot write .*y.safetensors.*object"):
+        save_file({"o": np.array([object()])}, str(tmp_path / "y.safetensors"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.safetensors"]  # nothing half-written
+
+
+def test_save_hf_bfloat16_round_trips(hf_checkpoints, tmp_path):
+    import jax.numpy as jnp
+    path, _ = hf_checkpoints["gqa1_tied"]
+    cfg, params = kvjax.load_hf(path, dtype=jnp.bfloat16)
+    kvjax.save_hf(tmp_path, cfg, params)
+    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    _, again = kvjax.load_hf(tmp_path, dtype=jnp.bfloat16)
+    for a, b in zip(kvjax.models.params.to_flat(params).values(), kvjax.models.params.to_flat(again).values()):
+        assert b.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("changes, message", [

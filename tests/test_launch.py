@@ -431,3 +431,28 @@ def test_toy_config_resumes_residual_training(pair, tmp_path):
     metrics = json.load(open(os.path.join(out, "metrics.json")))
     assert set(metrics) >= {"distances", "kl", "gate"} and "mc" not in metrics and "throughput" not in metrics
     assert metrics["run"]["config"] == "toy" and metrics["run"]["map"]["residual_steps"] == 4
+
+
+def test_truncated_checkpoint_ends_the_job_with_its_message_only(pair, tmp_path, capsys):
+    """A truncated .safetensors: the job exits 1 printing the loader's message (no traceback) and leaves nothing
+    half-written; once the file is whole again, the rerun reuses the finished stages and completes."""
+    import shutil
+    source = tmp_path / "source"
+    shutil.copytree(pair[0], source)
+    weights = source / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[: len(whole) // 2])
+    out = tmp_path / "run"
+    argv = [f"--config.output_dir={out}", f"--config.source.path={source}", f"--config.target.path={pair[1]}",
+            *SMALL, "--config.residual.steps=0", "--config.eval.mc.enabled=false",
+            "--config.eval.retrieval.enabled=false", "--config.eval.throughput.enabled=false"]
+    assert run_job(argv) == 1  # an uncaught exception would fail this test with its traceback
+    err = capsys.readouterr().err
+    assert f"kvjax.launch: error: {weights}" in err and "truncated" in err and "re-download or re-save" in err
+    assert "Traceback" not in err
+    assert not [p for p in out.rglob("*") if ".tmp" in p.name]
+    assert sorted(os.listdir(out / "stages")) == ["calibrate.json"]  # the data stage finished before the load
+    assert not (out / "map_ridge").exists()
+    weights.write_bytes(whole)
+    assert run_job(argv) == 0
+    assert "stage calibrate  reused" in (out / "run.log").read_text()
