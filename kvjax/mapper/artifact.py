@@ -1,4 +1,8 @@
-"""Map artifacts on disk: an orbax checkpoint of the arrays plus manifest.json saying what the map belongs to."""
+"""Map artifacts on disk: an orbax checkpoint of the arrays plus manifest.json saying what the map belongs to.
+
+The arrays are written as host (numpy) arrays and read back as host arrays, then placed: a checkpoint records no
+device topology, so a map fitted on any mesh or number of processes loads on any other, one device included.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,6 @@ import os
 import shutil
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -24,7 +27,7 @@ def _shapes(m: LinearMap) -> dict:
     return {"fx": m.w_in.shape[0], "r": m.w_in.shape[1], "fy": m.w_out.shape[1], "h": m.down.shape[1]}
 
 
-def _host_copy(a):
+def _host_copy(a) -> np.ndarray:
     if isinstance(a, jax.Array) and not a.is_fully_addressable:
         if not a.sharding.is_fully_replicated:
             raise ValueError(f"save_map in a multi-process run needs a replicated map, got an array sharded as "
@@ -33,20 +36,28 @@ def _host_copy(a):
     return np.asarray(a)
 
 
+def _this_process_only() -> ocp.options.MultiprocessingOptions:
+    """Orbax options for I/O done by this process alone: no barriers with processes that do not take part (a map is
+    saved by process 0 only, and may be loaded by any subset of processes)."""
+    if jax.process_count() == 1:
+        return ocp.options.MultiprocessingOptions()
+    me = jax.process_index()
+    return ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+
+
 def save_map(path: str, kvmap: KVMap, info: dict | None = None) -> None:
     """Write the map to `path` (a directory; replaced atomically). `info` (JSON-able) goes into the manifest: model
-    names, tokenizer hash, calibration data hash and token count, fit metrics. In a multi-process run, call it from
-    one process only (kvjax.distributed.is_primary()) with a replicated map: it writes alone, without barriers."""
+    names, tokenizer hash, calibration data hash and token count, fit metrics. In a multi-process run every process
+    may call it with a replicated map: process 0 writes alone, without barriers, and the others return at once
+    (synchronize before another process reads the map)."""
+    if jax.process_index() != 0:
+        return
     path = os.path.abspath(path)
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    options = ocp.options.MultiprocessingOptions()
-    if jax.process_count() > 1:
-        me = jax.process_index()
-        options = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
-        kvmap = jax.tree.map(_host_copy, kvmap)
-    ckptr = ocp.StandardCheckpointer(multiprocessing_options=options)
+    kvmap = jax.tree.map(_host_copy, kvmap)  # host arrays: the checkpoint records no mesh (see the module doc)
+    ckptr = ocp.StandardCheckpointer(multiprocessing_options=_this_process_only())
     ckptr.save(os.path.join(tmp, ARRAYS), {"keys": kvmap.keys, "values": kvmap.values})
     ckptr.wait_until_finished()
     manifest = {"format": FORMAT, "spec": dataclasses.asdict(kvmap.spec),
@@ -59,7 +70,7 @@ def save_map(path: str, kvmap: KVMap, info: dict | None = None) -> None:
 
 
 def _abstract(shapes: dict) -> LinearMap:
-    s = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.float32)  # noqa: E731
+    s = lambda *dims: np.zeros(dims, np.float32)  # noqa: E731  (restored as numpy: see _restore)
     return LinearMap(mu=s(shapes["fx"]), scale=s(), w_in=s(shapes["fx"], shapes["r"]), w_out=s(shapes["r"], shapes["fy"]),
                      bias=s(shapes["fy"]), down=s(shapes["fx"], shapes["h"]), res_bias=s(shapes["h"]),
                      up=s(shapes["h"], shapes["fy"]))
@@ -77,8 +88,20 @@ def read_manifest(path: str) -> dict:
     return manifest
 
 
-def load_map(path: str, source: Qwen3Config | None = None, target: Qwen3Config | None = None) -> KVMap:
-    """Load a map; with `source`/`target` configs, refuse (clearly) a map fitted for other models."""
+def _restore(path: str, like: dict) -> dict:
+    """The checkpoint's arrays as numpy, whatever mesh or process count wrote them: restoring into jax arrays
+    without target shardings makes orbax reuse the saved ones, which fails on another topology."""
+    restore_args = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(restore_type=np.ndarray), like)
+    handler = ocp.PyTreeCheckpointHandler(multiprocessing_options=_this_process_only())
+    with ocp.Checkpointer(handler, multiprocessing_options=_this_process_only()) as ckptr:
+        return ckptr.restore(path, args=ocp.args.PyTreeRestore(item=like, restore_args=restore_args))
+
+
+def load_map(path: str, source: Qwen3Config | None = None, target: Qwen3Config | None = None,
+             sharding: jax.sharding.Sharding | None = None) -> KVMap:
+    """Load a map saved on any mesh or process count; with `source`/`target` configs, refuse (clearly) a map fitted
+    for other models. Every array goes to `sharding` (e.g. NamedSharding(mesh, P()) to replicate it over a mesh;
+    default: this process's first device)."""
     manifest = read_manifest(path)
     spec_d = manifest["spec"]
     spec_d["pairing"] = tuple(tuple(p) for p in spec_d["pairing"])
@@ -90,5 +113,9 @@ def load_map(path: str, source: Qwen3Config | None = None, target: Qwen3Config |
                              f"({cfg.fingerprint()}); fit a map for these models or load the matching map")
     abstract = {"keys": tuple(_abstract(s) for s in manifest["layers"]),
                 "values": tuple(_abstract(s) for s in manifest["value_layers"])}
-    arrays = ocp.StandardCheckpointer().restore(os.path.join(os.path.abspath(path), ARRAYS), abstract)
+    arrays = _restore(os.path.join(os.path.abspath(path), ARRAYS), abstract)
+    if sharding is None:
+        arrays = jax.device_put(arrays, jax.local_devices()[0])
+    else:  # every process holds the whole host array: each fills in its own devices' parts (any process count)
+        arrays = jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx]), arrays)
     return KVMap(keys=tuple(arrays["keys"]), values=tuple(arrays["values"]), spec=spec)

@@ -174,6 +174,16 @@ def _check_identity(workdir: str, identity: dict, has_checkpoint: bool) -> None:
         os.replace(path + ".tmp", path)
 
 
+def restore_target(tree):
+    """Shapes, dtypes and shardings to restore a checkpoint of `tree` into: this run's placement, given explicitly.
+    Without a sharding orbax reuses the one saved in the checkpoint, which fails ("topology mismatch") when a run
+    resumes on another mesh or process count; host arrays go to this process's first device."""
+    def leaf(x):
+        where = x.sharding if isinstance(x, jax.Array) else jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=where)
+    return jax.tree.map(leaf, tree)
+
+
 def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarray, rc: ResidualConfig,
                    workdir: str | None = None, stop_at: int | None = None,
                    mesh: Mesh | None = None) -> tuple[KVMap, list[dict]]:
@@ -213,7 +223,7 @@ def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarra
         _check_identity(workdir, identity, manager.latest_step() is not None)
         if manager.latest_step() is not None:
             start = manager.latest_step()
-            kvmap, opt_state = manager.restore(start, args=ocp.args.StandardRestore((kvmap, opt_state)))
+            kvmap, opt_state = manager.restore(start, args=ocp.args.StandardRestore(restore_target((kvmap, opt_state))))
             log.info("residual: resumed from step %d", start)
     history = []
     end = rc.steps if stop_at is None else min(stop_at, rc.steps)
