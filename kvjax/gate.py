@@ -55,7 +55,7 @@ class Check:
 @dataclasses.dataclass(frozen=True)
 class GateResult:
     passed: bool  # every measured check passed, and at least one was measured (unless no threshold is set)
-    map_arm: str  # the map the checks are about ("residual" or "ridge")
+    map_arm: str  # the map the checks are about: the run's final map (kvjax.eval.arms: ridge + residual, or ridge)
     checks: tuple[Check, ...]
     thresholds: dict
 
@@ -85,53 +85,22 @@ class GateResult:
         return cls(bool(d["passed"]), d["map"], checks, dict(d["thresholds"]))
 
 
-def _retention(mapped: float, native: float) -> float | None:
+def check(name: str, value, threshold: float | None, kind: str, note: str = "") -> list[Check]:
+    """The check of `value` against `threshold` ("min" or "max"), or none when the threshold is None (disabled);
+    value None = not measured in this run. Each evaluation's gate (kvjax.eval.suite) returns a list of these."""
+    if threshold is None:
+        return []
+    return [Check(name, None if value is None else float(value), float(threshold), kind, note)]
+
+
+def retention(mapped: float, native: float) -> float | None:
+    """mapped / native accuracy; undefined (None) when the native model scored 0."""
     return None if native <= 0 else mapped / native
 
 
-def evaluate_gate(metrics: dict, config: GateConfig, map_arm: str = "residual") -> GateResult:
-    """Check the held-out `metrics` (the metrics.json layout, see docs/metrics.md) of the map `map_arm`."""
-    checks: list[Check] = []
-    dist = metrics.get("distances") or {}
-    kl = metrics.get("kl") or {}
-    mc = metrics.get("mc") or {}
-    retrieval = metrics.get("retrieval") or {}
-
-    def add(name, value, threshold, kind, note=""):
-        if threshold is not None:
-            checks.append(Check(name, None if value is None else float(value), float(threshold), kind, note))
-
-    cos_arm = config.cos_arm or map_arm
-    add("key_cos", dist.get("key_cos", {}).get(cos_arm), config.min_key_cos, "min", cos_arm)
-    add("value_cos", dist.get("value_cos", {}).get(cos_arm), config.min_value_cos, "min", cos_arm)
-    add("kl", kl.get(map_arm), config.max_kl, "max")
-    add("kl_vs_target", kl.get("vs_target"), config.max_kl_vs_target, "max")
-    add("kl_reduction", kl.get("reduction") if map_arm == "residual" else None, config.min_kl_reduction, "min",
-        "" if map_arm == "residual" else "no residual trained")
-    worst, where = None, ""
-    for name, m in mc.items():
-        acc = m.get("acc", {})
-        if map_arm in acc and "target" in acc:
-            r = _retention(acc[map_arm], acc["target"])
-            if r is not None and (worst is None or r < worst):
-                worst, where = r, name
-    add("mc_retention", worst, config.min_mc_retention, "min", where)
-    gaps = [(m["gap_recovered_by_arm"][map_arm], name) for name, m in mc.items()
-            if (m.get("gap_recovered_by_arm") or {}).get(map_arm) is not None]
-    worst, where = min(gaps, default=(None, ""))
-    add("mc_gap_recovered", worst, config.min_mc_gap_recovered, "min", where)
-    lows = [(m["delta_vs_target"][map_arm]["ci95"][0], name) for name, m in mc.items()
-            if map_arm in (m.get("delta_vs_target") or {})]
-    worst, where = min(lows, default=(None, ""))
-    add("mc_gain_ci_lo", worst, config.min_mc_gain_ci_lo, "min", where)
-    worst, where = None, ""
-    for length, m in retrieval.items():
-        if map_arm in m and "target" in m:
-            r = _retention(m[map_arm], m["target"])
-            if r is not None and (worst is None or r < worst):
-                worst, where = r, f"length {length}"
-    add("retrieval_retention", worst, config.min_retrieval_retention, "min",
-        where or "native target scored 0: retention undefined")
+def judge(checks: list[Check], config: GateConfig, map_arm: str) -> GateResult:
+    """The verdict on `map_arm` from its checks (kvjax.eval.suite.evaluate_gate collects them from every
+    evaluation's metrics)."""
     measured = [c for c in checks if c.measured]
     # no thresholds at all: nothing to fail; thresholds but no measurement: no evidence, so no pass
     passed = all(c.passed for c in measured) and (bool(measured) or not checks)

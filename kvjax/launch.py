@@ -23,20 +23,27 @@ import sys
 import time
 
 from kvjax.config_flags import ConfigFlagError, build, describe_config, parse_argv, to_dict
+from kvjax.eval import suite
 from kvjax.preflight import LaunchError, make_mesh, resolve_models, validate
 from kvjax.run_config import RunConfig
 from kvjax.stages import RunDir, Stage, StageConflict, model_identity, read_json, write_json
 
 log = logging.getLogger("kvjax.launch")
 DEFAULT_CONFIG = "toy"
-EVALS = ("distances", "kl", "mc", "retrieval", "throughput")
+EVALS = suite.NAMES  # the evaluation registry (kvjax.eval.suite), one stage each
 STAGES = ("calibrate", "ridge", "residual", *EVALS, "report")
 
 
 # ---- stages ------------------------------------------------------------------------------------------------------
 
+def fitted_maps(cfg: RunConfig) -> tuple[str, ...]:
+    """The maps this run fits, each named after the stage that fits it (and its arm in kvjax.eval.arms), the final
+    map last: the one the gate judges and throughput times."""
+    return ("ridge", "residual") if cfg.residual.steps > 0 else ("ridge",)
+
+
 def final_arm(cfg: RunConfig) -> str:
-    return "residual" if cfg.residual.steps > 0 else "ridge"
+    return fitted_maps(cfg)[-1]
 
 
 def plan(cfg: RunConfig) -> dict[str, Stage]:
@@ -54,18 +61,11 @@ def plan(cfg: RunConfig) -> dict[str, Stage]:
     if cfg.residual.steps > 0:
         final = stages["residual"] = Stage("residual", {"residual": d["residual"]}, [ridge], ["map", "residual"])
     evals = []
-    for name in EVALS:
-        ec = getattr(cfg.eval, name)
-        if ec.enabled:
-            settings = {name: d["eval"][name], "final": final.name}
-            if name in ("mc", "retrieval"):
-                settings["arms"] = [a for a in ec.arms if a != "residual" or cfg.residual.steps > 0]
-            if name == "kl":
-                settings["skip_rows"] = cfg.eval.distances.windows
-            if name == "retrieval":
-                settings["seed"] = cfg.seed
-            stages[name] = Stage(name, settings, [calibrate, ridge, final], [f"eval/{name}.json"])
-            evals.append(stages[name])
+    for ev in suite.EVALUATIONS:
+        if getattr(cfg.eval, ev.name).enabled:
+            stages[ev.name] = Stage(ev.name, suite.stage_settings(ev, cfg, fitted_maps(cfg)), [calibrate, ridge, final],
+                                    [f"eval/{ev.name}.json"])
+            evals.append(stages[ev.name])
     stages["report"] = Stage("report", {"gate": d["gate"], "bootstrap": cfg.eval.bootstrap,
                                         "names": [cfg.source.name, cfg.target.name]},
                              evals + [final], ["report.md", "metrics.json", "gate.json"])
@@ -275,47 +275,27 @@ class Job:
                      history[0]["step"], history[-1]["step"])
 
     def stage_eval(self, stage: Stage) -> None:
+        """One evaluation of the registry: its record to eval/NAME.json."""
         import numpy as np
-
-        from kvjax.eval import suite
-        cfg, name = self.cfg, stage.name
         source, target = self.models()
-        heldout = np.asarray(self.data("heldout"))
-        final = final_arm(cfg)
-        mapped = ["ridge"] + (["residual"] if final == "residual" else [])
-        if name == "distances":
-            result = suite.run_distances(cfg.eval.distances, source, target,
-                                         {"raw": self.map("raw"), **{m: self.map(m) for m in mapped}}, heldout)
-        elif name == "kl":
-            result = suite.run_kl(cfg.eval.kl, source, target, {m: self.map(m) for m in mapped}, heldout,
-                                  skip=cfg.eval.distances.windows)
-        elif name in ("mc", "retrieval"):
-            ec = getattr(cfg.eval, name)
-            arms = tuple(a for a in ec.arms if a != "residual" or final == "residual")
-            ec = dataclasses.replace(ec, arms=arms)
-            maps = {a: self.map(a) for a in arms if a in ("direct", "ridge", "residual")}
-            result = (suite.run_mc(ec, source, target, maps, self.tokenizer()) if name == "mc" else
-                      suite.run_retrieval(ec, source, target, maps, self.tokenizer(), heldout, cfg.seed))
-        else:
-            result = suite.run_throughput(cfg.eval.throughput, source, target, self.map(final), heldout)
-        write_json(self.run.path("eval", f"{name}.json"), result)
+        ctx = suite.EvalContext(cfg=self.cfg, source=source, target=target, map=self.map,
+                                fitted=fitted_maps(self.cfg), heldout=np.asarray(self.data("heldout")),
+                                tokenizer=self.tokenizer)
+        write_json(self.run.path("eval", f"{stage.name}.json"), suite.run(suite.BY_NAME[stage.name], self.cfg, ctx))
 
     def stage_report(self, stage: Stage) -> None:
-        from kvjax.eval import charts, report
-        from kvjax.gate import evaluate_gate, save_gate
+        from kvjax.gate import save_gate
         cfg = self.cfg
-        evals = {name: read_json(self.run.path("eval", f"{name}.json")) for name in EVALS if name in self.stages}
+        records = {name: read_json(self.run.path("eval", f"{name}.json")) for name in EVALS if name in self.stages}
         final = final_arm(cfg)
-        metrics = report.build_metrics(evals, self.run_info(), cfg.eval.bootstrap, final)
-        gate = evaluate_gate(metrics, cfg.gate, final)
+        metrics = suite.build_metrics(records, self.run_info(), cfg.eval.bootstrap, final)
+        gate = suite.evaluate_gate(metrics, cfg.gate, final)
         metrics["gate"] = gate.to_json()
-        names = {"source": f"native {cfg.source.name}", "target": f"native {cfg.target.name}",
-                 "mapped": f"{cfg.source.name} prefill -> {cfg.target.name} decode"}
-        drawn = charts.draw_all(metrics, self.run.root, names)
+        drawn = suite.draw_charts(metrics, self.run.root, cfg.source.name, cfg.target.name)
         metrics["run"]["charts"] = drawn
         write_json(self.run.path("metrics.json"), metrics)
         save_gate(self.run.path("gate.json"), gate)
-        text = report.render_report(metrics, drawn)
+        text = suite.render_report(metrics, drawn)
         tmp = self.run.path("report.md.tmp")
         with open(tmp, "w") as f:
             f.write(text)
@@ -328,7 +308,7 @@ class Job:
         import kvjax
         from kvjax.mapper.artifact import read_manifest
         cfg = self.cfg
-        manifest = read_manifest(self.run.path("map" if final_arm(cfg) == "residual" else "map_ridge"))
+        manifest = read_manifest(self.run.path(self.stages[final_arm(cfg)].outputs[0]))  # the final map's directory
         data = read_json(self.run.path("data", "data.json"))
         info = {"config": cfg.name, "output_dir": cfg.output_dir, "settings": to_dict(cfg)}
         for role in ("source", "target"):

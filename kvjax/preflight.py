@@ -7,7 +7,7 @@ import dataclasses
 import os
 
 from kvjax.gate import GateConfig
-from kvjax.run_config import ARMS, RunConfig
+from kvjax.run_config import RunConfig
 
 
 class LaunchError(Exception):
@@ -38,10 +38,8 @@ def validate(cfg: RunConfig) -> None:
     import numpy as np
 
     from kvjax.corpus import CorpusError, check_source
-    from kvjax.eval.multiple_choice import NORMALIZE, load_mc
-    from kvjax.eval.retrieval import load_retrieval
-    from kvjax.eval.suite import check_sources, retrieval_file
-    from kvjax.hf import CheckpointError, load_hf_config, load_tokenizer
+    from kvjax.eval import suite
+    from kvjax.hf import CheckpointError, load_hf_config
     from kvjax.models.config import ConfigError
 
     problems = []
@@ -67,21 +65,19 @@ def validate(cfg: RunConfig) -> None:
             problems.append(f"data: {e}")
     if not d.train_text:
         problems.append("data.train_text is empty: give the calibration text (e.g. stdlib:train)")
-    ev = cfg.eval
-    rows_needed = (ev.distances.windows if ev.distances.enabled else 0) + (ev.kl.windows if ev.kl.enabled else 0)
-    len_needed = max(ev.distances.window_len if ev.distances.enabled else 0,
-                     ev.kl.prefix_len + ev.kl.cont_len if ev.kl.enabled else 0)
+    rows_needed, len_needed, readers = suite.heldout_needed(cfg)
     if d.heldout_windows:
         if not os.path.isfile(d.heldout_windows):
             problems.append(f"data.heldout_windows: no such file {d.heldout_windows}")
         else:
             shape = np.load(d.heldout_windows, mmap_mode="r").shape
             if len(shape) != 2 or shape[0] < rows_needed or shape[1] < len_needed:
-                problems.append(f"data.heldout_windows {d.heldout_windows} has shape {shape}; the distance + KL "
-                                f"evaluations need >= {rows_needed} rows of >= {len_needed} tokens")
+                problems.append(f"data.heldout_windows {d.heldout_windows} has shape {shape}; the "
+                                f"{' + '.join(readers)} evaluations need >= {rows_needed} rows of >= {len_needed} "
+                                "tokens")
     elif d.heldout_window_len < len_needed:
         problems.append(f"data.heldout_window_len={d.heldout_window_len} is shorter than the {len_needed} tokens the "
-                        "distance / KL windows need")
+                        f"{' / '.join(readers)} windows need")
     m = cfg.map
     if m.pairing != "depth" and not (m.pairing.startswith("top") and m.pairing[3:].isdigit()):
         problems.append(f"map.pairing={m.pairing!r}: use 'depth' or 'topK' (e.g. top2)")
@@ -89,60 +85,17 @@ def validate(cfg: RunConfig) -> None:
         problems.append(f"map.pairing={m.pairing}: K must be in 1..{cfgs['source'].num_layers}")
     for name, value in (("map.calib_windows", m.calib_windows), ("map.select_windows", m.select_windows),
                         ("map.window_len", m.window_len), ("map.batch_size", m.batch_size),
-                        ("map.residual_rank", m.residual_rank), ("eval.distances.batch_size", ev.distances.batch_size),
-                        ("eval.kl.batch_size", ev.kl.batch_size), ("eval.mc.batch_size", ev.mc.batch_size),
-                        ("eval.retrieval.batch_size", ev.retrieval.batch_size),
-                        ("eval.retrieval.limit", ev.retrieval.limit), ("eval.distances.windows", ev.distances.windows),
-                        ("eval.kl.windows", ev.kl.windows), ("eval.bootstrap", ev.bootstrap),
+                        ("map.residual_rank", m.residual_rank), ("eval.bootstrap", cfg.eval.bootstrap),
                         ("residual.batch_size", cfg.residual.batch_size)):
         if value < 1:
             problems.append(f"{name} must be >= 1, got {value}")
     if cfg.residual.steps < 0:
         problems.append(f"residual.steps must be >= 0, got {cfg.residual.steps}")
-    for name, arms in (("eval.mc.arms", ev.mc.arms), ("eval.retrieval.arms", ev.retrieval.arms)):
-        bad = [a for a in arms if a not in ARMS]
-        if bad:
-            problems.append(f"{name}: unknown arms {bad}; choose from {list(ARMS)}")
-    if ev.mc.enabled:
-        bad_sources = check_sources(ev.mc)
-        problems += bad_sources
-        if ev.mc.normalize not in NORMALIZE:
-            problems.append(f"eval.mc.normalize={ev.mc.normalize!r}: choose from {list(NORMALIZE)}")
-        if not bad_sources:  # read the sets now: a wrong schema or an unreachable hub fails before any work
-            for schema in ("hellaswag", "piqa"):
-                where = getattr(ev.mc, schema)
-                try:
-                    if where:
-                        load_mc(where, schema=schema, split=ev.mc.split, limit=ev.mc.limit)
-                except (ValueError, RuntimeError, OSError) as e:
-                    problems.append(f"eval.mc.{schema}: {e}")
-    if ev.retrieval.enabled:
-        if ev.retrieval.files:
-            tokenizer = None
-            for length in ev.retrieval.lengths:
-                path = retrieval_file(ev.retrieval, length)
-                if not os.path.isfile(path):
-                    problems.append(f"eval.retrieval.files: no {path} for length {length} (or set "
-                                    "eval.retrieval.files='' to generate needle items from the held-out text)")
-                    continue
-                try:
-                    tokenizer = tokenizer or load_tokenizer(cfg.target.path)
-                    load_retrieval(path, tokenizer, limit=ev.retrieval.limit)
-                except (ValueError, KeyError, OSError, CheckpointError) as e:
-                    problems.append(f"eval.retrieval: {path}: {e!r}" if isinstance(e, KeyError) else
-                                    f"eval.retrieval: {e}")
-        if not ev.retrieval.lengths or min(ev.retrieval.lengths) < 16:
-            problems.append("eval.retrieval.lengths must be lengths >= 16 tokens")
-    if ev.throughput.enabled and (not ev.throughput.lengths or min(ev.throughput.lengths) < 2
-                                  or ev.throughput.new_tokens < 2 or ev.throughput.repeats < 1
-                                  or ev.throughput.decode_repeats < 1):
-        problems.append("eval.throughput needs lengths >= 2, new_tokens >= 2, repeats >= 1 and decode_repeats >= 1")
+    problems += suite.preflight(cfg)  # each evaluation's settings and inputs (gate.cos_arm: distances)
     for f in dataclasses.fields(GateConfig):
         value = getattr(cfg.gate, f.name)
         if isinstance(value, (int, float)) and ("cos" in f.name or "retention" in f.name) and not -1 <= value <= 10:
             problems.append(f"gate.{f.name}={value} is out of range")
-    if cfg.gate.cos_arm not in (None, "raw", "ridge", "residual"):
-        problems.append(f"gate.cos_arm={cfg.gate.cos_arm!r}: use ridge, residual, raw or None (the gated map)")
     if problems:
         raise LaunchError("the config has problems (nothing was run):\n  - " + "\n  - ".join(problems))
 

@@ -8,10 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvjax.eval.suite import eval_config_type
+from kvjax.eval.suite.distances import DistancesEval
+from kvjax.eval.suite.kl import KLEval
+from kvjax.eval.suite.mc import MCEval
+from kvjax.eval.suite.retrieval import RetrievalEval
+from kvjax.eval.suite.throughput import ThroughputEval
 from kvjax.gate import GateConfig
 from kvjax.mapper.residual import ResidualConfig
 
-ARMS = ("target", "source", "direct", "ridge", "residual")  # every arm an evaluation can score
+__all__ = ["ModelConfig", "DataConfig", "MapConfig", "EvalConfig", "MeshConfig", "RunConfig", "DistancesEval",
+           "KLEval", "MCEval", "RetrievalEval", "ThroughputEval"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,66 +57,9 @@ class MapConfig:
     residual_rank: int = 16  # hidden width of the residual network
 
 
-@dataclasses.dataclass(frozen=True)
-class DistancesEval:
-    enabled: bool = True
-    windows: int = 16  # held-out windows (the first rows of the held-out windows)
-    window_len: int = 512
-    batch_size: int = 8
-
-
-@dataclasses.dataclass(frozen=True)
-class KLEval:
-    enabled: bool = True
-    windows: int = 64  # held-out windows after the distance windows (disjoint rows)
-    prefix_len: int = 256  # tokens the source reads and the map translates
-    cont_len: int = 64  # continuation tokens scored
-    batch_size: int = 8
-
-
-@dataclasses.dataclass(frozen=True)
-class MCEval:
-    enabled: bool = True
-    hellaswag: str = "checkpoints/toy/eval/hellaswag.jsonl"  # local JSONL or hub dataset name; "" skips the set
-    piqa: str = "checkpoints/toy/eval/piqa.jsonl"  # local JSONL or hub dataset name; "" skips the set
-    split: str = "validation"  # split of hub datasets
-    limit: int | None = 200  # first N items of each set (None: all)
-    normalize: str = "length"  # option score: "length" (per token), "bytes" (acc_norm) or "none" (sum)
-    arms: tuple[str, ...] = ARMS
-    batch_size: int = 8  # items scored together (x options rows)
-
-
-@dataclasses.dataclass(frozen=True)
-class RetrievalEval:
-    enabled: bool = True
-    lengths: tuple[int, ...] = (1024, 2048, 4096)  # prompt lengths in tokens
-    # JSONL sets, "{length}" is replaced by each length; "" generates needle items from the held-out text
-    files: str = "checkpoints/toy/eval/retrieval_{length}.jsonl"
-    limit: int = 20  # items per length
-    arms: tuple[str, ...] = ("target", "source", "residual")
-    batch_size: int = 8  # items decoded together
-
-
-@dataclasses.dataclass(frozen=True)
-class ThroughputEval:
-    enabled: bool = True
-    lengths: tuple[int, ...] = (256, 512, 1024, 2048, 4096)  # prefix lengths (tokens of held-out text)
-    new_tokens: int = 64  # fixed generation length; decode tok/s counts the tokens after the first
-    repeats: int = 5  # timed rounds after a warm-up round (arms interleaved); medians are reported
-    decode_repeats: int = 5  # decode phase re-runs per round from the same cache (its median): short decodes are noisy
-    # target and mapped decode tok/s from this many alternating timings of the two decodes (0: from the rounds)
-    paired_decode: int = 15
-    batch_size: int = 1  # requests decoded together
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalConfig:
-    distances: DistancesEval = DistancesEval()
-    kl: KLEval = KLEval()
-    mc: MCEval = MCEval()
-    retrieval: RetrievalEval = RetrievalEval()
-    throughput: ThroughputEval = ThroughputEval()
-    bootstrap: int = 10_000  # bootstrap resamples for the 95% intervals
+# one field per evaluation of the job's registry (its settings: --config.eval.NAME.FIELD), then `bootstrap` (the
+# resamples of every 95% interval, default 10,000)
+EvalConfig = eval_config_type()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -324,3 +324,144 @@ def test_reading_gap_splits_the_kl(params):
     np.testing.assert_allclose(by_pos["kl_full"], np.asarray(kl(s_full, t_full)), rtol=1e-4, atol=1e-6)
     for k, v in m.items():
         np.testing.assert_allclose(by_pos[k].mean(1), v, rtol=1e-5, atol=1e-7)
+
+
+# ---- the evaluation registry and the arm table -------------------------------------------------------------------
+
+def test_run_config_eval_is_the_registry():
+    from kvjax import config_flags
+    from kvjax.eval import suite
+    from kvjax.run_config import EvalConfig, RunConfig
+    fields = [f.name for f in __import__("dataclasses").fields(EvalConfig)]
+    assert fields == [*suite.NAMES, "bootstrap"]
+    for e in suite.EVALUATIONS:  # every evaluation's settings: defaults as its dataclass, overridable by name
+        assert getattr(EvalConfig(), e.name) == e.settings() and e.settings.__dataclass_params__.frozen
+        cfg = config_flags.build("toy", [(f"eval.{e.name}.enabled", "false")], RunConfig)
+        assert getattr(cfg.eval, e.name).enabled is False
+
+
+def test_evaluation_modules_import_no_jax():
+    """Settings are part of RunConfig, so an evaluation module's top level (and the kvjax modules it imports there)
+    must not import JAX. Package __init__ files are not followed: kvjax/__init__ imports the library."""
+    import ast
+    seen, todo = set(), [f"kvjax.eval.suite.{p.stem}" for p in (REPO / "kvjax/eval/suite").glob("*.py")
+                         if p.stem != "__init__"]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        path = REPO / (name.replace(".", "/") + ".py")
+        for node in ast.parse(path.read_text()).body:
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                    [node.module] if isinstance(node, ast.ImportFrom) else [])
+            for mod in mods:
+                assert mod.split(".")[0] not in ("jax", "flax", "optax", "orbax"), f"{name} imports {mod}"
+                if mod.startswith("kvjax.") and (REPO / (mod.replace(".", "/") + ".py")).is_file():
+                    todo.append(mod)
+    assert "kvjax.eval.suite.kl" in seen and "kvjax.gate" in seen
+
+
+def test_adding_an_evaluation_is_one_module_and_one_registry_line(monkeypatch, tmp_path):
+    """A new evaluation plugs into the job's plan, metrics.json, the gate, report.md and the charts through its
+    Evaluation record alone."""
+    import dataclasses
+
+    from kvjax import launch
+    from kvjax.config_flags import build
+    from kvjax.eval import suite
+    from kvjax.gate import GateConfig, check
+    from kvjax.run_config import RunConfig
+
+    @dataclasses.dataclass(frozen=True)
+    class EchoEval:
+        enabled: bool = True
+        scale: float = 2.0
+
+    def draw(section, path, ctx):
+        Path(path).write_text(f"{ctx.source} {section['value']}")
+        return path
+
+    echo = suite.Evaluation(
+        name="echo", settings=EchoEval, run=lambda ec, ctx: {"x": ec.scale, "final": ctx.final},
+        metrics=lambda rec, ctx: {"value": rec["x"] * ctx.n_boot}, section=35,
+        report=lambda m, ctx: ["## Echo", "", f"value {m['value']} ({ctx.charts['echo']})", ""],
+        summary=lambda m, ctx: [f"- echo {m['value']}"], charts=(suite.Chart("echo", draw),),
+        depends=lambda cfg: {"seed": cfg.seed},
+        preflight=lambda ec, cfg: [] if ec.scale > 0 else ["eval.echo.scale must be > 0"],
+        gate=lambda m, config, arm: check("echo", m.get("value"), config.max_kl, "max", arm))
+    monkeypatch.setattr(suite, "EVALUATIONS", suite.EVALUATIONS + (echo,))
+    monkeypatch.setattr(suite, "BY_NAME", {**suite.BY_NAME, "echo": echo})
+    base = build("toy", [("output_dir", str(tmp_path))], RunConfig)
+    eval_cfg = suite.eval_config_type()(**{f.name: getattr(base.eval, f.name)
+                                           for f in dataclasses.fields(base.eval)})
+    cfg = dataclasses.replace(base, eval=eval_cfg)
+    assert eval_cfg.echo == EchoEval()
+    stage = launch.plan(cfg)["echo"]
+    assert stage.settings == {"echo": {"enabled": True, "scale": 2.0}, "final": "residual", "seed": 0}
+    assert "echo" in [s.name for s in launch.plan(cfg)["report"].upstream]
+    assert suite.preflight(dataclasses.replace(cfg, eval=dataclasses.replace(eval_cfg, echo=EchoEval(scale=0.0)))) \
+        == ["eval.echo.scale must be > 0"]
+    ctx = suite.EvalContext(cfg, source=None, target=None, map=None, fitted=("ridge", "residual"), heldout=None,
+                            tokenizer=None)
+    assert suite.run(echo, cfg, ctx) == {"x": 2.0, "final": "residual"}
+    run_info = {"config": "t", "source": {"name": "S", "params_m": 1.0, "layers": 2, "path": "s", "dtype": "f"},
+                "target": {"name": "T", "params_m": 0.5, "layers": 1, "path": "t"},
+                "map": {"residual_rank": 4, "residual_steps": 3, "final": "residual", "pairing": "depth", "rank": None,
+                        "lambdas": []},
+                "data": {"calib_tokens": 10, "train_text": ["x"]}, "devices": "1 x cpu",
+                "versions": {"kvjax": "0", "jax": "0"}, "stage_seconds": {}}
+    metrics = suite.build_metrics({"echo": {"x": 2.0}}, run_info, 3, "residual")
+    assert list(metrics) == ["schema_version", "run", "echo"] and metrics["echo"] == {"value": 6.0}
+    gate = suite.evaluate_gate(metrics, GateConfig(max_kl=5.0), "residual")
+    assert [(c.name, c.value, c.passed, c.note) for c in gate.checks if c.name == "echo"] == \
+        [("echo", 6.0, False, "residual")] and not gate.passed
+    metrics["gate"] = gate.to_json()
+    drawn = suite.draw_charts(metrics, str(tmp_path), "S", "T")
+    assert drawn == {"echo": "echo.png"} and (tmp_path / "echo.png").read_text() == "S 6.0"
+    text = suite.render_report(metrics, drawn)
+    assert "- echo 6.0" in text and "## Echo\n\nvalue 6.0 (echo.png)" in text
+    assert text.index("- echo 6.0") < text.index("## Echo") < text.index("## Quality gate")
+
+
+def test_arm_table():
+    from kvjax import config_flags
+    from kvjax.eval import arms
+    from kvjax.run_config import RunConfig
+    assert [a.name for a in arms.TABLE] == ["target", "direct", "ridge", "residual", "source"]
+    assert len({a.colour for a in arms.TABLE}) == len(arms.TABLE)
+    for name in ("toy", "toy_pruned", "qwen32_8"):  # every arm a shipped config names is in the table
+        cfg = config_flags.build(name, [], RunConfig)
+        assert set(cfg.eval.mc.arms) | set(cfg.eval.retrieval.arms) <= set(arms.ARMS)
+    assert arms.available(("target", "residual", "direct", "ridge"), ("ridge",)) == ("target", "direct", "ridge")
+    assert arms.available(("residual", "nope"), ("ridge", "residual")) == ("residual", "nope")
+    assert arms.in_table_order({"source", "ridge", "target", "items"}) == ["target", "ridge", "source"]
+
+
+def test_every_arm_builds_its_cache(params):
+    """Each row of the arm table gives a cache of its answering model, made as the row says."""
+    from kvjax.eval import arms
+    from kvjax.mapper.kvmap import apply_map
+    source = (CFG, params)
+    other = kvjax.init_params(CFG, jax.random.key(7))
+    target = (CFG, other)
+    ridge = arms.injection_map(CFG, CFG)
+    built = arms.make_arms([a.name for a in arms.TABLE], source, target,
+                           {"direct": ridge, "ridge": ridge, "residual": ridge})
+    tokens, lengths = np.asarray([[5, 6, 7, 8], [9, 10, 0, 0]], np.int32), np.asarray([4, 2], np.int32)
+    caches = {a.name: a.batch_fn(tokens, lengths) for a in built}
+    assert [a.name for a in built] == [a.name for a in arms.TABLE]
+    assert {a.name for a in built if a.model is source} == {"source"}
+    np.testing.assert_array_equal(np.asarray(caches["target"].lengths), lengths)
+    mapped = apply_map(ridge, caches["source"])  # the mapped arms translate the source's cache
+    for name in ("direct", "ridge", "residual"):
+        np.testing.assert_allclose(np.asarray(caches[name].k), np.asarray(mapped.k), atol=1e-6)
+        np.testing.assert_allclose(np.asarray(caches[name].v), np.asarray(mapped.v), atol=1e-6)
+    assert not np.allclose(np.asarray(caches["target"].k), np.asarray(caches["source"].k))
+    one = built[0].prefix_fn([5, 6, 7, 8, 11], 3)  # item by item: the context's prefix in `rows` identical rows
+    np.testing.assert_allclose(np.asarray(one.k[:, 0]), np.asarray(caches["target"].k[:, 0]), atol=1e-5)
+    assert np.asarray(one.lengths).tolist() == [4, 4, 4]
+    with pytest.raises(ValueError, match="not in the arm table"):
+        arms.make_arms(["oracle"], source, target, {})
+    with pytest.raises(ValueError, match="no map 'ridge'"):
+        arms.make_arms(["ridge"], source, target, {})

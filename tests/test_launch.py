@@ -16,7 +16,8 @@ import pytest
 import kvjax
 from kvjax import config_flags, launch, preflight
 from kvjax.config_flags import ConfigFlagError
-from kvjax.gate import GateConfig, evaluate_gate, load_gate
+from kvjax.eval.suite import evaluate_gate
+from kvjax.gate import GateConfig, load_gate
 from kvjax.run_config import RunConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

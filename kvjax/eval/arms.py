@@ -1,18 +1,24 @@
-"""Evaluation arms: the ways a prompt's cache can be made for the model that answers.
+"""Evaluation arms: the ways a prompt's cache can be made for the model that answers, as one table (`TABLE`).
 
   target    the target reads the prompt itself (native small model)
-  source    the source reads and answers (native large model)
   direct    the target answers from the source's nearest-depth layers copied as they are (no map); when the KV
             widths differ, each layer's features are cut or zero-padded to the target's width (the "raw" baseline)
   ridge     the target answers from the source cache mapped by the ridge map
   residual  the same with the ridge + residual map
+  source    the source reads and answers (native large model)
 
-The scorers here run every arm on one batch of items before moving on, so the mapped arms share one source prefill
-per batch (`SourcePrefix`), which is what a large source costs most; batching keeps per-call overhead small.
+Each row names the arm (its key in configs, eval records and metrics.json), its legend label and chart colour, how
+its cache is built and the fitted map it needs. The table's order is the order of report columns and chart legends:
+the native target first, the source's own answer last. How to add an arm: see kvjax.eval.suite.
+
+The scorers here run every arm on one batch of items before moving on, so the arms that read the source share one
+source prefill per batch (`SourcePrefix`), which is what a large source costs most; batching keeps per-call overhead
+small.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable, NamedTuple
 
@@ -22,7 +28,7 @@ import numpy as np
 from tqdm import tqdm
 
 from kvjax.cache import KVCache, init_cache
-from kvjax.eval.likelihood import bucket, continuation_logprobs, fit_capacity, native_prefix_cache
+from kvjax.eval.likelihood import bucket, continuation_logprobs, fit_capacity
 from kvjax.eval.multiple_choice import MCItem, MCResult, PrefixFn, encode
 from kvjax.eval.retrieval import RetrievalItem, RetrievalResult
 from kvjax.generation import pad_prompts
@@ -31,6 +37,110 @@ from kvjax.mapper.kvmap import KVMap, LinearMap, apply_map, direct_map, spec_for
 from kvjax.mapper.pairing import depth_pairing
 from kvjax.models.config import Qwen3Config
 from kvjax.models.qwen3 import forward
+
+# ---- caches: (tokens int [B, T], lengths int [B]) -> the answering model's cache of each row's tokens[:length] ----
+# (the interface of kvjax.builders: `.model` is the answering model, calling it builds the cache)
+
+_apply = jax.jit(apply_map)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _prefill_rows(params, cfg, tokens, lengths):
+    cache = init_cache(cfg, tokens.shape[0], tokens.shape[1], params.embed.dtype)
+    return forward(params, cfg, tokens, cache, lengths, last_only=True, fresh=True)[1]
+
+
+def prefill_rows(model: Model, tokens, lengths) -> KVCache:
+    """The model's cache of each row's tokens[:length] (time axis bucketed: few compiles)."""
+    cfg, params = model
+    tokens = np.asarray(tokens, np.int32)
+    padded = np.zeros((tokens.shape[0], bucket(tokens.shape[1])), np.int32)
+    padded[:, : tokens.shape[1]] = tokens
+    return _prefill_rows(params, cfg, jnp.asarray(padded), jnp.asarray(lengths, jnp.int32))
+
+
+class NativeRows(NamedTuple):
+    """The model reads the prompt itself."""
+
+    model: Model
+
+    def __call__(self, tokens, lengths) -> KVCache:
+        return prefill_rows(self.model, tokens, lengths)
+
+
+class SourcePrefix:
+    """The source reads the prompt; the cache of the latest batch of rows is kept so that every arm scoring the same
+    items reuses one source prefill."""
+
+    def __init__(self, source: Model):
+        self.model = source
+        self._key, self._cache = None, None
+
+    def __call__(self, tokens, lengths) -> KVCache:
+        tokens, lengths = np.asarray(tokens, np.int32), np.asarray(lengths, np.int32)
+        key = (tokens.tobytes(), tokens.shape, lengths.tobytes())
+        if key != self._key:
+            self._cache, self._key = prefill_rows(self.model, tokens, lengths), key
+        return self._cache
+
+
+class MappedRows(NamedTuple):
+    """The source reads the prompt (shared prefill), a map translates its cache, the target answers."""
+
+    model: Model  # the target
+    shared: SourcePrefix
+    kvmap: KVMap
+
+    def __call__(self, tokens, lengths) -> KVCache:
+        return _apply(self.kvmap, self.shared(tokens, lengths))
+
+
+# ---- the table -----------------------------------------------------------------------------------------------------
+
+class ArmContext(NamedTuple):
+    """What an arm's cache is built from."""
+
+    source: Model
+    target: Model
+    map: Callable[[str], KVMap]  # a map by name: "direct" (injection_map) or a fitted map ("ridge", "residual")
+    shared: SourcePrefix  # the source's prefill, shared by every arm that reads the source
+
+
+@dataclasses.dataclass(frozen=True)
+class ArmSpec:
+    name: str  # key in configs (eval.*.arms), eval records and metrics.json
+    label: str  # chart legend
+    colour: str  # chart colour
+    cache: Callable[[ArmContext], Callable]  # how its cache is built: a builder (`.model` answers; (tokens, lengths))
+    needs: str | None = None  # the fitted map it reads (a stage of the job); None: it exists in every run
+
+
+TARGET, DIRECT, RIDGE, RESIDUAL, SOURCE = "target", "direct", "ridge", "residual", "source"
+
+# `cache` uses NativeRows / MappedRows / SourcePrefix above; kvjax.builders' NativePrefill / Mapped / SharedPrefill
+# have the same interface and replace them one row at a time (SharedPrefill as ArmContext.shared in make_arms).
+
+TABLE = (
+    ArmSpec(TARGET, "native target", "#4C72B0", lambda c: NativeRows(c.target)),
+    ArmSpec(DIRECT, "direct injection", "#937860", lambda c: MappedRows(c.target, c.shared, c.map(DIRECT))),
+    ArmSpec(RIDGE, "ridge", "#8172B3", lambda c: MappedRows(c.target, c.shared, c.map(RIDGE)), needs=RIDGE),
+    ArmSpec(RESIDUAL, "ridge + residual", "#55A868", lambda c: MappedRows(c.target, c.shared, c.map(RESIDUAL)),
+            needs=RESIDUAL),
+    ArmSpec(SOURCE, "native source", "#DD8452", lambda c: c.shared),
+)
+ARMS = {a.name: a for a in TABLE}
+
+
+def available(names, fitted) -> tuple[str, ...]:
+    """The arms of `names` a run that fits the maps `fitted` can build (unknown names are kept: preflight names
+    them)."""
+    return tuple(a for a in names if a not in ARMS or ARMS[a].needs is None or ARMS[a].needs in fitted)
+
+
+def in_table_order(names) -> list[str]:
+    """`names` (arm names, any iterable) in the table's order: the order of report columns and chart legends."""
+    names = set(names)
+    return [a.name for a in TABLE if a.name in names]
 
 
 class Arm(NamedTuple):
@@ -61,9 +171,6 @@ def injection_kind(source: Qwen3Config, target: Qwen3Config) -> str:
     return "copy" if same else "width-matched (cut / zero-padded)"
 
 
-_apply = jax.jit(apply_map)
-
-
 def repeat_rows(cache: KVCache, rows: int) -> KVCache:
     """A 1-row cache repeated to `rows` identical rows."""
     if rows == 1:
@@ -72,65 +179,30 @@ def repeat_rows(cache: KVCache, rows: int) -> KVCache:
                          lengths=jnp.repeat(cache.lengths, rows))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _prefill_rows(params, cfg, tokens, lengths):
-    cache = init_cache(cfg, tokens.shape[0], tokens.shape[1], params.embed.dtype)
-    return forward(params, cfg, tokens, cache, lengths, last_only=True, fresh=True)[1]
+def _one_context(cache: Callable, context_ids, rows: int) -> KVCache:
+    """The item-by-item scorers' prefix function (kvjax.eval.score_mc / score_retrieval) from a batch cache."""
+    prefix, lengths = _padded([list(context_ids[:-1])])
+    return repeat_rows(cache(prefix, lengths), rows)
 
 
-def prefill_rows(model: Model, tokens, lengths) -> KVCache:
-    """The model's cache of each row's tokens[:length] (time axis bucketed: few compiles)."""
-    cfg, params = model
-    tokens = np.asarray(tokens, np.int32)
-    padded = np.zeros((tokens.shape[0], bucket(tokens.shape[1])), np.int32)
-    padded[:, : tokens.shape[1]] = tokens
-    return _prefill_rows(params, cfg, jnp.asarray(padded), jnp.asarray(lengths, jnp.int32))
+def make_arms(names, source: Model, target: Model, maps) -> list[Arm]:
+    """Arms in the order of `names`. `maps`: name -> KVMap, a dict or a function (the job's, which loads on first
+    use); the arms that read a map ("direct", "ridge", "residual") need it."""
+    def get(name: str) -> KVMap:
+        if callable(maps):
+            return maps(name)
+        if name not in maps:
+            raise ValueError(f"no map {name!r} for the arms {list(names)} (have {sorted(maps)})")
+        return maps[name]
 
-
-class SourcePrefix:
-    """The source's cache of the latest context (1 row) or batch of rows, kept so that every arm scoring the same
-    items reuses one source prefill."""
-
-    def __init__(self, source: Model):
-        self.source = source
-        self._key, self._cache = None, None
-
-    def _get(self, key, make):
-        if key != self._key:
-            self._cache, self._key = make(), key
-        return self._cache
-
-    def __call__(self, context_ids) -> KVCache:
-        cfg, params = self.source
-        return self._get(("one", tuple(int(t) for t in context_ids[:-1])),
-                         lambda: native_prefix_cache(params, cfg, context_ids, 1))
-
-    def rows(self, tokens, lengths) -> KVCache:
-        tokens, lengths = np.asarray(tokens, np.int32), np.asarray(lengths, np.int32)
-        return self._get(("rows", tokens.tobytes(), tokens.shape, lengths.tobytes()),
-                         lambda: prefill_rows(self.source, tokens, lengths))
-
-
-def make_arms(names, source: Model, target: Model, maps: dict[str, KVMap]) -> list[Arm]:
-    """Arms in the order of `names`; mapped arms ("direct", "ridge", "residual") need their map in `maps`."""
-    shared = SourcePrefix(source)
-    (tcfg, tparams) = target
-    arms = []
+    ctx = ArmContext(source, target, get, SourcePrefix(source))
+    out = []
     for name in names:
-        if name == "target":
-            fn = lambda ctx, rows: repeat_rows(native_prefix_cache(tparams, tcfg, ctx, 1), rows)  # noqa: E731
-            arms.append(Arm(name, target, fn, functools.partial(prefill_rows, target)))
-        elif name == "source":
-            arms.append(Arm(name, source, lambda ctx, rows: repeat_rows(shared(ctx), rows), shared.rows))
-        elif name in maps:
-            kvmap = maps[name]
-            fn = lambda ctx, rows, kvmap=kvmap: repeat_rows(_apply(kvmap, shared(ctx)), rows)  # noqa: E731
-            batch = lambda tokens, lengths, kvmap=kvmap: _apply(kvmap, shared.rows(tokens, lengths))  # noqa: E731
-            arms.append(Arm(name, target, fn, batch))
-        else:
-            raise ValueError(f"arm {name!r}: no map of that name (have {sorted(maps)}); arms are target, source, "
-                             "direct, ridge, residual")
-    return arms
+        if name not in ARMS:
+            raise ValueError(f"arm {name!r}: not in the arm table; arms are {', '.join(ARMS)} (kvjax.eval.arms)")
+        cache = ARMS[name].cache(ctx)
+        out.append(Arm(name, cache.model, functools.partial(_one_context, cache), cache))
+    return out
 
 
 def even_batch(n: int, batch_size: int) -> int:
