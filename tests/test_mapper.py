@@ -11,7 +11,7 @@ from kvjax.mapper.calibrate import native_cache
 from kvjax.mapper.kvmap import ridge_only
 from kvjax.mapper.pairing import depth_pairing, topk_pairing
 from kvjax.mapper.residual import ResidualConfig, evaluate_kl
-from kvjax.mapper.ridge import Stats, chunk_stats, mse, select, solve, to_stats
+from kvjax.mapper.ridge import LAMBDAS, chunk_stats, mse, reference, select, solve, to_stats
 from kvjax.eval.distances import cache_distances
 from kvjax.models.rope import apply_rope, rope_angles, rope_table, unapply_rope
 
@@ -53,23 +53,113 @@ def test_inverse_rope_is_exact():
     np.testing.assert_allclose(table[1], sin, atol=2e-6)
 
 
-def test_streamed_ridge_recovers_a_linear_map_and_heldout_mse_is_exact():
+U = 2.0 ** -24  # float32 unit roundoff
+
+
+def gamma(k):
+    return k * U / (1 - k * U)
+
+
+def heldout_mse_bound(fit, x, y, ref):
+    """Worst-case bound (first order in U) on |mse(fit, held) - exact| for held-out statistics of float32 data
+    x [N, Fx], y [N, Fy] taken by chunk_stats in one chunk around `ref` (zero: of y itself), for any summation order,
+    so for any vector width or backend: a float32 sum of k terms is off by at most gamma(k) * sum of |terms|.
+    - means (tree_sum, L = ceil(log2 N) levels, one division): off by delta <= gamma(L + 1) (mean|y| + mean|x| |W|)
+      through the prediction; that moves the offset^2 term by 2 |o| delta + delta^2 and the spread by delta^2;
+    - each token's centred residual (x - mx, y - my, x @ ref over Fx terms, one subtraction): off by
+      E_t <= gamma(Fx + 3) (|yc| + |rc| + |xc| (|ref| + |D|)), D = W - ref; moves the spread by 2 |e_t| E_t + E_t^2
+      (e_t: that token's centred error under W);
+    - the sums: sum r^2 (tree_sum: gamma(L + 1)), sum x r' and sum x x' (matmuls: gamma(N + 1)), weighted by D in
+      sum r^2 - 2 D.sum x r' + D' sum x x' D.
+    Host float64 merges and the quadratic form add ~1e-16 relative (neglected, as are second-order terms)."""
+    n, w = len(x), fit.weight
+    ref = np.asarray(ref, np.float64)
+    d = w - ref
+    levels = int(np.ceil(np.log2(n)))
+    xc, yc = x - x.mean(0), y - y.mean(0)
+    rc = yc - xc @ ref
+    e = rc - xc @ d
+    offset = y.mean(0) - (x.mean(0) - fit.mu) @ w - fit.bias
+    delta = gamma(levels + 1) * (np.abs(y).mean(0) + np.abs(x).mean(0) @ np.abs(w))
+    means = 2 * np.abs(offset) @ delta + 2 * delta @ delta
+    et = gamma(x.shape[1] + 3) * (np.abs(yc) + np.abs(rc) + np.abs(xc) @ (np.abs(ref) + np.abs(d)))
+    tokens = np.sum(2 * np.abs(e) * et + et * et) / n
+    xd = np.abs(xc) @ np.abs(d)
+    sums = (gamma(levels + 1) * np.sum(rc * rc) + gamma(n + 1) * np.sum((2 * np.abs(rc) + xd) * xd)) / n
+    return means + tokens + sums
+
+
+def linear_data(noise, offset=5.0):
+    """Offset features (mean 5) and y = x @ w + noise + 2, rounded to float32 (the data the statistics see)."""
     rng = np.random.RandomState(0)
     w = rng.randn(6, 4)
-    x = rng.randn(2000, 6) * [1, 2, 3, 0.1, 1, 1] + 5
-    y = x @ w + 0.05 * rng.randn(2000, 4) + 2
-    train, held = Stats.zeros(6, 4), Stats.zeros(6, 4)
-    for i in range(0, 1000, 250):  # chunked accumulation equals one pass
-        train += to_stats(chunk_stats(jnp.asarray(x[i:i + 250], jnp.float32), jnp.asarray(y[i:i + 250], jnp.float32),
-                                      jnp.ones(250)))
-    held += to_stats(chunk_stats(jnp.asarray(x[1000:], jnp.float32), jnp.asarray(y[1000:], jnp.float32), jnp.ones(1000)))
+    x = rng.randn(2000, 6) * [1, 2, 3, 0.1, 1, 1] + offset
+    y = x @ w + noise * rng.randn(2000, 4) + 2
+    return w, x.astype(np.float32).astype(np.float64), y.astype(np.float32).astype(np.float64)
+
+
+def f32_stats(x, y, chunk, ref=None):
+    acc = None
+    for i in range(0, len(x), chunk):
+        xs, ys = jnp.asarray(x[i:i + chunk], jnp.float32), jnp.asarray(y[i:i + chunk], jnp.float32)
+        st = to_stats(chunk_stats(xs, ys, jnp.ones(len(xs)), None if ref is None else jnp.asarray(ref)), ref)
+        if acc is None:
+            acc = st
+        else:
+            acc += st
+    return acc
+
+
+def exact_mse(fit, x, y):
+    return float(np.mean(np.sum((y - (x - fit.mu) @ fit.weight - fit.bias) ** 2, 1)))
+
+
+def test_streamed_ridge_recovers_a_linear_map_and_heldout_mse_is_exact():
+    w, x, y = linear_data(noise=0.05)
+    train = f32_stats(x[:1000], y[:1000], 250)
+    one_pass = f32_stats(x[:1000], y[:1000], 1000)
+    for name in ("mx", "my", "cxx", "cxr", "crr"):  # chunked accumulation equals one pass
+        np.testing.assert_allclose(getattr(train, name), getattr(one_pass, name), rtol=1e-5, atol=1e-3)
+    ref = reference(train)
+    held = f32_stats(x[1000:], y[1000:], 1000, ref)  # held-out statistics: of the residual around ref
     fit, scores = select(train, held)
     np.testing.assert_allclose(fit.weight, w, atol=0.05)
     assert fit.lam <= 1e-3 and scores[1.0] > scores[fit.lam]
-    pred = (x[1000:] - fit.mu) @ fit.weight + fit.bias
-    np.testing.assert_allclose(mse(fit, held), np.mean(np.sum((y[1000:] - pred) ** 2, 1)), rtol=1e-3)  # f32 inputs
+    exact = exact_mse(fit, x[1000:], y[1000:])
+    bound = heldout_mse_bound(fit, x[1000:], y[1000:], ref)  # 1.9e-4 of the MSE here; measured error 1.2e-6
+    assert abs(mse(fit, held) - exact) <= bound < 1e-3 * exact
+    # y's moments rebuilt from r's sums: off by at most ~gamma(N + 3) = 6e-5 of their Cauchy-Schwarz scale (the
+    # float32 sums, any order) times |x||ref| / |y| (< 3 here); 1e-3 of it separates that from a wrong formula
+    var_x, var_y = np.var(x[1000:], 0), np.var(y[1000:], 0)
+    np.testing.assert_allclose(held.var_y(), var_y.sum(), rtol=1e-3)
+    cov = np.cov(x[1000:].T, y[1000:].T, bias=True)[:6, 6:]
+    assert np.all(np.abs(held.cov_xy() - cov) <= 1e-3 * np.sqrt(np.outer(var_x, var_y)))
     low = solve(train, 1e-6, rank=2)
     assert np.linalg.matrix_rank(low.weight, tol=1e-8) == 2 and mse(low, held) > mse(fit, held)
+    with pytest.raises(ValueError, match="different reference maps"):
+        held += f32_stats(x[:100], y[:100], 100)
+
+
+def test_heldout_mse_stays_within_its_bound_where_float32_cancellation_is_worst():
+    """var(y) is 1.5e7 times the held-out MSE (noise 1e-3, features offset by 5). Statistics of y itself (the code
+    before issue 24) missed the MSE here by 310% (and by 0.02-0.3% at the previous test's noise 0.05, depending on
+    the machine's vector width); their bound exceeds the MSE itself, i.e. they guaranteed no digit."""
+    _, x, y = linear_data(noise=1e-3)
+    train = f32_stats(x[:1000], y[:1000], 250)
+    ref = reference(train)
+    held = f32_stats(x[1000:], y[1000:], 1000, ref)
+    exact, bounds = {}, {}
+    for lam in LAMBDAS:
+        fit = solve(train, lam)
+        exact[lam], bounds[lam] = exact_mse(fit, x[1000:], y[1000:]), heldout_mse_bound(fit, x[1000:], y[1000:], ref)
+        assert abs(mse(fit, held) - exact[lam]) <= bounds[lam], f"lambda {lam}"
+    best = min(exact, key=exact.get)
+    assert bounds[best] < 0.02 * exact[best]  # 1.1e-2 here; measured error 2.8e-5
+    fit = solve(train, best)
+    assert heldout_mse_bound(fit, x[1000:], y[1000:], 0 * ref) > exact[best]  # y statistics: no digit certain
+    runner_up = min((v for k, v in exact.items() if k != best))
+    if runner_up - exact[best] > bounds[best] + max(bounds.values()):  # the choice is certain: it must be made
+        assert select(train, held)[0].lam == best
 
 
 def test_map_of_a_model_onto_itself_is_near_exact(pair):

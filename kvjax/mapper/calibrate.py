@@ -35,7 +35,7 @@ def native_cache(params: Params, cfg: Qwen3Config, tokens: jax.Array, lengths: j
 
 
 @functools.partial(jax.jit, static_argnames=("scfg", "tcfg", "pairing"))
-def _window_stats(sparams, tparams, scfg, tcfg, pairing: Pairing, tokens, mask):
+def _window_stats(sparams, tparams, scfg, tcfg, pairing: Pairing, tokens, mask, refs):
     src = native_cache(sparams, scfg, tokens)
     tgt = native_cache(tparams, tcfg, tokens)
     flat_mask = mask.reshape(-1)
@@ -44,15 +44,43 @@ def _window_stats(sparams, tparams, scfg, tcfg, pairing: Pairing, tokens, mask):
         xk, xv = paired_features(src, layers, scfg.rope_theta)
         yk, yv = layer_features(tgt, t, tcfg.rope_theta)
         flat = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731
-        out.append((chunk_stats(flat(xk), flat(yk), flat_mask), chunk_stats(flat(xv), flat(yv), flat_mask)))
+        rk, rv = refs[t]
+        out.append((chunk_stats(flat(xk), flat(yk), flat_mask, rk), chunk_stats(flat(xv), flat(yv), flat_mask, rv)))
+    return out
+
+
+def feature_sizes(scfg: Qwen3Config, tcfg: Qwen3Config, pairing: Pairing) -> list[tuple[int, int]]:
+    """(Fx, Fy) of each target layer's statistics (keys and values alike)."""
+    return [(len(layers) * scfg.num_kv_heads * scfg.head_dim, tcfg.num_kv_heads * tcfg.head_dim) for layers in pairing]
+
+
+def _refs32(scfg: Qwen3Config, tcfg: Qwen3Config, pairing: Pairing, refs) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per target layer (key ref, value ref) as float32 [Fx, Fy]; zeros (statistics of y itself) where refs is None."""
+    sizes = feature_sizes(scfg, tcfg, pairing)
+    if refs is None:
+        return [(np.zeros(s, np.float32), np.zeros(s, np.float32)) for s in sizes]
+    if len(refs) != len(pairing):
+        raise ValueError(f"refs has {len(refs)} entries for {len(pairing)} target layers: pass one (key, value) pair "
+                         "of reference maps per target layer (kvjax.mapper.ridge.reference of the training stats)")
+    out = []
+    for t, (pair, size) in enumerate(zip(refs, sizes)):
+        pair = tuple(np.asarray(r, np.float32) for r in pair)
+        if any(r.shape != size for r in pair):
+            raise ValueError(f"refs[{t}] has shapes {[r.shape for r in pair]}, the features need {size}: the "
+                             "reference maps must come from statistics of the same pairing")
+        out.append(pair)
     return out
 
 
 def collect_stats(source: Model, target: Model, pairing: Pairing, batches: Iterable[np.ndarray],
-                  desc: str = "calibrate", total: int | None = None, mesh: Mesh | None = None
+                  desc: str = "calibrate", total: int | None = None, mesh: Mesh | None = None, refs=None
                   ) -> tuple[list[Stats], list[Stats]]:
     """Sum statistics over batches of token windows int [B, T] (EOS-padded rows count fully). Returns per target
     layer (key stats, value stats).
+
+    `refs`, per target layer a (key, value) pair of reference maps [Fx, Fy] (kvjax.mapper.ridge.reference of the
+    training statistics), makes these statistics of the residuals around them: what held-out MSE and R^2 need to
+    stay accurate in float32 (see kvjax.mapper.ridge). None: statistics of the targets themselves.
 
     With `mesh`, each batch is the *global* batch (an array, memmap or kvjax.distributed.TokenWindows indexed by
     row) and is split over the mesh's 'data' axis: each process reads only its own rows, every data shard
@@ -63,16 +91,17 @@ def collect_stats(source: Model, target: Model, pairing: Pairing, batches: Itera
     masked rows, so the statistics function compiles once.
     """
     if mesh is not None:
-        return _collect_stats_sharded(source, target, pairing, batches, desc, total, mesh)
+        return _collect_stats_sharded(source, target, pairing, batches, desc, total, mesh, refs)
     (scfg, sparams), (tcfg, tparams) = source, target
+    refs = _refs32(scfg, tcfg, pairing, refs)
     k_stats: list[Stats] | None = None
     v_stats: list[Stats] | None = None
     for tokens in tqdm(batches, desc=desc, unit="batch", total=total, leave=False):
         tokens = jnp.asarray(tokens, jnp.int32)
         mask = jnp.ones(tokens.shape, jnp.float32)
-        sums = _window_stats(sparams, tparams, scfg, tcfg, pairing, tokens, mask)
-        batch_k = [to_stats(k) for k, _ in sums]
-        batch_v = [to_stats(v) for _, v in sums]
+        sums = _window_stats(sparams, tparams, scfg, tcfg, pairing, tokens, mask, refs)
+        batch_k = [to_stats(k, rk) for (k, _), (rk, _) in zip(sums, refs)]
+        batch_v = [to_stats(v, rv) for (_, v), (_, rv) in zip(sums, refs)]
         if k_stats is None:
             k_stats, v_stats = batch_k, batch_v
         else:
@@ -121,20 +150,22 @@ def _sharded_stats_fn(scfg, tcfg, pairing: Pairing, mesh: Mesh, s_shardings, t_s
     batch = sharding.data_sharding(mesh, shape)
     out = NamedSharding(mesh, P(sharding.RULES["batch"]))
 
-    def fn(sparams, tparams, tokens, mask):
+    def fn(sparams, tparams, tokens, mask, refs):
         src = native_cache(sparams, scfg, tokens)
         tgt = native_cache(tparams, tcfg, tokens)
         split = lambda a: a.reshape(shards, -1, a.shape[-1])  # noqa: E731  [B, T, F] -> [S, B/S*T, F]
         m = mask.reshape(shards, -1)
-        stats = jax.vmap(chunk_stats)
+        stats = jax.vmap(chunk_stats, in_axes=(0, 0, 0, None))
         res = []
         for t, layers in enumerate(pairing):
             xk, xv = paired_features(src, layers, scfg.rope_theta)
             yk, yv = layer_features(tgt, t, tcfg.rope_theta)
-            res.append((stats(split(xk), split(yk), m), stats(split(xv), split(yv), m)))
+            rk, rv = refs[t]
+            res.append((stats(split(xk), split(yk), m, rk), stats(split(xv), split(yv), m, rv)))
         return res
 
-    return jax.jit(fn, in_shardings=(s_shardings, t_shardings, batch, batch), out_shardings=out)
+    return jax.jit(fn, in_shardings=(s_shardings, t_shardings, batch, batch, sharding.replicated(mesh)),
+                   out_shardings=out)
 
 
 def _local_shard_stats(leaves: list[jax.Array]) -> dict[int, list[np.ndarray]]:
@@ -154,19 +185,25 @@ def merge_across_processes(stats: list[Stats]) -> list[Stats]:
     """Each process's partial statistics merged (in process order) into the same totals on every process."""
     if jax.process_count() == 1:
         return stats
-    fields = [a for st in stats for a in (np.asarray(st.n, np.float64), st.mx, st.my, st.cxx, st.cxy, st.cyy)]
+    fields = [a for st in stats for a in (np.asarray(st.n, np.float64), st.mx, st.my, st.cxx, st.cxr, st.crr)]
     per_process = distributed.allgather_f64(fields)
-    out = [Stats.zeros(len(st.mx), len(st.my)) for st in stats]
+    out = [Stats.zeros(len(st.mx), len(st.my), st.ref) for st in stats]  # refs: the same on every process
     for arrays in per_process:
         for i, acc in enumerate(out):
-            n, mx, my, cxx, cxy, cyy = arrays[6 * i : 6 * i + 6]
-            acc += Stats(float(n), mx, my, cxx, cxy, cyy)
+            n, mx, my, cxx, cxr, crr = arrays[6 * i : 6 * i + 6]
+            acc += Stats(float(n), mx, my, cxx, cxr, crr, acc.ref)
     return out
 
 
-def _collect_stats_sharded(source: Model, target: Model, pairing: Pairing, batches, desc: str, total, mesh: Mesh):
+def _collect_stats_sharded(source: Model, target: Model, pairing: Pairing, batches, desc: str, total, mesh: Mesh,
+                           refs):
     source, target = model_on_mesh(source, mesh), model_on_mesh(target, mesh)
     (scfg, sparams), (tcfg, tparams) = source, target
+    # process 0's refs everywhere: every shard's residual must be around the same map for the sums to merge
+    refs = [tuple(np.asarray(r, np.float32) for r in pair)
+            for pair in distributed.broadcast_from_primary(_refs32(scfg, tcfg, pairing, refs))]
+    flat_refs = [r for pair in refs for r in pair]  # in the order of the statistics: layer 0 key, layer 0 value, ...
+    refs_on_mesh = sharding.place(refs, sharding.replicated(mesh))
     s_sh = jax.tree.map(lambda x: x.sharding, sparams)
     t_sh = jax.tree.map(lambda x: x.sharding, tparams)
     shards = _data_shards(mesh)
@@ -188,15 +225,15 @@ def _collect_stats_sharded(source: Model, target: Model, pairing: Pairing, batch
             tokens = distributed.global_batch(rows, data, shape)
             mask = distributed.global_batch(np.ones((len(rows), shape[1]), np.float32), data, shape, np.float32)
             fn = _sharded_stats_fn(scfg, tcfg, pairing, mesh, s_sh, t_sh, shape)
-            sums = fn(sparams, tparams, tokens, mask)
+            sums = fn(sparams, tparams, tokens, mask, refs_on_mesh)
             leaves = [leaf for layer in sums for kind in layer for leaf in kind]
             if acc is None:
-                acc = [Stats.zeros(leaves[6 * i + 1].shape[-1], leaves[6 * i + 2].shape[-1])
-                       for i in range(len(leaves) // 6)]
+                acc = [Stats.zeros(leaves[6 * i + 1].shape[-1], leaves[6 * i + 2].shape[-1], ref)
+                       for i, ref in enumerate(flat_refs)]
             for _, rows_of_shard in sorted(_local_shard_stats(leaves).items()):
                 for i, st in enumerate(acc):
-                    n, mx, my, cxx, cxy, cyy = rows_of_shard[6 * i : 6 * i + 6]
-                    st += Stats(float(n), mx, my, cxx, cxy, cyy)
+                    n, mx, my, cxx, cxr, crr = rows_of_shard[6 * i : 6 * i + 6]
+                    st += Stats(float(n), mx, my, cxx, cxr, crr, st.ref)
             distributed.heartbeat()
     if acc is None:
         raise ValueError("no calibration batches")

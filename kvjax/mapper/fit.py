@@ -10,9 +10,13 @@ from kvjax import distributed, sharding
 from kvjax.mapper.calibrate import Model, batches_of, collect_stats, row_batches
 from kvjax.mapper.kvmap import KVMap, linear_map, spec_for
 from kvjax.mapper.pairing import Pairing, check_pairing, depth_pairing, topk_pairing
-from kvjax.mapper.ridge import r2, select
+from kvjax.mapper.ridge import LAMBDAS, Stats, r2, reference, select
 
-LAMBDAS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)
+
+def _refs(train_k: list[Stats], train_v: list[Stats], lams) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per target layer the (key, value) maps to take held-out statistics around, so that held-out MSE and R^2 do not
+    cancel in float32 (kvjax.mapper.ridge)."""
+    return [(reference(k, lams), reference(v, lams)) for k, v in zip(train_k, train_v)]
 
 
 def _batches(windows, batch_size: int, mesh: Mesh | None):
@@ -30,7 +34,7 @@ def layer_r2(source: Model, target: Model, calib: np.ndarray, heldout: np.ndarra
         train_k, train_v = collect_stats(source, target, pairing, _batches(calib, batch_size, mesh),
                                          f"rank src {s}", mesh=mesh)
         held_k, held_v = collect_stats(source, target, pairing, _batches(heldout, batch_size, mesh),
-                                       f"rank src {s}", mesh=mesh)
+                                       f"rank src {s}", mesh=mesh, refs=_refs(train_k, train_v, lams))
         for t in range(n_tgt):
             scores = [r2(select(tr, ho, lams)[0], ho) for tr, ho in ((train_k[t], held_k[t]), (train_v[t], held_v[t]))]
             out[t, s] = np.mean(scores)
@@ -63,7 +67,7 @@ def fit_map(source: Model, target: Model, calib: np.ndarray, heldout: np.ndarray
     train_k, train_v = collect_stats(source, target, pairing, _batches(calib, batch_size, mesh), "calibrate",
                                      total=-(-len(calib) // batch_size), mesh=mesh)
     held_k, held_v = collect_stats(source, target, pairing, _batches(heldout, batch_size, mesh), "held-out stats",
-                                   mesh=mesh)
+                                   mesh=mesh, refs=_refs(train_k, train_v, lams))
     keys, values, layers = [], [], []
     rng = jax.random.split(jax.random.key(seed), 2 * len(pairing))
     for t in range(len(pairing)):
