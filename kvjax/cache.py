@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.models.config import Qwen3Config
+from kvjax.sharding import shard
 
 LAYOUT = "LBHTD"  # [layers, batch, kv_heads, time, head_dim]
 AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")  # logical axes of k and v
@@ -69,6 +70,11 @@ def init_cache(cfg: Qwen3Config, batch_size: int, max_len: int, dtype=jnp.float3
     shape = (cfg.num_layers, batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                    lengths=jnp.zeros((batch_size,), jnp.int32))
+
+
+def shard_cache(cache: KVCache, mesh: jax.sharding.Mesh, rules=None) -> KVCache:
+    """device_put `cache` onto `mesh` by its logical axes (AXES for k and v; lengths by batch)."""
+    return shard(cache, cache.replace(k=AXES, v=AXES, lengths=("batch",)), mesh, rules)
 
 
 def check_compatible(cfg: Qwen3Config, cache: KVCache) -> None:

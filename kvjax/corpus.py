@@ -113,13 +113,5 @@ def _encode(docs: list[str], tokenizer, eos_id: int, out: list, total: int) -> i
     return total
 
 
-def windows(tokens: np.ndarray, length: int, n: int | None = None) -> np.ndarray:
-    """Consecutive disjoint windows int32 [N, length] of a flat token array (at most n)."""
-    count = len(tokens) // length if n is None else min(n, len(tokens) // length)
-    if count == 0:
-        raise CorpusError(f"{len(tokens)} tokens do not make one window of {length}")
-    return np.asarray(tokens[: count * length], np.int32).reshape(count, length)
-
-
 def sha256(array: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()

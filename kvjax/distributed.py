@@ -25,6 +25,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from kvjax.windows import sample_starts
+
 log = logging.getLogger(__name__)
 
 ENV_ADDRESS, ENV_NUM, ENV_ID = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
@@ -154,10 +156,8 @@ class TokenWindows:
 
     @classmethod
     def sample(cls, tokens: np.ndarray, n: int, length: int, seed: int = 0) -> "TokenWindows":
-        """The same windows as kvjax.mapper.data.windows_from_tokens(tokens, n, length, seed), unread."""
-        if len(tokens) < length:
-            raise ValueError(f"need at least {length} tokens for one window, got {len(tokens)}")
-        return cls(tokens, np.sort(np.random.default_rng(seed).integers(0, len(tokens) - length + 1, n)), length)
+        """The same windows as kvjax.windows.sample(tokens, n, length, seed), unread."""
+        return cls(tokens, sample_starts(len(tokens), n, length, seed), length)
 
     @property
     def shape(self) -> tuple[int, int]:

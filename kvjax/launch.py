@@ -198,7 +198,7 @@ class Job:
 
         from kvjax import corpus
         from kvjax.hf import load_hf_config
-        from kvjax.mapper.data import windows_from_tokens
+        from kvjax.windows import consecutive, sample
         cfg, d = self.cfg, self.cfg.data
         tcfg = load_hf_config(cfg.target.path)
         eos = tcfg.eos_token_ids[0] if tcfg.eos_token_ids else (tcfg.pad_token_id or 0)
@@ -208,13 +208,16 @@ class Job:
         if len(train) < 2 * need:
             raise LaunchError(f"data.train_text gave {len(train)} tokens; calibration and residual windows need at "
                               f"least {2 * need}; add text or raise data.max_train_tokens")
-        calib = windows_from_tokens(train, cfg.map.calib_windows, cfg.map.window_len, seed=cfg.seed + 1)
-        select = windows_from_tokens(train, cfg.map.select_windows, cfg.map.window_len, seed=cfg.seed + 2)
+        calib = sample(train, cfg.map.calib_windows, cfg.map.window_len, seed=cfg.seed + 1)
+        select = sample(train, cfg.map.select_windows, cfg.map.window_len, seed=cfg.seed + 2)
         if d.heldout_windows:
             heldout = np.asarray(np.load(d.heldout_windows), np.int32)
         else:
             flat = corpus.read_tokens(d.heldout_text, tok, eos, d.max_heldout_tokens, d.manifest, d.text_field)
-            heldout = corpus.windows(flat, d.heldout_window_len)
+            if len(flat) < d.heldout_window_len:
+                raise LaunchError(f"data.heldout_text gave {len(flat)} tokens, less than one held-out window of "
+                                  f"{d.heldout_window_len}; add text or lower data.heldout_window_len")
+            heldout = consecutive(flat, d.heldout_window_len)
         for name, arr in (("train text", train), ("held-out windows", heldout)):
             if arr.min() < 0 or arr.max() >= tcfg.vocab_size:
                 raise LaunchError(f"{name} hold token ids outside the vocabulary [0, {tcfg.vocab_size}): "

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from kvjax.models.config import Qwen3Config
 from kvjax.models.params import Params, init_params
 from kvjax.models.qwen3 import forward_nocache
+from kvjax.windows import step_batch
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class TrainConfig:
     copy_sep: tuple[int, ...] = ()
     # this fraction of windows is replaced by the pure induction task: `repeat_span` tokens drawn at random from the
     # data, repeated until the window is full, so everything after the first period is predictable only by copying
-    # (`python -m launch.toy.copy_probe` trains a shape on this task alone)
+    # (`python -m launch.research.copy_probe` trains a shape on this task alone)
     repeat_prob: float = 0.0
     repeat_span: int = 128
 
@@ -104,16 +105,13 @@ def batch_at(data: np.ndarray, step: int, batch_size: int, seq_len: int, seed: i
              copy_gap: tuple[int, int] | None = None, copy_random: float = 0.0, repeat_prob: float = 0.0,
              repeat_span: int = 128, copy_values: tuple[int, ...] = (), copy_value_frac: float = 0.0,
              copy_cue: tuple[int, int] = (2, 6), copy_sep: tuple[int, ...] = ()) -> np.ndarray:
-    """Windows [B, seq_len + 1] drawn uniformly from `data`; a pure function of (seed, step) so runs resume exactly.
+    """Windows [B, seq_len + 1] drawn uniformly from `data` (``kvjax.windows.step_batch``); a pure function of
+    (seed, step) so runs resume exactly.
     With copy_prob > 0, that fraction of windows gets `copy_spans` spans repeated later in the window (see
     TrainConfig.copy_prob; copy_values/copy_value_frac/copy_cue/copy_sep shape some random spans as key, separator,
     value); with repeat_prob > 0, that fraction is replaced by random tokens of `data` repeated with period
     `repeat_span` (TrainConfig.repeat_prob)."""
-    if len(data) < seq_len + 2:
-        raise ValueError(f"token array of {len(data)} tokens is shorter than one window of {seq_len + 1}")
-    rng = np.random.default_rng([seed, step])
-    starts = rng.integers(0, len(data) - seq_len - 1, batch_size)
-    batch = np.stack([data[s : s + seq_len + 1] for s in starts]).astype(np.int32)
+    batch = step_batch(data, step, batch_size, seq_len + 1, seed)
     if copy_prob > 0:
         lo, hi = copy_len
         if not 0 < lo <= hi or 2 * hi >= seq_len:

@@ -15,7 +15,7 @@ from kvjax.eval.suite.mc import MCEval
 from kvjax.eval.suite.retrieval import RetrievalEval
 from kvjax.eval.suite.throughput import ThroughputEval
 from kvjax.gate import GateConfig
-from kvjax.mapper.residual import ResidualConfig
+from kvjax.mapper.residual_config import ResidualConfig
 
 __all__ = ["ModelConfig", "DataConfig", "MapConfig", "EvalConfig", "MeshConfig", "RunConfig", "DistancesEval",
            "KLEval", "MCEval", "RetrievalEval", "ThroughputEval"]

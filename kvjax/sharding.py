@@ -1,8 +1,10 @@
 """Mesh and logical-axis rules.
 
-Every tensor kvjax creates carries logical axis names (see ``kvjax.models.params.param_specs`` and
-``kvjax.cache.AXES``). One table maps them to mesh axes; the same code runs on one device, on fake CPU devices
-and on a pod. A dimension that the mesh axis does not divide is replicated, and `describe` reports it.
+Every tensor kvjax creates carries logical axis names, declared by the module that defines its pytree
+(``kvjax.models.params.param_axes``, ``kvjax.cache.AXES``, ``kvjax.mapper.kvmap.LINEAR_MAP_AXES``; each also offers
+its own ``*_shardings`` / ``shard_*``). One table maps the names to mesh axes, and this module only applies it, so it
+knows no kvjax type; the same code runs on one device, on fake CPU devices and on a pod. A dimension that the mesh
+axis does not divide is replicated, and `describe` reports it.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ RULES: dict[str, str | None] = {
     "layers": None,
     "cache_seq": None,
     "rank": None,
-    # the cache map (kvjax.mapper.kvmap.LinearMap): small next to the models (~2M floats per target layer and kind
-    # for 32B->8B), so replicated; name a mesh axis here to split it
+    # the cache map (its axes: kvjax.mapper.kvmap.LINEAR_MAP_AXES): small next to the models (~2M floats per target
+    # layer and kind for 32B->8B), so replicated; name a mesh axis here to split it
     "map_in": None,  # input features: paired source layers x kv_heads x head_dim
     "map_rank": None,  # ridge rank / residual width
     "map_out": None,  # target features: kv_heads x head_dim
@@ -89,17 +91,6 @@ def shard(tree, axes_tree, mesh: Mesh, rules=None):
     return jax.device_put(tree, tree_shardings(tree, axes_tree, mesh, rules))
 
 
-def shard_params(params, cfg, mesh: Mesh, rules=None):
-    from kvjax.models.params import param_axes
-    return shard(params, param_axes(cfg), mesh, rules)
-
-
-def shard_cache(cache, mesh: Mesh, rules=None):
-    from kvjax.cache import AXES
-    axes = cache.replace(k=AXES, v=AXES, lengths=("batch",))
-    return shard(cache, axes, mesh, rules)
-
-
 def constrain(x: jax.Array, axes: Sequence[str | None], rules=None) -> jax.Array:
     """with_sharding_constraint by logical axes inside jit, when a mesh is active (``jax.set_mesh``)."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -124,13 +115,6 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def param_shardings(cfg, mesh: Mesh, rules=None):
-    """Params-shaped tree of NamedShardings for a model (pass to ``kvjax.load_hf(path, shardings=...)`` so each
-    tensor goes straight to its devices; the way to load params in a multi-process run)."""
-    from kvjax.models.params import abstract_params, param_axes
-    return tree_shardings(abstract_params(cfg), param_axes(cfg), mesh, rules)
-
-
 def data_sharding(mesh: Mesh, shape: Sequence[int], rules=None) -> NamedSharding:
     """Sharding of a batch [B, ...] over the 'batch' rule's mesh axis (the data-parallel axis). Unlike weights, a
     batch that does not divide is an error, not silently replicated: every data shard must get its own rows."""
@@ -139,19 +123,6 @@ def data_sharding(mesh: Mesh, shape: Sequence[int], rules=None) -> NamedSharding
         raise ValueError(f"batch of {shape[0]} rows does not split over the {mesh.shape[axis]}-way {axis!r} mesh "
                          f"axis; use a batch size that is a multiple of {mesh.shape[axis]}")
     return named_sharding(("batch",) + (None,) * (len(shape) - 1), shape, mesh, rules)
-
-
-def kvmap_axes(kvmap):
-    """A KVMap-shaped tree of logical-axis tuples (leaves are tuples)."""
-    from kvjax.mapper.kvmap import LinearMap
-    axes = LinearMap(mu=("map_in",), scale=(), w_in=("map_in", "map_rank"), w_out=("map_rank", "map_out"),
-                     bias=("map_out",), down=("map_in", "map_rank"), res_bias=("map_rank",),
-                     up=("map_rank", "map_out"))
-    return kvmap.replace(keys=(axes,) * len(kvmap.keys), values=(axes,) * len(kvmap.values))
-
-
-def kvmap_shardings(kvmap, mesh: Mesh, rules=None):
-    return tree_shardings(kvmap, kvmap_axes(kvmap), mesh, rules)
 
 
 def optimizer_shardings(opt, params, shardings, mesh: Mesh):

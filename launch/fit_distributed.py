@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> dict:
     models = []
     for path in (args.source, args.target):
         cfg = kvjax.load_hf_config(path)
-        models.append(kvjax.load_hf(path, dtype=dtype, shardings=sharding.param_shardings(cfg, mesh)))
+        models.append(kvjax.load_hf(path, dtype=dtype, shardings=kvjax.models.params.param_shardings(cfg, mesh)))
     source, target = models
     tokens = _load_tokens(args.tokens)
     held_tokens = tokens if args.heldout_tokens is None else _load_tokens(args.heldout_tokens)

@@ -15,7 +15,8 @@ from kvjax import distributed, sharding
 from kvjax.mapper.calibrate import collect_stats
 from kvjax.mapper.pairing import depth_pairing
 from kvjax.mapper.ridge import reference
-from kvjax.mapper.residual import ResidualConfig, batch_starts
+from kvjax.mapper.residual import ResidualConfig
+from kvjax.windows import sample, step_batch, step_starts
 from maptools import VOCAB, assert_maps_match, tiny_pair
 
 STEPS = 20
@@ -118,20 +119,18 @@ def test_sharded_params_and_caches_follow_the_logical_rules(setup):
     with pytest.raises(ValueError, match="multiple of 2"):
         sharding.data_sharding(mesh, (7, 40))
     opt_sh = sharding.optimizer_shardings(kvjax.mapper.residual.make_optimizer(RC, setup["kvmap"]), setup["kvmap"],
-                                          sharding.kvmap_shardings(setup["kvmap"], mesh), mesh)
+                                          kvjax.mapper.kvmap.kvmap_shardings(setup["kvmap"], mesh), mesh)
     assert all(s.mesh == mesh for s in jax.tree.leaves(opt_sh))
 
 
 def test_token_windows_read_the_same_rows_as_the_eager_helpers():
-    from kvjax.mapper.data import windows_from_tokens
-    from kvjax.pretrain import batch_at
     tokens = np.arange(5000, dtype=np.int32)
     lazy = distributed.TokenWindows.sample(tokens, 12, 64, seed=4)
-    np.testing.assert_array_equal(np.asarray(lazy), windows_from_tokens(tokens, 12, 64, seed=4))
-    np.testing.assert_array_equal(np.asarray(lazy[3:7]), windows_from_tokens(tokens, 12, 64, seed=4)[3:7])
-    starts = batch_starts(len(tokens), 5, 8, 31, seed=2)
+    np.testing.assert_array_equal(np.asarray(lazy), sample(tokens, 12, 64, seed=4))
+    np.testing.assert_array_equal(np.asarray(lazy[3:7]), sample(tokens, 12, 64, seed=4)[3:7])
+    starts = step_starts(len(tokens), 5, 8, 32, seed=2)
     np.testing.assert_array_equal(np.asarray(distributed.TokenWindows(tokens, starts, 32)),
-                                  batch_at(tokens, 5, 8, 31, seed=2))
+                                  step_batch(tokens, 5, 8, 32, seed=2))
     with pytest.raises(ValueError, match="window starts must lie"):
         distributed.TokenWindows(tokens, [4990], 64)
 

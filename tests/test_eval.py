@@ -284,7 +284,7 @@ def test_shipped_windows_are_heldout_slots():
 
 def test_reading_gap_splits_the_kl(params):
     from kvjax.eval import reading_gap
-    from kvjax.mapper.residual import kl
+    from kvjax.mapper.kl import kl
     other_cfg = kvjax.Qwen3Config(vocab_size=8192, hidden_size=96, intermediate_size=128, num_layers=3, num_heads=2,
                                   num_kv_heads=2, head_dim=16, tie_word_embeddings=True, eos_token_ids=(0,),
                                   pad_token_id=0)

@@ -101,7 +101,7 @@ def test_donates_and_validates():
 @pytest.mark.parametrize("platform,backend", [("cuda", "triton"), ("tpu", "mosaic_tpu")])
 def test_lowers_for_gpu_and_tpu(platform, backend):
     """The real (non-interpret) lowerings on Qwen3-32B->8B-like shapes: Pallas -> Triton IR / Mosaic, from CPU.
-    (Compiling that IR to the device needs the device; launch/bench_kernel.py does it there.)"""
+    (Compiling that IR to the device needs the device; launch/bench/kernel.py does it there.)"""
     from jax import export
     hs, hd, n, r, h = 8, 128, 300, 256, 16
     src = jax.ShapeDtypeStruct((4, 1, hs, 512, hd), jnp.bfloat16)
@@ -208,8 +208,8 @@ def test_pipelined_split_path_gives_the_same_tokens(pair):
 
 
 def test_device_benchmark_smoke(capsys):
-    """launch/bench_kernel.py end to end on CPU (tiny shapes, interpret mode), including its kernel-vs-XLA check."""
-    from launch import bench_kernel
+    """launch/bench/kernel.py end to end on CPU (tiny shapes, interpret mode), including its kernel-vs-XLA check."""
+    from launch.bench import kernel as bench_kernel
     rows = bench_kernel.main(["--smoke"])
     assert {r["impl"] for r in rows} == {"xla f32", "pallas triton (interpret) bf16 weights",
                                          "pallas triton (interpret) f32 weights"}

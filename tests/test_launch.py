@@ -153,7 +153,7 @@ def test_unknown_config_and_wrong_config_type():
     with pytest.raises(ConfigFlagError, match="there is no configs/nope.py; available: .*toy"):
         config_flags.build("nope", [], RunConfig)
     with pytest.raises(ConfigFlagError, match="returns a ToyPairConfig, not a RunConfig"):
-        config_flags.build("toy_pair", [], RunConfig)
+        config_flags.build(os.path.join(REPO, "launch", "toy", "config.py"), [], RunConfig)
 
 
 def test_cli_errors_exit_nonzero_and_write_nothing(tmp_path, capsys):

@@ -146,7 +146,7 @@ def test_second_phase_starts_from_given_weights(tmp_path):
 
 
 def test_copy_probe_batches_repeat_and_losses_split_at_the_repeat():
-    from launch.toy.copy_probe import half_losses, repeated_batch
+    from launch.research.copy_probe import half_losses, repeated_batch
     tokens = np.arange(1000, dtype=np.uint16) % 64
     seqs = repeated_batch(tokens, 0, 3, 40, seed=0)
     assert seqs.shape == (3, 80) and seqs.dtype == np.int32

@@ -6,6 +6,8 @@ import pytest
 
 import kvjax
 from kvjax import sharding
+from kvjax.cache import shard_cache
+from kvjax.models.params import shard_params
 
 
 def run(params, cfg, tokens, steps):
@@ -34,8 +36,8 @@ def test_sharded_prefill_and_decode_equal_single_device(hf_checkpoints, data, mo
 
     mesh = sharding.make_mesh(data=data, model=model)
     with jax.set_mesh(mesh):
-        sharded_params = sharding.shard_params(params, cfg, mesh)
-        cache = sharding.shard_cache(kvjax.init_cache(cfg, 8, 48), mesh)
+        sharded_params = shard_params(params, cfg, mesh)
+        cache = shard_cache(kvjax.init_cache(cfg, 8, 48), mesh)
         got, cache = _run(sharded_params, cfg, tokens, steps, cache)
     np.testing.assert_allclose(got, want, atol=2e-5)
     q = sharded_params.layers[0].q

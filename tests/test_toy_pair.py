@@ -48,7 +48,7 @@ def test_tokenizer_round_trip_and_agrees_with_transformers(role):
 
 
 def test_training_config_token_ids_match_the_shipped_tokenizer():
-    from configs.toy_pair import DIGITS, EQUALS_SPACE, get_config
+    from launch.toy.config import DIGITS, EQUALS_SPACE, get_config
     tok = kvjax.load_tokenizer(os.path.join(TOY, "tokenizer"))
     assert DIGITS == tuple(tok.token_to_id(str(d)) for d in range(10))
     assert list(EQUALS_SPACE) == tok.encode("x = 41199").ids[1:3]  # " =", " ", then one token per digit
@@ -94,7 +94,7 @@ def test_source_retrieves_needles_the_target_cannot():
 
 
 def test_reading_gap_command(capsys):
-    from launch.toy import reading_gap
+    from launch.research import reading_gap
     reading_gap.main(["--toy-dir", TOY, "--prefix", "64", "--short", "8", "--cont", "16", "--windows", "4"])
     row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 64 | 8 |")]
     assert len(row) == 1, row
@@ -109,7 +109,7 @@ def test_reading_gap_command(capsys):
 
 
 def test_reading_gap_command_scores_a_map_by_position(tmp_path, capsys):
-    from launch.toy import reading_gap
+    from launch.research import reading_gap
     source, target = (kvjax.load_hf(os.path.join(TOY, r)) for r in ROLES[::-1])
     heldout = np.load(os.path.join(TOY, "eval", "heldout_windows.npy"))
     kvmap, _ = kvjax.fit_map(source, target, heldout[200:216, :64], heldout[216:224, :64], batch_size=8,
@@ -125,7 +125,7 @@ def test_reading_gap_command_scores_a_map_by_position(tmp_path, capsys):
 
 
 def test_needle_probe_command(capsys):
-    from launch.toy import needle_probe
+    from launch.research import needle_probe
     from launch.toy.data import DataError
     source = os.path.join(TOY, "source")
     try:
@@ -184,7 +184,7 @@ def test_pruned_command_builds_a_checkpoint(tmp_path, monkeypatch):
     import dataclasses
 
     import launch.toy.pruned as pruned
-    from configs.toy_pair import get_config
+    from launch.toy.config import get_config
     cfg = get_config()
     small = dataclasses.replace(cfg.pruned, layers=(0, 5), work_dir=str(tmp_path / "work"),
                                 out_dir=str(tmp_path / "out"),
@@ -201,7 +201,7 @@ def test_pruned_command_builds_a_checkpoint(tmp_path, monkeypatch):
 
 
 def test_mc_context_command(capsys):
-    from launch.toy.mc_context import cut_context, main
+    from launch.research.mc_context import cut_context, main
     tok = kvjax.load_tokenizer(os.path.join(TOY, "target"))
     items = kvjax.eval.load_mc(os.path.join(TOY, "eval", "hellaswag.jsonl"), schema="hellaswag", limit=3)
     cut = cut_context(items, tok, 4)

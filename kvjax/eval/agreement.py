@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.mapper.calibrate import native_cache
+from kvjax.mapper.kl import kl
 from kvjax.mapper.kvmap import KVMap
-from kvjax.mapper.residual import kl, student_logits
+from kvjax.mapper.residual import student_logits
 from kvjax.models.qwen3 import forward_nocache
 
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.mapper.residual import kl
+from kvjax.mapper.kl import kl
 from kvjax.models.qwen3 import forward_nocache
 
 

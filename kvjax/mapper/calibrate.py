@@ -18,7 +18,7 @@ from kvjax.mapper.features import layer_features, paired_features
 from kvjax.mapper.pairing import Pairing
 from kvjax.mapper.ridge import Stats, chunk_stats, to_stats
 from kvjax.models.config import Qwen3Config
-from kvjax.models.params import Params
+from kvjax.models.params import Params, shard_params
 from kvjax.models.qwen3 import forward
 from kvjax.sharding import constrain
 
@@ -134,8 +134,8 @@ def model_on_mesh(model: Model, mesh: Mesh) -> Model:
         return model
     if jax.process_count() > 1:
         raise ValueError("in a multi-process run, load the params straight onto the mesh: kvjax.load_hf(path, "
-                         "shardings=kvjax.sharding.param_shardings(cfg, mesh))")
-    return cfg, sharding.shard_params(params, cfg, mesh)
+                         "shardings=kvjax.models.params.param_shardings(cfg, mesh))")
+    return cfg, shard_params(params, cfg, mesh)
 
 
 def _data_shards(mesh: Mesh) -> int:

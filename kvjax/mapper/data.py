@@ -1,17 +1,9 @@
-"""Calibration and training windows: from a token array, or from local text / JSONL files through `datasets`."""
+"""Calibration and training text from local text / JSONL files, through `datasets`, as one flat token array (cut it
+into windows with ``kvjax.windows``)."""
 
 from __future__ import annotations
 
 import numpy as np
-
-
-def windows_from_tokens(tokens: np.ndarray, n: int, length: int, seed: int = 0) -> np.ndarray:
-    """n windows int32 [n, length] at uniformly drawn, sorted offsets of a flat token array (deterministic)."""
-    tokens = np.asarray(tokens)
-    if len(tokens) < length:
-        raise ValueError(f"need at least {length} tokens for one window, got {len(tokens)}")
-    starts = np.sort(np.random.default_rng(seed).integers(0, len(tokens) - length + 1, n))
-    return np.stack([tokens[s : s + length] for s in starts]).astype(np.int32)
 
 
 def tokens_from_files(paths: list[str] | str, tokenizer, text_field: str = "text", eos_id: int | None = None,

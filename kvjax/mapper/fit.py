@@ -8,7 +8,7 @@ from jax.sharding import Mesh
 
 from kvjax import distributed, sharding
 from kvjax.mapper.calibrate import Model, batches_of, collect_stats, row_batches
-from kvjax.mapper.kvmap import KVMap, linear_map, spec_for
+from kvjax.mapper.kvmap import KVMap, kvmap_shardings, linear_map, spec_for
 from kvjax.mapper.pairing import Pairing, check_pairing, depth_pairing, topk_pairing
 from kvjax.mapper.ridge import LAMBDAS, Stats, r2, reference, select
 
@@ -85,5 +85,5 @@ def fit_map(source: Model, target: Model, calib: np.ndarray, heldout: np.ndarray
     spec = spec_for(scfg, tcfg, pairing, rank, residual_rank)
     kvmap = KVMap(keys=tuple(keys), values=tuple(values), spec=spec)
     if mesh is not None:  # process 0's solve, replicated everywhere (hosts' LAPACKs may differ in the last bits)
-        kvmap = sharding.place(distributed.broadcast_from_primary(kvmap), sharding.kvmap_shardings(kvmap, mesh))
+        kvmap = sharding.place(distributed.broadcast_from_primary(kvmap), kvmap_shardings(kvmap, mesh))
     return kvmap, report

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import Mesh
 
 from kvjax.cache import KVCache
 from kvjax.kernels.map_insert import insert_layers, resolve_impl
@@ -24,6 +25,7 @@ from kvjax.mapper.features import paired_features, to_cache_layout
 from kvjax.mapper.pairing import Pairing
 from kvjax.mapper.ridge import RidgeFit
 from kvjax.models.config import Qwen3Config
+from kvjax.sharding import tree_shardings
 
 
 @struct.dataclass
@@ -69,6 +71,23 @@ class KVMap:
     @property
     def map_id(self) -> str:
         return f"{self.spec.source_fingerprint[:8]}->{self.spec.target_fingerprint[:8]}"
+
+
+# The map's logical axes (kvjax.sharding.RULES names the mesh axis of each; all replicated today: ~2M floats per
+# target layer and kind for 32B->8B, small next to the models)
+LINEAR_MAP_AXES = LinearMap(mu=("map_in",), scale=(), w_in=("map_in", "map_rank"), w_out=("map_rank", "map_out"),
+                            bias=("map_out",), down=("map_in", "map_rank"), res_bias=("map_rank",),
+                            up=("map_rank", "map_out"))
+
+
+def kvmap_axes(kvmap: KVMap) -> KVMap:
+    """A KVMap-shaped tree of logical-axis tuples (leaves are tuples), for ``kvjax.sharding.tree_shardings``."""
+    return kvmap.replace(keys=(LINEAR_MAP_AXES,) * len(kvmap.keys), values=(LINEAR_MAP_AXES,) * len(kvmap.values))
+
+
+def kvmap_shardings(kvmap: KVMap, mesh: Mesh, rules=None) -> KVMap:
+    """A KVMap-shaped tree of NamedShardings placing `kvmap` on `mesh` by its logical axes."""
+    return tree_shardings(kvmap, kvmap_axes(kvmap), mesh, rules)
 
 
 def spec_for(source: Qwen3Config, target: Qwen3Config, pairing: Pairing, rank: int | None,

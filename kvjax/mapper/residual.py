@@ -29,25 +29,14 @@ from kvjax import distributed, sharding
 from kvjax.distributed import TokenWindows
 from kvjax.generation import Sampling, decode_loop
 from kvjax.mapper.calibrate import Model, model_on_mesh, native_cache
-from kvjax.mapper.kvmap import KVMap, apply_map
+from kvjax.mapper.kl import kl
+from kvjax.mapper.kvmap import KVMap, apply_map, kvmap_shardings
+from kvjax.mapper.residual_config import ResidualConfig
 from kvjax.models.qwen3 import forward, forward_nocache
+from kvjax.windows import step_batch, step_starts
 
 log = logging.getLogger(__name__)
 TRAINABLE = ("down", "res_bias", "up")
-
-
-@dataclasses.dataclass(frozen=True)
-class ResidualConfig:
-    steps: int = 200  # optimizer steps
-    batch_size: int = 8  # windows per step
-    prefix_len: int = 256  # tokens the source reads and the map translates (the target's cache)
-    cont_len: int = 64  # continuation tokens scored by KL
-    lr: float = 1e-3  # peak learning rate (warmup + cosine)
-    warmup_steps: int = 20
-    grad_clip: float = 1.0
-    rollout: bool = False  # continuation = the target's own greedy rollout from the mapped cache
-    seed: int = 0  # batch order
-    save_every: int = 50  # checkpoint interval (steps)
 
 
 def _labels(kvmap: KVMap):
@@ -60,13 +49,6 @@ def make_optimizer(rc: ResidualConfig, kvmap: KVMap) -> optax.GradientTransforma
                                                   end_value=rc.lr * 0.1)
     train = optax.chain(optax.clip_by_global_norm(rc.grad_clip), optax.adam(schedule))
     return optax.multi_transform({"train": train, "freeze": optax.set_to_zero()}, _labels(kvmap))
-
-
-def kl(teacher_logits: jax.Array, student_logits: jax.Array) -> jax.Array:
-    """KL(teacher || student) per position, in nats: [..., V] -> [...]."""
-    p_log = jax.nn.log_softmax(teacher_logits.astype(jnp.float32), -1)
-    q_log = jax.nn.log_softmax(student_logits.astype(jnp.float32), -1)
-    return jnp.sum(jnp.exp(p_log) * (p_log - q_log), -1)
 
 
 def student_logits(kvmap: KVMap, target: Model, source_cache, tokens: jax.Array, prefix: int) -> jax.Array:
@@ -122,14 +104,6 @@ def evaluate_kl(kvmap: KVMap, source: Model, target: Model, windows: np.ndarray,
         batch = jnp.asarray(windows[i : i + batch_size], jnp.int32)
         out.append(np.asarray(fn(kvmap, sparams, tparams, scfg, tcfg, batch, prefix)))
     return np.concatenate(out)
-
-
-def batch_starts(n_tokens: int, step: int, batch_size: int, seq_len: int, seed: int) -> np.ndarray:
-    """Start offsets of the windows kvjax.pretrain.batch_at(data, step, batch_size, seq_len, seed) draws (the same
-    draw), so a process can read only its own rows of a step's batch."""
-    if n_tokens < seq_len + 2:
-        raise ValueError(f"token array of {n_tokens} tokens is shorter than one window of {seq_len + 1}")
-    return np.random.default_rng([seed, step]).integers(0, n_tokens - seq_len - 1, batch_size)
 
 
 def _step_fn(opt: optax.GradientTransformation, rc: ResidualConfig, scfg, tcfg):
@@ -196,7 +170,6 @@ def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarra
     compiled once; the result equals single-device training up to float rounding. In a multi-process run every
     process calls this (checkpoints are written jointly through orbax, `workdir` must be on a shared filesystem);
     only process 0 writes the log file."""
-    from kvjax.pretrain import batch_at
     identity = None if workdir is None else run_identity(kvmap, rc)  # before any placement on a mesh
     opt = make_optimizer(rc, kvmap)
     window = rc.prefix_len + rc.cont_len
@@ -207,7 +180,7 @@ def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarra
         opt_state = opt.init(kvmap)
     else:
         (_, sparams), (_, tparams) = model_on_mesh(source, mesh), model_on_mesh(target, mesh)
-        map_sh = sharding.kvmap_shardings(kvmap, mesh)
+        map_sh = kvmap_shardings(kvmap, mesh)
         kvmap = sharding.place(kvmap, map_sh)
         opt_sh = sharding.optimizer_shardings(opt, kvmap, map_sh, mesh)
         opt_state = jax.jit(opt.init, out_shardings=opt_sh)(kvmap)
@@ -232,9 +205,9 @@ def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarra
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
         for i in bar:
             if mesh is None:
-                batch = jnp.asarray(batch_at(tokens, i, rc.batch_size, window - 1, rc.seed))
+                batch = jnp.asarray(step_batch(tokens, i, rc.batch_size, window, rc.seed))
             else:
-                rows = TokenWindows(tokens, batch_starts(len(tokens), i, rc.batch_size, window - 1, rc.seed), window)
+                rows = TokenWindows(tokens, step_starts(len(tokens), i, rc.batch_size, window, rc.seed), window)
                 batch = distributed.global_batch(rows, batch_sh, (rc.batch_size, window))
             kvmap, opt_state, loss = step(kvmap, opt_state, sparams, tparams, batch)
             history.append({"step": i + 1, "kl": float(loss)})

@@ -15,6 +15,7 @@ import numpy as np
 from flax import struct
 
 from kvjax.models.config import Qwen3Config
+from kvjax.sharding import shard, tree_shardings
 
 
 @struct.dataclass
@@ -125,6 +126,17 @@ def param_axes(cfg: Qwen3Config) -> Params:
 
 def abstract_params(cfg: Qwen3Config, dtype=jnp.float32) -> Params:
     return from_flat(cfg, {k: jax.ShapeDtypeStruct(s.shape, dtype) for k, s in param_specs(cfg).items()})
+
+
+def param_shardings(cfg: Qwen3Config, mesh: jax.sharding.Mesh, rules=None) -> Params:
+    """Params-shaped tree of NamedShardings for a model (pass to ``kvjax.load_hf(path, shardings=...)`` so each
+    tensor goes straight to its devices; the way to load params in a multi-process run)."""
+    return tree_shardings(abstract_params(cfg), param_axes(cfg), mesh, rules)
+
+
+def shard_params(params: Params, cfg: Qwen3Config, mesh: jax.sharding.Mesh, rules=None) -> Params:
+    """device_put `params` onto `mesh` by their logical axes (heads and FFN over 'model' under the default rules)."""
+    return shard(params, param_axes(cfg), mesh, rules)
 
 
 def init_params(cfg: Qwen3Config, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> Params:

@@ -26,10 +26,10 @@ from kvjax.eval import load_mc, next_token_agreement, paired_bootstrap_ci
 from kvjax.eval.arms import injection_map, make_arms, score_mc_arms
 from kvjax.eval.distances import cache_distances, feature_distances, raw_features
 from kvjax.mapper.calibrate import native_cache
-from kvjax.mapper.data import windows_from_tokens
 from kvjax.mapper.features import layer_features
 from kvjax.mapper.kvmap import ridge_only
 from kvjax.mapper.residual import ResidualConfig, evaluate_kl
+from kvjax.windows import sample
 
 log = logging.getLogger("launch.toy.fit_map")
 
@@ -105,8 +105,8 @@ def main() -> None:
     target_dir = args.target or os.path.join(args.toy_dir, "target")
     target = kvjax.load_hf(target_dir)
     train_tokens = np.load(os.path.join(args.data_dir, "train.npy"), mmap_mode="r")
-    calib = windows_from_tokens(train_tokens, args.calib_windows, args.window, seed=1)
-    select = windows_from_tokens(train_tokens, 32, args.window, seed=2)
+    calib = sample(train_tokens, args.calib_windows, args.window, seed=1)
+    select = sample(train_tokens, 32, args.window, seed=2)
     heldout = np.load(os.path.join(args.toy_dir, "eval", "heldout_windows.npy")).astype(np.int32)
 
     pairing = args.pairing if args.pairing == "depth" else int(args.pairing)

@@ -1,4 +1,4 @@
-"""Build the pruned target: the shipped source's layers `pruned.layers` (configs/toy_pair.py), fine-tuned on text.
+"""Build the pruned target: the shipped source's layers `pruned.layers` (launch/toy/config.py), fine-tuned on text.
 
     python -m launch.toy.data      # once: the tokenized corpus (work/toy/data)
     python -m launch.toy.pruned    # ~5 min on 2 cores: checkpoints/toy/pruned, an HF checkpoint (bf16 weights)
@@ -21,7 +21,7 @@ import os
 import shutil
 import sys
 
-from configs.toy_pair import get_config
+from launch.toy.config import get_config
 from kvjax.hf import load_hf, save_hf
 from kvjax.models.config import Qwen3Config
 from kvjax.models.params import Params

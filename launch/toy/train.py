@@ -4,7 +4,7 @@
     python -m launch.toy.train    # trains target then source (resumes from work/toy/train), exports to
                                   # checkpoints/toy/{target,source}, writes checkpoints/toy/loss.png
 
-Settings: configs/toy_pair.py. Interrupt at any time; rerunning resumes from the last checkpoint (every
+Settings: launch/toy/config.py. Interrupt at any time; rerunning resumes from the last checkpoint (every
 `save_every` steps) and gives the same result as an uninterrupted run.
 """
 
@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-from configs.toy_pair import get_config
+from launch.toy.config import get_config
 from kvjax.hf import load_hf, save_hf
 from kvjax.pretrain import plot_loss, train
 

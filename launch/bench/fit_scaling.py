@@ -1,7 +1,7 @@
 """Fit throughput vs device count, and the per-device memory of a 32B -> 8B pod run (by calculation).
 
-    python -m launch.bench_fit_scaling --devices 1 2 4 8      # calibration-statistics tokens/s per device count
-    python -m launch.bench_fit_scaling --memory                # memory per device, Qwen3-32B -> Qwen3-8B, bf16
+    python -m launch.bench.fit_scaling --devices 1 2 4 8      # calibration-statistics tokens/s per device count
+    python -m launch.bench.fit_scaling --memory                # memory per device, Qwen3-32B -> Qwen3-8B, bf16
 
 Throughput: each device count runs in its own process with that many fake CPU devices (XLA_FLAGS), collecting
 ridge statistics (both models' prefill + per-layer feature sums: the fit's hot loop) for the shipped toy pair on a
@@ -60,7 +60,7 @@ def scaling(args) -> list[dict]:
     rows = []
     for n in args.devices:
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
-        cmd = [sys.executable, "-m", "launch.bench_fit_scaling", "--worker", "--toy-dir", args.toy_dir,
+        cmd = [sys.executable, "-m", "launch.bench.fit_scaling", "--worker", "--toy-dir", args.toy_dir,
                "--batch", str(args.batch), "--batches", str(args.batches), "--window", str(args.window),
                "--repeats", str(args.repeats)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)

@@ -1,9 +1,9 @@
 """How much of the source-target KL could a cache map remove at all? Splits it into reading and local modelling.
 
-    python -m launch.toy.reading_gap                        # prefixes 256 and 960, 128 held-out windows
-    python -m launch.toy.reading_gap --prefix 256 --short 1 16 64
-    python -m launch.toy.reading_gap --map runs/toy_map/map   # also: that map's ridge and residual KL at each P
-    python -m launch.toy.reading_gap --map runs/toy_map/map --by-position   # ... and along the continuation
+    python -m launch.research.reading_gap                        # prefixes 256 and 960, 128 held-out windows
+    python -m launch.research.reading_gap --prefix 256 --short 1 16 64
+    python -m launch.research.reading_gap --map runs/toy_map/map   # also: that map's ridge and residual KL at each P
+    python -m launch.research.reading_gap --map runs/toy_map/map --by-position   # ... and along the continuation
 
 For each prefix length P, both models score the same 64 continuation tokens of held-out windows reading either the
 whole prefix or only its last S tokens (kvjax.eval.reading). `ceiling` = 1 - KL_local / KL_full: roughly how much

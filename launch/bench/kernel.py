@@ -1,8 +1,8 @@
 """Benchmarks of the fused map-and-insert kernel (kvjax.kernels.map_insert) and of the pipelined split path.
 
-    python -m launch.bench_kernel                 # on a GPU/TPU: kernel vs XLA map at 1K-16K tokens, 32B->8B shapes
-    python -m launch.bench_kernel --smoke         # the same on CPU, tiny shapes, kernels in interpret mode (tests)
-    taskset -c 1 python -m launch.bench_kernel --ttft   # CPU, toy pair: time to first token, split / native
+    python -m launch.bench.kernel                 # on a GPU/TPU: kernel vs XLA map at 1K-16K tokens, 32B->8B shapes
+    python -m launch.bench.kernel --smoke         # the same on CPU, tiny shapes, kernels in interpret mode (tests)
+    taskset -c 1 python -m launch.bench.kernel --ttft   # CPU, toy pair: time to first token, split / native
 
 Device mode: random weights in Qwen3-32B -> Qwen3-8B shapes (source cache 64 layers x 8 kv heads x 128, target
 36 x 8 x 128, bf16, batch 1, depth pairing, ridge rank 256 + residual 16). For each length it maps all 36 target
@@ -158,7 +158,7 @@ def bench_ttft(args) -> list[dict]:
     import kvjax
     from kvjax.cache import init_cache
     from kvjax.generation import CACHE_ALIGN
-    from kvjax.mapper.data import windows_from_tokens
+    from kvjax.windows import sample
     from kvjax.builders import Mapped, Pipelined
     from kvjax.models.qwen3 import decode_jit
     from kvjax.models.qwen3 import forward
@@ -171,8 +171,8 @@ def bench_ttft(args) -> list[dict]:
         kvmap = kvjax.load_map(args.map, scfg, tcfg)
     else:
         pairing = "depth" if args.pairing == "depth" else tuple((int(s),) for s in args.pairing.split(","))
-        kvmap, _ = kvjax.fit_map(source, target, windows_from_tokens(tokens, 16, 256, seed=1),
-                                 windows_from_tokens(tokens, 8, 256, seed=2), pairing=pairing)
+        kvmap, _ = kvjax.fit_map(source, target, sample(tokens, 16, 256, seed=1),
+                                 sample(tokens, 8, 256, seed=2), pairing=pairing)
     cpus = sorted(os.sched_getaffinity(0))
     print(f"toy pair: source {scfg.num_layers} layers x {scfg.hidden_size}, target {tcfg.num_layers} x "
           f"{tcfg.hidden_size}; pairing {kvmap.spec.pairing}; pinned to CPUs {cpus}; loadavg "

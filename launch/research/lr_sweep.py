@@ -1,6 +1,6 @@
 """Short training runs of one toy model at several peak learning rates, to choose settings before a long run.
 
-    python -m launch.toy.lr_sweep --role source --lrs 2e-3 6e-3 --steps 60 --warmup 10
+    python -m launch.research.lr_sweep --role source --lrs 2e-3 6e-3 --steps 60 --warmup 10
 
 Each run trains from the config's initialisation for --steps steps (own warmup + cosine) in work/toy/sweep/ and
 prints its final held-out loss (the trainer's fixed held-out batches).
@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 
-from configs.toy_pair import get_config
+from launch.toy.config import get_config
 from kvjax.pretrain import train
 from launch.toy.train import load_tokens
 

@@ -1,10 +1,10 @@
 """What the cache map costs on the toy pair: fit time and memory against calibration size, and applying the map
 against the source prefill it follows.
 
-    python -m launch.bench_map                  # both parts
-    python -m launch.bench_map --part fit       # fit at 3 calibration sizes (4x steps), one subprocess each
-    python -m launch.bench_map --part apply     # apply_map vs source prefill at 2K tokens
-    python -m launch.bench_map --target checkpoints/toy/pruned --pairing 3 --residual-rank 64   # toy_pruned's map
+    python -m launch.bench.map                  # both parts
+    python -m launch.bench.map --part fit       # fit at 3 calibration sizes (4x steps), one subprocess each
+    python -m launch.bench.map --part apply     # apply_map vs source prefill at 2K tokens
+    python -m launch.bench.map --target checkpoints/toy/pruned --pairing 3 --residual-rank 64   # toy_pruned's map
 
 Fit: each size runs in its own process (peak RSS is per process); a warm-up fit on a few windows compiles
 everything first, so the timed parts are streaming
@@ -41,16 +41,16 @@ def fit_one(args) -> dict:
 
     import kvjax
     from kvjax.mapper.calibrate import batches_of, collect_stats
-    from kvjax.mapper.data import windows_from_tokens
+    from kvjax.windows import sample
     from kvjax.mapper.pairing import depth_pairing
     source, target = load_pair(args)
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, source[0].vocab_size, 4_000_000).astype(np.int32)
-    held = windows_from_tokens(tokens, 8, args.window, seed=2)
+    held = sample(tokens, 8, args.window, seed=2)
     fit = dict(pairing=pairing_arg(args), residual_rank=args.residual_rank)
-    warm = windows_from_tokens(tokens, 8, args.window, seed=3)
+    warm = sample(tokens, 8, args.window, seed=3)
     kvjax.fit_map(source, target, warm, held, **fit)
-    calib = windows_from_tokens(tokens, args.fit_one, args.window, seed=1)
+    calib = sample(tokens, args.fit_one, args.window, seed=1)
     pairing = depth_pairing(source[0].num_layers, target[0].num_layers)
     collect_stats(source, target, pairing, batches_of(warm, 8))  # compiled here (a top-k fit collects other pairs)
     t0 = time.perf_counter()
@@ -65,7 +65,7 @@ def fit_one(args) -> dict:
 def bench_fit(args) -> list[dict]:
     rows = []
     for n in args.sizes:
-        cmd = [sys.executable, "-m", "launch.bench_map", "--fit-one", str(n), "--window", str(args.window),
+        cmd = [sys.executable, "-m", "launch.bench.map", "--fit-one", str(n), "--window", str(args.window),
                "--toy-dir", args.toy_dir, "--pairing", args.pairing, "--residual-rank", str(args.residual_rank)]
         cmd += ["--target", args.target] if args.target else []
         out = subprocess.run(cmd, capture_output=True, text=True)
@@ -88,13 +88,13 @@ def bench_apply(args) -> dict:
 
     import kvjax
     from kvjax.mapper.calibrate import native_cache
-    from kvjax.mapper.data import windows_from_tokens
+    from kvjax.windows import sample
     source, target = load_pair(args)
     (scfg, sparams) = source
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, scfg.vocab_size, 400_000).astype(np.int32)
-    kvmap, _ = kvjax.fit_map(source, target, windows_from_tokens(tokens, 16, 256, seed=1),
-                             windows_from_tokens(tokens, 8, 256, seed=2), pairing=pairing_arg(args),
+    kvmap, _ = kvjax.fit_map(source, target, sample(tokens, 16, 256, seed=1),
+                             sample(tokens, 8, 256, seed=2), pairing=pairing_arg(args),
                              residual_rank=args.residual_rank)
     prompt = jnp.asarray(tokens[None, : args.apply_tokens])
     prefill = jax.jit(lambda p, t: native_cache(p, scfg, t))

@@ -1,6 +1,6 @@
 """Can a model shape learn to copy at all? Train it from scratch on the pure induction task and watch the repeat.
 
-    python -m launch.toy.copy_probe --layers 2 --hidden 128 --heads 4 --kv-heads 2 --head-dim 32 --lr 3e-3
+    python -m launch.research.copy_probe --layers 2 --hidden 128 --heads 4 --kv-heads 2 --head-dim 32 --lr 3e-3
 
 Every training sequence is `--span` tokens drawn at random from the training split, then the same tokens again, so
 the second half is predictable only by copying (an induction head: find the earlier occurrence of the current token,
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from configs.toy_pair import _model
+from launch.toy.config import toy_model
 from kvjax.models.qwen3 import forward_nocache
 from kvjax.pretrain import TrainConfig, batch_at, init_state, make_train_step
 from launch.toy.train import load_tokens
@@ -58,7 +58,7 @@ def main() -> None:
     args = p.parse_args()
     if args.steps < 1 or args.span < 2 or args.batch < 1:
         p.error("--steps, --batch must be >= 1 and --span >= 2")
-    cfg = _model(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+    cfg = toy_model(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
                  head_dim=args.head_dim, ffn=args.ffn or 3 * args.hidden)
     tc = TrainConfig(seq_len=2 * args.span - 1, batch_size=args.batch, steps=args.steps, lr=args.lr,
                      warmup_steps=min(20, args.steps // 5), seed=args.seed)

@@ -55,7 +55,7 @@ class PrunedTargetConfig:
     export_dtype: str = "bfloat16"  # weights as written to out_dir (training runs in float32)
 
 
-def _model(hidden, layers, heads, kv_heads, head_dim, ffn) -> Qwen3Config:
+def toy_model(hidden, layers, heads, kv_heads, head_dim, ffn) -> Qwen3Config:
     return Qwen3Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=ffn, num_layers=layers,
                        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rope_theta=10_000.0,
                        tie_word_embeddings=True, max_position_embeddings=4096, eos_token_ids=(EOS,),
@@ -64,8 +64,8 @@ def _model(hidden, layers, heads, kv_heads, head_dim, ffn) -> Qwen3Config:
 
 def get_config() -> ToyPairConfig:
     return ToyPairConfig(
-        target=_model(hidden=64, layers=2, heads=2, kv_heads=1, head_dim=32, ffn=192),
-        source=_model(hidden=256, layers=6, heads=4, kv_heads=2, head_dim=64, ffn=768),
+        target=toy_model(hidden=64, layers=2, heads=2, kv_heads=1, head_dim=32, ffn=192),
+        source=toy_model(hidden=256, layers=6, heads=4, kv_heads=2, head_dim=64, ffn=768),
         # 8 x 1024 tokens per step; ~4.6M training tokens in the corpus
         target_train=TrainConfig(seq_len=1024, batch_size=8, steps=600, lr=3e-3, warmup_steps=50, seed=1,
                                  eval_every=50, save_every=50, copy_prob=0.5),

@@ -1,7 +1,7 @@
 """Foundation benchmark: kvjax vs transformers (torch, CPU) on one random-init 33.6M Qwen3, float32, batch 1.
 
-    launch/venv python -m launch.bench_foundation --out bench_foundation.json   # full run, 3-5 minutes
-    launch/venv python -m launch.bench_foundation --quick                       # smoke run, ~40 seconds
+    launch/venv python -m launch.bench.foundation --out bench_foundation.json   # full run, 3-5 minutes
+    launch/venv python -m launch.bench.foundation --quick                       # smoke run, ~40 seconds
 
 Reports prefill tokens/s (T=2048, full logits [1, T, V] on both sides), decode tokens/s with the cache holding
 `ctx` tokens (kvjax: decode_step called from Python, and generate's in-jit loop; transformers: DynamicCache), and
@@ -205,7 +205,7 @@ class Worker:
         env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS=n, OMP_WAIT_POLICY="PASSIVE", MKL_NUM_THREADS=n,
                    OPENBLAS_NUM_THREADS=n)
         self.side, self.cpus, self.log_path = side, args.cpus.split(","), os.path.join(args.workdir, f"{side}.log")
-        cmd = ["taskset", "-c", args.cpus, sys.executable, "-m", "launch.bench_foundation", *sys.argv[1:],
+        cmd = ["taskset", "-c", args.cpus, sys.executable, "-m", "launch.bench.foundation", *sys.argv[1:],
                "--side", side, "--workdir", args.workdir]
         with open(self.log_path, "w") as stderr:  # from the repository root, so that kvjax imports from there
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,

@@ -1,6 +1,6 @@
 """How far can a prefix cache move the target towards the source at all? An in-sample oracle for the residual.
 
-    python -m launch.toy.cache_oracle --map runs/toy_map/map      # 16 held-out windows, 300 Adam steps
+    python -m launch.research.cache_oracle --map runs/toy_map/map      # 16 held-out windows, 300 Adam steps
 
 For each of N held-out windows (prefix P + continuation C tokens), start from the mapped cache of the prefix (and,
 separately, from the target's own cache) and optimise every key/value entry of it freely, per window, to minimise
@@ -22,7 +22,7 @@ import optax
 
 import kvjax
 from kvjax.mapper.calibrate import native_cache
-from kvjax.mapper.residual import kl
+from kvjax.mapper.kl import kl
 from kvjax.models.qwen3 import forward, forward_nocache
 
 

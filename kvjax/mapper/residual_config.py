@@ -1,0 +1,20 @@
+"""The residual training's settings, in a module without JAX, optax or orbax, so that a run config
+(``kvjax.run_config``) can hold them without importing the trainer (``kvjax.mapper.residual``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualConfig:
+    steps: int = 200  # optimizer steps
+    batch_size: int = 8  # windows per step
+    prefix_len: int = 256  # tokens the source reads and the map translates (the target's cache)
+    cont_len: int = 64  # continuation tokens scored by KL
+    lr: float = 1e-3  # peak learning rate (warmup + cosine)
+    warmup_steps: int = 20
+    grad_clip: float = 1.0
+    rollout: bool = False  # continuation = the target's own greedy rollout from the mapped cache
+    seed: int = 0  # batch order
+    save_every: int = 50  # checkpoint interval (steps)

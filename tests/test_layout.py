@@ -1,0 +1,220 @@
+"""The layout as a checked rule (README, "Layout"): kvjax/ is built in floors and a module imports only from its own
+floor or below; launch/ is split into rooms that share no private names; configs/ holds only run configs of the main
+job. The import checks read the source (ast), so they run nothing and take well under a second."""
+
+from __future__ import annotations
+
+import ast
+import os
+import pathlib
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+# The floors, lowest first. A module's floor is that of the longest prefix below naming it (a package name covers
+# its modules). Lazy imports inside functions count: they are dependencies all the same, only deferred.
+FLOOR_NAMES = ("base", "models", "transfer", "eval", "job")
+FLOORS = {
+    # 0 base: the vocabulary every floor uses; knows no kvjax type. Logical-axis rules and meshes, processes,
+    # token windows, safetensors files, text sources, dataclass <-> flags
+    "kvjax.sharding": 0, "kvjax.distributed": 0, "kvjax.windows": 0, "kvjax.tensorfile": 0, "kvjax.corpus": 0,
+    "kvjax.config_flags": 0,
+    # 1 models: the Qwen3 port (config, params, rope, forward / prefill / decode), the KVCache pytree it reads and
+    # writes, HF checkpoints <-> params
+    "kvjax.models": 1, "kvjax.cache": 1, "kvjax.hf": 1,
+    # 2 transfer: everything that builds a cache or fits the map: the map's kernels, the cache builders, the mapper
+    # (pairing, ridge, the map pytree, calibration, fit, residual training, split generation), generation, LM
+    # pretraining. Builders and mapper are peers: a Mapped builder applies a KVMap, and fitting a map prefills
+    # natively through a builder
+    "kvjax.kernels": 2, "kvjax.builders": 2, "kvjax.mapper": 2, "kvjax.generation": 2, "kvjax.pretrain": 2,
+    # 3 eval: the evaluations, their arms and registry, the report, the quality gate that judges their metrics
+    "kvjax.eval": 3, "kvjax.gate": 3,
+    # 4 job: `python -m kvjax.launch` (its config, flags, preflight, stages) and the package's public API (kvjax)
+    "kvjax.launch": 4, "kvjax.run_config": 4, "kvjax.preflight": 4, "kvjax.stages": 4,
+}
+FACADE = "kvjax"  # kvjax/__init__.py re-exports every floor: only the job may import names from it
+FACADE_FLOOR = 4
+
+# launch/: entry points outside the library, one room per purpose
+ROOMS = ("cluster", "bench", "toy", "research")
+
+# modules that hold settings only: they must not import JAX (or optax, orbax, flax), directly or through what they
+# import, so that a config can be built and checked without the machinery that runs it
+JAX_FREE = ("kvjax.mapper.residual_config", "kvjax.gate", "kvjax.config_flags")
+HEAVY = ("jax", "jaxlib", "flax", "optax", "orbax")
+
+
+def module_name(path: pathlib.Path, root: pathlib.Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules(root: pathlib.Path, package: str) -> dict[str, pathlib.Path]:
+    return {module_name(p, root): p for p in sorted((root / package).rglob("*.py"))}
+
+
+def imports(name: str, path: pathlib.Path, known: set[str]) -> list[tuple[int, str, str, bool]]:
+    """(line, imported module, imported name or "", at module level) for every import statement of a module; `from
+    pkg import x` imports the module pkg.x when there is one, else the name x of pkg."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    top = {id(n) for n in tree.body}
+    top |= {id(n) for stmt in tree.body if isinstance(stmt, (ast.If, ast.Try)) for n in ast.walk(stmt)}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name, "", id(node) in top) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                out.append((node.lineno, sub, "", id(node) in top) if sub in known
+                           else (node.lineno, base, a.name, id(node) in top))
+    return out
+
+
+def floor_of(module: str) -> int | None:
+    if module == FACADE:
+        return FACADE_FLOOR
+    best = max((p for p in FLOORS if module == p or module.startswith(p + ".")), key=len, default=None)
+    return None if best is None else FLOORS[best]
+
+
+def floor_violations(root: pathlib.Path) -> list[str]:
+    mods = modules(root, "kvjax")
+    out = []
+    for name, path in mods.items():
+        mine = floor_of(name)
+        if mine is None:
+            out.append(f"{path.relative_to(root)}: {name} has no floor; add it to FLOORS in tests/test_layout.py "
+                       "(and to the README's Layout section)")
+            continue
+        for line, target, what, _ in imports(name, path, set(mods)):
+            if target.split(".")[0] in ("launch", "configs", "tests"):
+                out.append(f"{path.relative_to(root)}:{line}: {name} imports {target}: the library must not "
+                           "depend on entry points, run configs or tests")
+            if target.split(".")[0] != "kvjax":
+                continue
+            theirs = floor_of(target)
+            if theirs is not None and theirs > mine:
+                named = f"{target}.{what}" if what else target
+                out.append(f"{path.relative_to(root)}:{line}: {name} (floor {mine} {FLOOR_NAMES[mine]}) imports "
+                           f"{named} (floor {theirs} {FLOOR_NAMES[theirs]}); move what it needs down a floor or "
+                           "pass it in")
+    return out
+
+
+def room_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in ROOMS) else ""
+
+
+def private_crossings(root: pathlib.Path) -> list[str]:
+    """`from launch.a.m import _x` (or `m._x` after importing m) where launch.a.m is in another room."""
+    mods = modules(root, "launch")
+    out = []
+    for name, path in mods.items():
+        bound = {}  # local name -> launch module it refers to
+        for line, target, what, _ in imports(name, path, set(mods)):
+            if not target.startswith("launch.") or room_of(target) == room_of(name):
+                continue
+            if what.startswith("_"):
+                out.append(f"{path.relative_to(root)}:{line}: {name} imports {target}.{what}, a private name of the "
+                           f"{room_of(target) or 'launch'} room; make it public or move it to kvjax")
+            elif not what:
+                bound[target.rpartition(".")[2]] = target
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and isinstance(node.value, ast.Name) and node.value.id in bound):
+                out.append(f"{path.relative_to(root)}:{node.lineno}: {name} uses {bound[node.value.id]}.{node.attr}, "
+                           "a private name of another room; make it public or move it to kvjax")
+    return out
+
+
+def heavy_imports(root: pathlib.Path, module: str) -> list[str]:
+    """The chains by which `module` imports JAX & co. at module level (through kvjax modules too)."""
+    mods = modules(root, "kvjax")
+    out, seen, todo = [], set(), [(module, [module])]
+    while todo:
+        name, chain = todo.pop()
+        if name in seen or name not in mods:
+            continue
+        seen.add(name)
+        for _, target, _, top in imports(name, mods[name], set(mods)):
+            if not top:
+                continue
+            if target.split(".")[0] in HEAVY:
+                out.append(" -> ".join(chain + [target]))
+            elif target.startswith("kvjax.") and target != FACADE:
+                todo.append((target, chain + [target]))
+    return out
+
+
+def test_no_module_imports_from_a_higher_floor():
+    problems = floor_violations(REPO)
+    assert not problems, "\n".join(problems)
+
+
+def test_every_floor_is_used_and_every_table_entry_exists():
+    mods = set(modules(REPO, "kvjax"))
+    missing = [p for p in FLOORS if p not in mods]
+    assert not missing, f"FLOORS names modules that do not exist: {missing}; update the table and the README"
+    assert {floor_of(m) for m in mods} == set(range(len(FLOOR_NAMES)))
+
+
+def test_the_check_catches_a_lazy_upward_import(tmp_path):
+    (tmp_path / "kvjax" / "eval").mkdir(parents=True)
+    (tmp_path / "kvjax" / "__init__.py").write_text("")
+    (tmp_path / "kvjax" / "eval" / "__init__.py").write_text("")
+    (tmp_path / "kvjax" / "eval" / "report.py").write_text("X = 1\n")
+    (tmp_path / "kvjax" / "sharding.py").write_text("def f():\n    from .eval.report import X\n    return X\n")
+    (tmp_path / "kvjax" / "windows.py").write_text("from kvjax import sharding\nfrom kvjax.eval import report\n")
+    (tmp_path / "kvjax" / "elsewhere.py").write_text("")
+    problems = floor_violations(tmp_path)
+    assert len(problems) == 3, problems
+    assert problems[0].startswith("kvjax/elsewhere.py: kvjax.elsewhere has no floor")
+    assert ("kvjax/sharding.py:2: kvjax.sharding (floor 0 base) imports kvjax.eval.report.X (floor 3 eval)"
+            in problems[1])
+    assert "kvjax/windows.py:2: kvjax.windows (floor 0 base) imports kvjax.eval.report (floor 3 eval)" in problems[2]
+
+
+def test_launch_rooms_share_no_private_names():
+    problems = private_crossings(REPO)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_room_check_catches_a_private_import(tmp_path):
+    for room in ("toy", "research"):
+        (tmp_path / "launch" / room).mkdir(parents=True)
+        (tmp_path / "launch" / room / "__init__.py").write_text("")
+    (tmp_path / "launch" / "__init__.py").write_text("")
+    (tmp_path / "launch" / "toy" / "train.py").write_text("def _load():\n    pass\n")
+    (tmp_path / "launch" / "toy" / "pruned.py").write_text("from launch.toy.train import _load\n")  # same room
+    (tmp_path / "launch" / "research" / "probe.py").write_text(
+        "from launch.toy.train import _load\nfrom launch.toy import train\ntrain._load()\n")
+    problems = private_crossings(tmp_path)
+    where = [p.split(":")[:2] for p in problems]
+    assert where == [["launch/research/probe.py", "1"], ["launch/research/probe.py", "3"]], problems
+
+
+def test_settings_modules_do_not_import_jax():
+    problems = [chain for m in JAX_FREE for chain in heavy_imports(REPO, m)]
+    assert not problems, "settings modules import JAX & co.: " + "; ".join(problems)
+    assert heavy_imports(REPO, "kvjax.mapper.residual")  # the check sees what it is meant to see
+
+
+def test_configs_hold_only_run_configs_of_the_main_job(monkeypatch):
+    from kvjax import config_flags
+    from kvjax.run_config import RunConfig
+    for var in ("KVJAX_SOURCE", "KVJAX_TARGET"):
+        monkeypatch.setenv(var, "/nonexistent")  # configs that read model paths from the environment
+    names = config_flags.available_configs()
+    assert "toy" in names
+    for name in names:
+        assert isinstance(config_flags.load_named(name)[0], RunConfig), f"configs/{name}.py is not a RunConfig"
+    assert not [f for f in os.listdir(REPO / "configs") if f.endswith(".py") and f.startswith("_") and
+                f != "__init__.py"], "configs/ holds run configs only; helpers belong to the code that uses them"
