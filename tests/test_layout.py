@@ -28,6 +28,7 @@ FLOORS = {
     # pretraining. Builders and mapper are peers: a Mapped builder applies a KVMap, and fitting a map prefills
     # natively through a builder
     "kvjax.kernels": 2, "kvjax.builders": 2, "kvjax.mapper": 2, "kvjax.generation": 2, "kvjax.pretrain": 2,
+    "kvjax.pretrain_config": 2,
     # 3 eval: the evaluations, their arms and registry, the report, the quality gate that judges their metrics
     "kvjax.eval": 3, "kvjax.gate": 3,
     # 4 job: `python -m kvjax.launch` (its config, flags, preflight, stages) and the package's public API (kvjax)
@@ -41,7 +42,8 @@ ROOMS = ("cluster", "bench", "toy", "research")
 
 # modules that hold settings only: they must not import JAX (or optax, orbax, flax), directly or through what they
 # import, so that a config can be built and checked without the machinery that runs it
-JAX_FREE = ("kvjax.mapper.residual_config", "kvjax.gate", "kvjax.config_flags")
+JAX_FREE = ("kvjax.run_config", "kvjax.mapper.residual_config", "kvjax.pretrain_config", "kvjax.gate",
+            "kvjax.config_flags")
 HEAVY = ("jax", "jaxlib", "flax", "optax", "orbax")
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvjax.models.config import Qwen3Config
-from kvjax.pretrain import TrainConfig
+from kvjax.pretrain_config import TrainConfig
 
 VOCAB = 8192
 EOS = 0  # <|endoftext|>: end of every corpus file, also the pad token
