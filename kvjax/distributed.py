@@ -1,8 +1,13 @@
 """Multi-process runs on JAX's distributed runtime (multi-controller: one Python process per host).
 
-- `initialize` starts ``jax.distributed`` from flags or the usual environment (``JAX_COORDINATOR_ADDRESS``,
-  ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``; with ``mode="on"`` and none of them, JAX's cluster detection for
-  SLURM, Cloud TPU, MPI, ...). It must run before anything touches a JAX device.
+- `initialize` starts ``jax.distributed`` from flags (`split_launch_flags`: the main job's --distributed=...) or
+  the usual environment (``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``; with
+  ``mode="on"`` and none of them, JAX's cluster detection for SLURM, Cloud TPU, MPI, ...). It must run before
+  anything touches a JAX device.
+- One job, many processes (kvjax.launch): `primary_first` runs a step on process 0 before the others,
+  `wait_all` waits in the coordination service (for hours if need be, while process 0 works alone), `replicate`
+  places host values on a mesh that spans processes and `local_view` shows this process its whole copy of arrays
+  on such a mesh, so it can compute alone.
 - Each process reads only the rows of a global batch that its own devices hold (`local_rows`, `global_batch`);
   `TokenWindows` cuts windows from a flat token array lazily, so a host touches only its windows.
 - `allgather_f64` moves float64 host sums between processes exactly (as float32 hi/lo pairs), so reductions
@@ -14,7 +19,7 @@
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -31,29 +36,6 @@ log = logging.getLogger(__name__)
 
 ENV_ADDRESS, ENV_NUM, ENV_ID = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
 EXIT_STALLED = 75  # exit status of a watchdog timeout (EX_TEMPFAIL: relaunch, the job resumes)
-
-
-def add_flags(parser: argparse.ArgumentParser) -> None:
-    """The distributed flags every multi-host entry point takes (see `initialize_from_args`)."""
-    g = parser.add_argument_group("distributed (defaults from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / "
-                                  "JAX_PROCESS_ID)")
-    g.add_argument("--distributed", choices=("auto", "on", "off"), default="auto",
-                   help="auto: start jax.distributed when a coordinator is given; on: always (cluster detection "
-                        "fills in what is not given: SLURM, Cloud TPU, MPI); off: single process")
-    g.add_argument("--coordinator", default=None, help="host:port of process 0's coordination service")
-    g.add_argument("--num-processes", type=int, default=None)
-    g.add_argument("--process-id", type=int, default=None)
-    g.add_argument("--heartbeat-timeout", type=int, default=30,
-                   help="seconds without heartbeats after which a peer counts as dead and the others exit")
-    g.add_argument("--init-timeout", type=int, default=300, help="seconds to wait for all processes to connect")
-    g.add_argument("--step-timeout", type=float, default=0.0,
-                   help="exit (status 75) when no calibration batch or training step finishes for this many "
-                        "seconds (a stuck peer); 0 = off. Must exceed the first compile.")
-
-
-def initialize_from_args(args: argparse.Namespace) -> bool:
-    return initialize(args.coordinator, args.num_processes, args.process_id, mode=args.distributed,
-                      heartbeat_timeout_s=args.heartbeat_timeout, init_timeout_s=args.init_timeout)
 
 
 def _env_int(name: str) -> int | None:
@@ -108,13 +90,6 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
 def is_primary() -> bool:
     """Process 0: the one that writes reports, manifests and map artifacts."""
     return jax.process_index() == 0
-
-
-def barrier(name: str) -> None:
-    """All processes wait here (no-op in a single-process run). `name` must be unique per call site and round."""
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        multihost_utils.sync_global_devices(name)
 
 
 # ---- which rows this process reads -------------------------------------------------------------------------------
@@ -263,3 +238,119 @@ class Watchdog:
         self._stop.set()
         if _active is self:
             _active = None
+
+
+# ---- the main job's command line ---------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class LaunchFlags:
+    """The distributed flags of `python -m kvjax.launch` (its --name=value style; its --help says what each does)."""
+    distributed: str = "auto"
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    heartbeat_timeout: int = 30
+    init_timeout: int = 300
+    step_timeout: float = 0.0
+
+
+def split_launch_flags(argv: list[str]) -> tuple[LaunchFlags, list[str]]:
+    """(the distributed flags in argv, the other arguments). Raises ValueError saying what is wrong."""
+    fields = {f.name: f for f in dataclasses.fields(LaunchFlags)}
+    values, rest = {}, []
+    for arg in argv:
+        name, eq, value = arg[2:].partition("=")
+        name = name.replace("-", "_")
+        if not arg.startswith("--") or name not in fields:
+            rest.append(arg)
+            continue
+        if not eq:
+            raise ValueError(f"{arg}: give a value, --{name}=VALUE")
+        if name == "distributed" and value not in ("auto", "on", "off"):
+            raise ValueError(f"--distributed={value}: use auto, on or off")
+        kind = {"coordinator": str, "step_timeout": float}.get(name, int) if name != "distributed" else str
+        try:
+            values[name] = kind(value)
+        except ValueError:
+            raise ValueError(f"--{name}={value!r}: expected {kind.__name__}") from None
+    return LaunchFlags(**values), rest
+
+
+def initialize_from_flags(flags: LaunchFlags) -> bool:
+    return initialize(flags.coordinator, flags.num_processes, flags.process_id, mode=flags.distributed,
+                      heartbeat_timeout_s=flags.heartbeat_timeout, init_timeout_s=flags.init_timeout)
+
+
+# ---- one job over many processes: who works, who waits -----------------------------------------------------------
+
+_barriers = 0
+WAIT_S = 48 * 3600  # a process waits this long for the others (e.g. while process 0 alone evaluates); a peer that
+# dies meanwhile ends the wait sooner through JAX's heartbeats
+
+
+def wait_all(name: str, timeout_s: float = WAIT_S) -> None:
+    """All processes wait here (no-op with one). Unlike `barrier`, it runs no device computation: it waits in the
+    coordination service, so a process may wait for hours while process 0 works alone. Every process must reach the
+    same calls in the same order."""
+    global _barriers
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed as jax_distributed  # the coordination client: the only host-side barrier
+    _barriers += 1
+    jax_distributed.global_state.client.wait_at_barrier(f"kvjax/{_barriers}/{name}", int(timeout_s * 1000))
+
+
+def primary_first(name: str, fn, error: type[Exception] = RuntimeError):
+    """Run `fn()` on process 0, then, once it returned, on the others (e.g. process 0 deletes what --redo discards
+    before the others look). If it raised on process 0, the others raise `error` with its message instead of
+    running it, so every process stops the same way."""
+    if jax.process_count() == 1:
+        return fn()
+    from jax._src import distributed as jax_distributed
+    client, key = jax_distributed.global_state.client, f"kvjax/primary_first/{name}"
+    if is_primary():
+        try:
+            out = fn()
+        except Exception as e:
+            client.key_value_set(key, f"error:{e}")
+            raise
+        client.key_value_set(key, "ok")
+        return out
+    outcome = client.blocking_key_value_get(key, WAIT_S * 1000)
+    if outcome != "ok":
+        raise error(f"process 0 stopped: {outcome[len('error:'):]}")
+    return fn()
+
+
+def replicate(tree, mesh):
+    """Host (or single-device) arrays as arrays replicated over `mesh`, which may span processes; every process
+    must pass the same values."""
+    sharding = NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def leaf(x):
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+    return jax.tree.map(leaf, tree)
+
+
+def local_view(tree, mesh):
+    """Arrays on a mesh that spans processes, as the same device buffers on this process's part of it
+    (`mesh.local_mesh`), so this process can compute with them alone. Each array must be whole on every process:
+    split only over mesh axes that stay within a process (the model axis), not over 'data' across processes."""
+    local = mesh.local_mesh
+
+    def leaf(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            return x
+        spec = x.sharding.spec
+        for axes in spec:
+            for axis in (axes if isinstance(axes, tuple) else (axes,)):
+                if axis is not None and local.shape[axis] != mesh.shape[axis]:
+                    raise ValueError(f"an array of shape {x.shape} is split over mesh axis {axis!r} across processes "
+                                     f"({spec}); no process holds all of it. Keep the '{axis}' axis within one host "
+                                     "(--config.mesh.model <= devices per process)")
+        shards = {s.device: s.data for s in x.addressable_shards}
+        sharding = NamedSharding(local, spec)
+        return jax.make_array_from_single_device_arrays(
+            x.shape, sharding, [shards[d] for d in sharding.addressable_devices_indices_map(x.shape)])
+    return jax.tree.map(leaf, tree)

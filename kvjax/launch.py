@@ -73,48 +73,71 @@ def plan(cfg: RunConfig) -> dict[str, Stage]:
 
 
 class Job:
-    def __init__(self, cfg: RunConfig, redo: tuple[str, ...] = ()):
+    """The stages of one run. In a multi-process run every process builds a Job: all of them run the data-parallel
+    stages (COLLECTIVE) on the mesh over every device; process 0 alone runs the others on its own devices (`local`)
+    and writes the run directory's shared files, while the others wait."""
+
+    def __init__(self, cfg: RunConfig, redo: tuple[str, ...] = (), step_timeout: float = 0.0):
+        import jax
+
+        from kvjax import distributed
         self.cfg = cfg
-        self.run = RunDir(cfg.output_dir)
+        self.run = RunDir(cfg.output_dir, writer=jax.process_index() == 0, sync=distributed.wait_all)
         self.stages = plan(cfg)
         self.redo = redo
-        self._models = None
+        self.step_timeout = step_timeout  # kvjax.distributed.Watchdog over the collective stages (0: off)
+        self._models = {}  # scope ("global" / "local") -> (source, target)
         self._maps = {}
         self._mesh = None
+        self._local = False  # running a stage on this process's devices only (multi-process: process 0 alone)
         self.seconds: dict[str, float] = {}
         self.reused: list[str] = []
         self._checked = False
 
+    COLLECTIVE = ("ridge", "residual")  # the data-parallel stages: every process takes part
+
     # -- shared resources, loaded on first use --
 
     def mesh(self):
+        """The mesh the current stage runs on: every device of every process, or in a stage process 0 runs alone,
+        its own part of that mesh."""
+        import jax
         if self._mesh is None:
             self._mesh = make_mesh(self.cfg)
-        return self._mesh
+        return self._mesh.local_mesh if self._local and jax.process_count() > 1 else self._mesh
 
     def parallel_mesh(self):
         """The mesh for the mapper's data-parallel paths (fit_map / train_residual mesh=), None on one device."""
         return self.mesh() if self.mesh().size > 1 else None
 
     def models(self):
-        if self._models is None:
-            import jax.numpy as jnp
+        import jax
+        scope = "local" if self._local and jax.process_count() > 1 else "global"
+        if scope not in self._models:
+            if "global" in self._models:  # the same buffers, seen from this process alone
+                from kvjax.distributed import local_view
+                self._models[scope] = local_view(self._models["global"], self._mesh)
+            else:
+                self._models[scope] = self._load_models()
+        return self._models[scope]
 
-            import kvjax
-            from kvjax.models.params import abstract_params, param_axes
-            from kvjax.sharding import tree_shardings
-            out = []
-            for role in ("source", "target"):
-                mc = getattr(self.cfg, role)
-                mcfg = kvjax.load_hf_config(mc.path)
-                shardings = tree_shardings(abstract_params(mcfg), param_axes(mcfg), self.mesh())
-                t0 = time.perf_counter()
-                out.append(kvjax.load_hf(mc.path, dtype=jnp.dtype(mc.dtype), shardings=shardings))
-                log.info("loaded %s %s (%.1fM params, %d layers, %d kv heads x %d) in %.1fs", role, mc.path,
-                         mcfg.num_params() / 1e6, mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim,
-                         time.perf_counter() - t0)
-            self._models = tuple(out)
-        return self._models
+    def _load_models(self):
+        import jax.numpy as jnp
+
+        import kvjax
+        from kvjax.models.params import abstract_params, param_axes
+        from kvjax.sharding import tree_shardings
+        out = []
+        for role in ("source", "target"):
+            mc = getattr(self.cfg, role)
+            mcfg = kvjax.load_hf_config(mc.path)
+            shardings = tree_shardings(abstract_params(mcfg), param_axes(mcfg), self.mesh())
+            t0 = time.perf_counter()
+            out.append(kvjax.load_hf(mc.path, dtype=jnp.dtype(mc.dtype), shardings=shardings))
+            log.info("loaded %s %s (%.1fM params, %d layers, %d kv heads x %d) in %.1fs", role, mc.path,
+                     mcfg.num_params() / 1e6, mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim,
+                     time.perf_counter() - t0)
+        return tuple(out)
 
     def tokenizer(self):
         import kvjax
@@ -125,23 +148,25 @@ class Job:
         return np.load(self.run.path("data", f"{name}.npy"), mmap_mode="r")
 
     def replicated(self, tree):
-        import jax
-        from jax.sharding import NamedSharding, PartitionSpec
+        """`tree` replicated over the current mesh (which may span processes: every process passes the same)."""
+        from kvjax.distributed import replicate
         mesh = self.mesh()
-        if mesh.size == 1:
-            return tree
-        return jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))
+        return tree if mesh.size == 1 else replicate(tree, mesh)
 
     def map(self, name: str):
+        """A map by arm name (ridge, residual: fitted by this run; direct, raw: the untrained injection), replicated
+        over the current mesh (execute() empties the cache when the mesh changes)."""
         if name not in self._maps:
             import kvjax
             from kvjax.eval.arms import injection_map
             source, target = self.models()
             if name in ("direct", "raw"):
-                kvmap = injection_map(source[0], target[0])
+                kvmap = self.replicated(injection_map(source[0], target[0]))
             else:
-                kvmap = kvjax.load_map(self.run.path("map_ridge" if name == "ridge" else "map"), source[0], target[0])
-            self._maps[name] = self.replicated(kvmap)
+                from jax.sharding import NamedSharding, PartitionSpec
+                kvmap = kvjax.load_map(self.run.path("map_ridge" if name == "ridge" else "map"), source[0], target[0],
+                                       sharding=NamedSharding(self.mesh(), PartitionSpec()))
+            self._maps[name] = kvmap
         return self._maps[name]
 
     # -- the pipeline --
@@ -167,23 +192,40 @@ class Job:
     def execute(self) -> dict:
         import jax
         from tqdm import tqdm
+
+        from kvjax import distributed
         self.check()
-        os.makedirs(self.run.root, exist_ok=True)
-        write_json(self.run.path("config.json"), to_dict(self.cfg))
+        if self.run.writer:
+            os.makedirs(self.run.root, exist_ok=True)
+            write_json(self.run.path("config.json"), to_dict(self.cfg))
+        # every process decides what to reuse from the same markers, read before process 0 writes a new one
+        done = {name: self.run.done(stage) for name, stage in self.stages.items()}
+        self.run.sync("plan read")
         t_start = time.perf_counter()
-        with jax.set_mesh(self.mesh()):
-            for name, stage in tqdm(self.stages.items(), desc="stages", unit="stage", leave=False):
-                if self.run.done(stage):
-                    self.reused.append(name)
-                    log.info("stage %-10s reused (%s)", name, self.run.marker(stage))
-                    continue
-                log.info("stage %-10s running", name)
+        for name, stage in tqdm(self.stages.items(), desc="stages", unit="stage", leave=False,
+                                disable=not self.run.writer):
+            if done[name]:
+                self.reused.append(name)
+                log.info("stage %-10s reused (%s)", name, self.run.marker(stage))
+                continue
+            collective = name in self.COLLECTIVE
+            if collective or self.run.writer:
+                if self._local == collective and jax.process_count() > 1:
+                    self._maps.clear()  # maps placed on the other mesh
+                self._local = not collective
+                log.info("stage %-10s running%s", name, "" if jax.process_count() == 1 else
+                         f" on {'all' if collective else 'the'} {self.mesh().size} devices of "
+                         f"{'every process' if collective else 'process 0'}")
                 t0, c0 = time.perf_counter(), time.process_time()
-                getattr(self, f"stage_{name}" if hasattr(self, f"stage_{name}") else "stage_eval")(stage)
+                with jax.set_mesh(self.mesh()), distributed.Watchdog(self.step_timeout if collective else 0):
+                    getattr(self, f"stage_{name}" if hasattr(self, f"stage_{name}") else "stage_eval")(stage)
                 self.seconds[name] = time.perf_counter() - t0
                 cpu = time.process_time() - c0
                 self.run.finish(stage, self.seconds[name], cpu)
                 log.info("stage %-10s done in %.1fs (%.1f CPU s)", name, self.seconds[name], cpu)
+            else:
+                log.info("stage %-10s runs on process 0; waiting for it", name)
+            self.run.sync(f"stage {name}")
         total = time.perf_counter() - t_start
         if not os.path.isfile(self.run.path("gate.json")):
             raise LaunchError(f"{self.run.path('gate.json')} is missing although the report stage is marked done; "
@@ -348,6 +390,16 @@ USAGE = """usage: python -m kvjax.launch [--config=NAME] [--config.FIELD=VALUE .
   --config=NAME          configs/NAME.py (default: toy); available: {configs}
   --config.a.b=VALUE     override a field (typed; tuples as comma-separated lists, None for optional fields)
   --redo=STAGE,...       recompute these stages and every stage after them; stages: {stages}
+
+one to many hosts (every process runs this same command; the mesh is --config.mesh.data x --config.mesh.model):
+  --distributed=auto|on|off  auto (default): start jax.distributed when a coordinator is given (flag or
+                         JAX_COORDINATOR_ADDRESS, with JAX_NUM_PROCESSES and JAX_PROCESS_ID); on: always (SLURM,
+                         Cloud TPU and MPI fill in what is not given); off: one process
+  --coordinator=HOST:PORT --num_processes=N --process_id=I   instead of the JAX_* environment variables
+  --heartbeat_timeout=S  a peer silent for S seconds counts as dead and ends the job (default 30)
+  --init_timeout=S       seconds to wait for every process to connect (default 300)
+  --step_timeout=S       exit (status 75) when no calibration batch or training step finishes for S seconds: a
+                         peer that hangs alive (default 0: off; must exceed the first compile)
 """
 
 
@@ -407,17 +459,36 @@ def main(argv: list[str] | None = None) -> int:
     # read inside a stage, before it writes anything, and a stage is marked done only once finished, so a rerun
     # after the fix redoes exactly that stage.
     bad_checkpoint = (CheckpointError, ConfigError, SafetensorsError)
+    from kvjax import distributed
     try:
+        try:
+            flags, argv = distributed.split_launch_flags(argv)
+        except ValueError as e:
+            raise LaunchError(str(e)) from None
         cfg, redo, help_ = parse(argv)
         if help_:
             return 0
-        job = Job(cfg, redo)
-        job.check()  # conflicts with an earlier run are reported before anything is written
+        try:  # before anything touches a device; a no-op unless asked for (flags or JAX_COORDINATOR_ADDRESS)
+            distributed.initialize_from_flags(flags)
+        except ValueError as e:
+            raise LaunchError(f"distributed: {e}") from None
+        job = Job(cfg, redo, step_timeout=flags.step_timeout)
+        # conflicts with an earlier run are reported before anything is written; process 0 applies --redo first
+        distributed.primary_first("check", job.check, LaunchError)
     except (ConfigFlagError, LaunchError, CorpusError, *bad_checkpoint) as e:
         print(f"kvjax.launch: error: {e}", file=sys.stderr)
         return 2
     setup_logging(cfg.output_dir)
     import jax
+    if jax.process_index() > 0:  # run.log is process 0's; the others log beside it
+        root = logging.getLogger()
+        for h in [h for h in root.handlers if isinstance(h, logging.FileHandler) and getattr(h, "_kvjax_launch", 0)]:
+            mine = logging.FileHandler(os.path.join(cfg.output_dir, f"run.p{jax.process_index()}.log"))
+            mine.setFormatter(h.formatter)
+            mine._kvjax_launch = True
+            root.removeHandler(h)
+            h.close()
+            root.addHandler(mine)
     log.info("kvjax.launch --config=%s -> %s (process %d of %d, %d devices: %s)", cfg.name, cfg.output_dir,
              jax.process_index(), jax.process_count(), jax.device_count(), jax.devices()[0].device_kind)
     log.info("settings:\n%s", describe_config(cfg))

@@ -101,10 +101,25 @@ def validate(cfg: RunConfig) -> None:
 
 
 def make_mesh(cfg: RunConfig):
+    """The ('data', 'model') mesh over every device of every process. With several processes the 'model' axis stays
+    within one (default: all of a process's devices; data=1 means every device not used by 'model'): only
+    data-parallel traffic crosses hosts, and each process holds whole models, so process 0 can evaluate alone
+    (kvjax.distributed.local_view)."""
     import jax
 
     from kvjax.sharding import make_mesh as mesh_of
+    data, model = cfg.mesh.data, cfg.mesh.model or None
+    hint = (f"devices: {jax.device_count()} on {jax.process_count()} process(es); set --config.mesh.data / "
+            "--config.mesh.model")
+    if jax.process_count() > 1:
+        if model is None:
+            model = jax.local_device_count() if data == 1 else max(jax.device_count() // data, 1)
+        if data == 1:
+            data = jax.device_count() // model
+        if jax.local_device_count() % model:
+            raise LaunchError(f"mesh: model={model} must divide the {jax.local_device_count()} devices of each "
+                              f"process (the model axis stays within a host) ({hint})")
     try:
-        return mesh_of(cfg.mesh.data, cfg.mesh.model or None)
+        return mesh_of(data, model)
     except ValueError as e:
-        raise LaunchError(f"mesh: {e} (devices: {jax.device_count()}; set --config.mesh.data / --config.mesh.model)")
+        raise LaunchError(f"mesh: {e} ({hint})")

@@ -2,6 +2,10 @@
 it depends on (its settings, the identity of the models, upstream stages). A rerun skips a stage whose marker
 matches, redoes one that never finished, and refuses (before any work) one made with other settings, unless the
 user asks to redo it.
+
+In a multi-process run every process reads the run directory but one writes it (`writer`): markers, deletions for
+--redo and claimed work directories are process 0's; `sync` (kvjax.distributed.wait_all) makes the others wait
+until a claimed work directory is ready.
 """
 
 from __future__ import annotations
@@ -61,8 +65,10 @@ class Stage:
 
 
 class RunDir:
-    def __init__(self, root: str):
+    def __init__(self, root: str, writer: bool = True, sync=None):
         self.root = root
+        self.writer = writer  # this process writes markers and deletes outputs (process 0 of a multi-process run)
+        self.sync = sync or (lambda name: None)  # all processes wait here (called with a name)
 
     def path(self, *parts: str) -> str:
         return os.path.join(self.root, *parts)
@@ -96,6 +102,8 @@ class RunDir:
         return read_json(path).get("seconds") if os.path.isfile(path) else None
 
     def finish(self, stage: Stage, seconds: float, cpu_seconds: float | None = None) -> None:
+        if not self.writer:
+            return
         write_json(self.marker(stage), {"stage": stage.name, "hash": stage.hash, "settings": stage.settings,
                                         "upstream": {u.name: u.hash for u in stage.upstream}, "seconds": seconds,
                                         "cpu_seconds": cpu_seconds,
@@ -103,6 +111,8 @@ class RunDir:
 
     def forget(self, stage: Stage) -> None:
         """Remove a stage's marker and outputs (for --redo)."""
+        if not self.writer:
+            return
         if os.path.isfile(self.marker(stage)):
             os.remove(self.marker(stage))
         for out in stage.outputs:
@@ -114,7 +124,13 @@ class RunDir:
 
     def claim_workdir(self, stage: Stage, workdir: str) -> None:
         """A resumable stage's work directory belongs to these settings: partial work from other settings is
-        discarded; partial work from the same settings is kept (and resumed)."""
+        discarded; partial work from the same settings is kept (and resumed). Every process calls it; they return
+        once the writer has decided."""
+        if self.writer:
+            self._claim(stage, workdir)
+        self.sync(f"claim {workdir}")
+
+    def _claim(self, stage: Stage, workdir: str) -> None:
         stamp = os.path.join(workdir, "stage_hash")
         if os.path.isfile(stamp):
             with open(stamp) as f:

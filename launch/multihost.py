@@ -1,6 +1,7 @@
 """Run a kvjax job as N JAX processes on this machine (tests, laptops): the local stand-in for a multi-host launch.
 
-    python -m launch.multihost --procs 2 --devices-per-proc 2 -- launch.fit_distributed --source SRC ...
+    python -m launch.multihost --procs 2 --devices-per-proc 2 -- kvjax.launch --config=toy \
+        --config.mesh.data=2 --config.mesh.model=2
 
 Each process gets JAX_COORDINATOR_ADDRESS=127.0.0.1:<free port>, JAX_NUM_PROCESSES and JAX_PROCESS_ID (read by
 kvjax.distributed.initialize) and, on CPU, --devices-per-proc fake devices; cross-process collectives are gloo.
@@ -165,7 +166,7 @@ def main(argv=None) -> None:
     opts = p.parse_args(argv[:split])
     rest = argv[split + 1 :]
     if not rest:
-        p.error("name the module to run after --, e.g. -- launch.fit_distributed --source ...")
+        p.error("name the module to run after --, e.g. -- kvjax.launch --config=toy")
     if opts.procs < 1 or opts.devices_per_proc < 1:
         p.error("--procs and --devices-per-proc must be >= 1")
     sys.exit(launch(rest[0], rest[1:], opts.procs, opts.devices_per_proc, port=opts.port, grace=opts.grace,

@@ -212,19 +212,3 @@ def test_mc_context_command(capsys):
     assert len(rows) == 2 and "| full |" in rows[0] and "| last 1 |" in rows[1]
     with pytest.raises(SystemExit):
         main(["--models", "nonsense"])
-
-
-def test_fit_map_scores_every_arm_on_multiple_choice():
-    from kvjax.eval.arms import injection_map
-    from launch.toy.fit_map import multiple_choice
-    source, target = (kvjax.load_hf(os.path.join(TOY, r)) for r in ROLES[::-1])
-    heldout = np.load(os.path.join(TOY, "eval", "heldout_windows.npy"))
-    kvmap, _ = kvjax.fit_map(source, target, heldout[200:216, :64], heldout[216:224, :64], batch_size=8,
-                             residual_rank=4)
-    out = multiple_choice(TOY, source, target, {"direct": injection_map(source[0], target[0]), "residual": kvmap}, 4)
-    for schema in ("hellaswag", "piqa"):
-        row = out[schema]
-        assert row["items"] == 4 and set(row["accuracy"]) == {"target", "source", "direct", "residual"}
-        assert all(0 <= a <= 1 for a in row["accuracy"].values())
-        lo, hi = row["residual_minus_target_ci95"]
-        assert lo <= row["accuracy"]["residual"] - row["accuracy"]["target"] <= hi
