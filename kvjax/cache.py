@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.models.config import Qwen3Config
 from kvjax.sharding import shard
 
 LAYOUT = "LBHTD"  # [layers, batch, kv_heads, time, head_dim]
@@ -63,7 +62,7 @@ class KVCache:
                 f"origin={self.origin!r})")
 
 
-def init_cache(cfg: Qwen3Config, batch_size: int, max_len: int, dtype=jnp.float32) -> KVCache:
+def init_cache(cfg, batch_size: int, max_len: int, dtype=jnp.float32) -> KVCache:
     """An empty cache for `cfg` with room for `max_len` positions per row."""
     if max_len <= 0 or batch_size <= 0:
         raise ValueError(f"batch_size and max_len must be positive, got {batch_size} and {max_len}")
@@ -77,7 +76,7 @@ def shard_cache(cache: KVCache, mesh: jax.sharding.Mesh, rules=None) -> KVCache:
     return shard(cache, cache.replace(k=AXES, v=AXES, lengths=("batch",)), mesh, rules)
 
 
-def check_compatible(cfg: Qwen3Config, cache: KVCache) -> None:
+def check_compatible(cfg, cache: KVCache) -> None:
     want = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
     got = (cache.num_layers, cache.num_kv_heads, cache.head_dim)
     if want != got:

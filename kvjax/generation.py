@@ -10,10 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache import KVCache, init_cache
+from kvjax.builders.native import prefill
+from kvjax.cache import KVCache
 from kvjax.models.config import Qwen3Config
 from kvjax.models.params import Params
-from kvjax.models.qwen3 import forward
+from kvjax.models.decoder import forward
 
 CACHE_ALIGN = 128
 
@@ -86,8 +87,7 @@ def decode_loop(params: Params, cfg: Qwen3Config, cache: KVCache, logits: jax.Ar
 
 def _generate(params, cfg, tokens, lengths, key, *, max_new_tokens, capacity, sampling, eos_ids, pad_id,
               cache_dtype):
-    cache = init_cache(cfg, tokens.shape[0], capacity, cache_dtype)
-    logits, cache = forward(params, cfg, tokens, cache, lengths, last_only=True, fresh=True)
+    logits, cache = prefill(params, cfg, tokens, lengths, capacity, cache_dtype)
     out, _, _ = decode_loop(params, cfg, cache, logits, max_new_tokens, key, sampling, eos_ids, pad_id)
     return out
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.models.config import ConfigError, Qwen3Config, load_config
+from kvjax.models.model import Model
 from kvjax.models.params import Params, from_flat, hf_shape, param_specs, to_flat
 from kvjax.tensorfile import SafetensorsFile, save_file
 
@@ -91,8 +92,9 @@ def _open_weights(path: str) -> dict[str, SafetensorsFile]:
     raise CheckpointError(f"{path} has neither {SINGLE} nor {INDEX}.{hint}")
 
 
-def load_hf(path: str, dtype=jnp.float32, shardings=None) -> tuple[Qwen3Config, Params]:
-    """Load an HF Qwen3 checkpoint directory (or hub name, with network) into (cfg, params).
+def load_hf(path: str, dtype=jnp.float32, shardings=None) -> Model:
+    """Load an HF checkpoint directory (or hub name, with network) of a registered family into a Model, which
+    unpacks as (cfg, params).
 
     `dtype` is the parameter dtype (float32 or bfloat16). `shardings`, if given, is a Params-shaped tree of
     jax.sharding.Sharding (e.g. from kvjax.sharding.tree_shardings) and each tensor is placed accordingly.
@@ -124,7 +126,7 @@ def load_hf(path: str, dtype=jnp.float32, shardings=None) -> tuple[Qwen3Config, 
         host = np.array(spec.from_hf(f.get(spec.hf_name)), dtype=np_dtype, order="C")
         flat[name] = jax.device_put(host, flat_shardings.get(name))
         del host
-    return cfg, from_flat(cfg, flat)
+    return Model(cfg, from_flat(cfg, flat))
 
 
 def save_hf(path: str, cfg: Qwen3Config, params: Params, tokenizer_dir: str | None = None,

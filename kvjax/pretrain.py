@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from kvjax.models.config import Qwen3Config
 from kvjax.models.params import Params, init_params
-from kvjax.models.qwen3 import forward_nocache
+from kvjax.models.decoder import forward_nocache
 from kvjax.pretrain_config import TrainConfig
 from kvjax.windows import step_batch
 

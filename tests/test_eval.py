@@ -14,7 +14,7 @@ import pytest
 import kvjax
 from kvjax.eval import likelihood, multiple_choice, retrieval
 from kvjax.eval.stats import bootstrap_ci, paired_bootstrap_ci
-from kvjax.models.qwen3 import forward_nocache
+from kvjax.models.decoder import forward_nocache
 
 REPO = Path(__file__).resolve().parents[1]
 EVAL = REPO / "checkpoints/toy/eval"

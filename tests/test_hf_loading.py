@@ -186,7 +186,8 @@ def test_save_hf_bfloat16_round_trips(hf_checkpoints, tmp_path):
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, "supports Qwen3 checkpoints"),
+    ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "model_type 'gpt2' is not supported.*qwen3"),
+    ({"architectures": ["Qwen3MoeForCausalLM"]}, "supports Qwen3 checkpoints"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "rope scaling .* not supported"),
     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope scaling .* not supported"),
     ({"use_sliding_window": True}, "use_sliding_window"),

@@ -185,7 +185,7 @@ def test_pipelined_split_path_gives_the_same_tokens(pair):
     import math
     from kvjax.generation import CACHE_ALIGN, Sampling, pad_prompts
     from kvjax.generation import decode_loop
-    from kvjax.models.qwen3 import decode_jit
+    from kvjax.models.decoder import decode_jit
     source, target, kvmap = pair
     prompts = [list(p) for p in np.random.RandomState(2).randint(1, VOCAB, (3, 30))]
     prompts[1] = prompts[1][:17]

@@ -8,7 +8,7 @@ import pytest
 
 import kvjax
 from kvjax.models.params import to_flat
-from kvjax.models.qwen3 import forward_nocache
+from kvjax.models.decoder import forward_nocache
 from kvjax.pretrain import TrainConfig, batch_at, train
 
 CFG = kvjax.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,

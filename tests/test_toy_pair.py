@@ -150,7 +150,7 @@ def test_needle_probe_command(capsys):
 def test_prune_layers_keeps_the_chosen_layers():
     import jax.numpy as jnp
 
-    from kvjax.models.qwen3 import forward_nocache
+    from kvjax.models.decoder import forward_nocache
     from launch.toy.pruned import prune_layers
     cfg, params = kvjax.load_hf(os.path.join(TOY, "source"))
     tokens = jnp.asarray(np.load(os.path.join(TOY, "eval", "heldout_windows.npy"))[:1, :32].astype(np.int32))

@@ -74,8 +74,13 @@ class CacheBuilder(abc.ABC):
     def build(self, tokens: np.ndarray, lengths: np.ndarray, capacity: int, clock: Clock) -> KVCache:
         """The work, on checked host arrays (tokens [B, T], lengths [B]) and a capacity >= T."""
 
-    def __call__(self, tokens, lengths=None, *, capacity: int | None = None, clock: Clock = OFF) -> KVCache:
+    def __call__(self, tokens, lengths=None, *, capacity: int | None = None, bucketed: bool = False,
+                 clock: Clock = OFF) -> KVCache:
+        """`bucketed`: zero-pad the token axis to a multiple of BUCKET first (rows keep their lengths), so that
+        scoring many prompts of different lengths compiles a handful of programs."""
         tokens, lengths = as_batch(tokens, lengths)
+        if bucketed and tokens.shape[1] != bucket(tokens.shape[1]):
+            tokens = np.pad(tokens, ((0, 0), (0, bucket(tokens.shape[1]) - tokens.shape[1])))
         capacity = bucket(tokens.shape[1]) if capacity is None else int(capacity)
         if capacity < tokens.shape[1]:
             raise ValueError(f"capacity {capacity} is smaller than the {tokens.shape[1]} prompt tokens")

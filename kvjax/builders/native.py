@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from kvjax.builders.base import CacheBuilder, Clock
 from kvjax.cache import AXES, KVCache, init_cache
-from kvjax.models.qwen3 import forward
+from kvjax.models.decoder import forward
 from kvjax.sharding import constrain
 
 

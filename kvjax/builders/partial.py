@@ -25,7 +25,7 @@ from kvjax.builders.mapped import Mapped, SourcePrefill
 from kvjax.builders.native import prefill_cache_jit
 from kvjax.cache import KVCache
 from kvjax.mapper.kvmap import KVMap
-from kvjax.models.qwen3 import causal_attention, embed, finish, head_angles, qkv
+from kvjax.models.decoder import causal_attention, embed, finish, head_angles, qkv
 
 MODES = ("bottom", "top")
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache import KVCache
-from kvjax.mapper.calibrate import native_cache
+from kvjax.builders.mapped import map_jit
+from kvjax.builders.native import prefill_cache_jit
 from kvjax.mapper.features import layer_features
-from kvjax.mapper.kvmap import apply_map
 
 
 def _valid_rows(feat, lengths) -> np.ndarray:
@@ -68,10 +67,6 @@ class _Accumulator:
         return {"cos": self.cos / self.n, "nrmse": float(np.sqrt(self.err / self.n / max(spread, 1e-30)))}
 
 
-_native = jax.jit(native_cache, static_argnames=("cfg",))
-_apply = jax.jit(apply_map)
-
-
 def map_distances(maps: dict, source, target, windows: np.ndarray, batch_size: int = 8) -> dict:
     """Distances of mapped caches to the target's native cache on token windows int [N, T] (all positions valid).
 
@@ -82,10 +77,10 @@ def map_distances(maps: dict, source, target, windows: np.ndarray, batch_size: i
     acc = {name: [(_Accumulator(), _Accumulator()) for _ in range(tcfg.num_layers)] for name in maps}
     for i in range(0, len(windows), batch_size):
         tokens = jnp.asarray(windows[i : i + batch_size], jnp.int32)
-        src, tgt = _native(sparams, scfg, tokens), _native(tparams, tcfg, tokens)
+        src, tgt = prefill_cache_jit(sparams, scfg, tokens), prefill_cache_jit(tparams, tcfg, tokens)
         native = [layer_features(tgt, t, tcfg.rope_theta) for t in range(tcfg.num_layers)]
         for name, kvmap in maps.items():
-            mapped = _apply(kvmap, src)
+            mapped = map_jit(kvmap, src)
             for t, (nk, nv) in enumerate(native):
                 mk, mv = layer_features(mapped, t, tcfg.rope_theta)
                 flat = lambda a: np.asarray(a).reshape(-1, a.shape[-1])  # noqa: E731

@@ -17,18 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from kvjax.builders.base import bucket
+from kvjax.builders.native import prefill_cache_jit
 from kvjax.cache import KVCache, check_compatible, init_cache
 from kvjax.models.config import Qwen3Config
 from kvjax.models.params import Params
-from kvjax.models.qwen3 import forward, forward_nocache
-
-BUCKET = 64
-
-
-def bucket(n: int, multiple: int = BUCKET) -> int:
-    """n rounded up to a positive multiple of `multiple`."""
-    return max(multiple, -(-n // multiple) * multiple)
-
+from kvjax.models.decoder import forward, forward_nocache
 
 def fit_capacity(cache: KVCache, capacity: int) -> KVCache:
     """The cache with its time axis zero-padded or cut to `capacity` (which must hold every row's valid part)."""
@@ -43,11 +37,6 @@ def fit_capacity(cache: KVCache, capacity: int) -> KVCache:
     return cache.replace(k=jnp.pad(cache.k, pad), v=jnp.pad(cache.v, pad))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _prefill_fresh(params, cfg, tokens, lengths, cache):
-    return forward(params, cfg, tokens, cache, lengths, last_only=True, fresh=True)[1]
-
-
 def native_prefix_cache(params: Params, cfg: Qwen3Config, context_ids, batch: int, capacity: int | None = None,
                         dtype=None) -> KVCache:
     """A cache of `batch` identical rows holding context_ids[:-1] (the scorers run the last token themselves).
@@ -59,12 +48,13 @@ def native_prefix_cache(params: Params, cfg: Qwen3Config, context_ids, batch: in
     capacity = capacity or bucket(len(prefix))
     if len(prefix) > capacity:
         raise ValueError(f"a context of {len(context_ids)} tokens does not fit capacity {capacity}")
-    cache = init_cache(cfg, batch, capacity, dtype or params.embed.dtype)
+    dtype = jnp.dtype(dtype or params.embed.dtype)
     if len(prefix) == 0:
-        return cache
+        return init_cache(cfg, batch, capacity, dtype)
     tokens = np.zeros((batch, bucket(len(prefix))), np.int32)  # padding past capacity is dropped on write
     tokens[:, : len(prefix)] = prefix
-    return _prefill_fresh(params, cfg, jnp.asarray(tokens), jnp.full((batch,), len(prefix), jnp.int32), cache)
+    return prefill_cache_jit(params, cfg, jnp.asarray(tokens), jnp.full((batch,), len(prefix), jnp.int32), capacity,
+                             dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.mapper.kl import kl
-from kvjax.models.qwen3 import forward_nocache
+from kvjax.models.decoder import forward_nocache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "cont"))

@@ -23,7 +23,7 @@ from kvjax.eval.multiple_choice import PrefixFn, encode
 from kvjax.generation import Sampling, decode_loop
 from kvjax.models.config import Qwen3Config
 from kvjax.models.params import Params
-from kvjax.models.qwen3 import forward
+from kvjax.models.decoder import forward
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 from tqdm import tqdm
 
-from kvjax.mapper.calibrate import Model
+from kvjax.models.model import Model
 from kvjax.mapper.kvmap import KVMap
 from kvjax.mapper.split import native_generate, paired_decode_seconds, split_generate
 

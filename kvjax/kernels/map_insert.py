@@ -35,7 +35,8 @@ import jax.numpy as jnp
 from flax import struct
 from jax.experimental import pallas as pl
 
-from kvjax.models.rope import apply_rope, rope_angles, unapply_rope
+from kvjax.kernels.features import cache_layout, content_features
+from kvjax.models.rope import as_rope
 
 BACKENDS = ("triton", "mosaic_tpu")
 IMPLS = ("xla", "pallas", "auto")
@@ -105,9 +106,10 @@ def pack_maps(maps: Sequence, in_heads: int, out_heads: int, *, dtype=jnp.float3
     return jax.tree.map(lambda *a: jnp.stack(a), *[one(m) for m in maps])
 
 
-def inv_freq_row(head_dim: int, theta: float) -> jax.Array:
-    """[1, hd] f32: the per-lane rotary frequency, duplicated over the two halves as in rope_angles."""
-    inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+def inv_freq_row(head_dim: int, theta) -> jax.Array:
+    """[1, hd] f32: the per-lane rotary frequency of a Rope (or theta), duplicated over the two halves as in
+    rope_angles."""
+    inv = as_rope(theta).inv_freq(head_dim)
     return jnp.concatenate([inv, inv])[None]
 
 
@@ -349,33 +351,21 @@ def map_insert_reference(src_k, src_v, tgt_k, tgt_v, keys: Sequence, values: Seq
                          tgt_layers, length: int, src_theta: float, tgt_theta: float, src_offset: int = 0,
                          dst_offset: int = 0):
     """Plain-jnp `map_insert` from the unpacked per-layer maps (callables [..., Fx] -> [..., Fy], e.g. LinearMap):
-    the math of kvjax.mapper.features and LinearMap, written into the target buffers with dynamic_update_slice."""
+    kvjax.kernels.features and LinearMap, written into the target buffers with dynamic_update_slice. This is the
+    library's one XLA map: apply_map and the pipelined path run it, and the kernel is tested against it."""
     n_src = len(pairing[0])
     src_k = (src_k,) * n_src if isinstance(src_k, jax.Array) else tuple(src_k)
     src_v = (src_v,) * n_src if isinstance(src_v, jax.Array) else tuple(src_v)
-    pos = dst_offset + jnp.arange(length)
 
-    def features(arrays, layers, theta):
-        out = []
-        for a, layer in zip(arrays, layers):
-            x = a[layer, :, :, src_offset:src_offset + length].astype(jnp.float32)  # [B, Hs, n, hds]
-            if theta is not None:
-                x = unapply_rope(x, *rope_angles(pos, x.shape[-1], theta))
-            out.append(x.transpose(0, 2, 1, 3).reshape(x.shape[0], length, -1))
-        return jnp.concatenate(out, -1)  # [B, n, P*Hs*hds]
-
-    def cache_layout(y, like, theta):
-        b, n, f = y.shape
-        y = y.reshape(b, n, like.shape[2], f // like.shape[2]).transpose(0, 2, 1, 3)  # [B, Ht, n, hdt]
-        if theta is not None:
-            y = apply_rope(y, *rope_angles(pos, y.shape[-1], theta))
-        return y.astype(like.dtype)[None]
+    def features(arrays, layers, theta):  # [B, n, P*Hs*hds]
+        return jnp.concatenate([content_features(a[layer, :, :, src_offset:src_offset + length], theta, dst_offset)
+                                for a, layer in zip(arrays, layers)], -1)
 
     for layers, t, km, vm in zip(pairing, tgt_layers, keys, values):
-        yk = cache_layout(km(features(src_k, layers, src_theta)), tgt_k, tgt_theta)
-        yv = cache_layout(vm(features(src_v, layers, None)), tgt_v, None)
-        tgt_k = jax.lax.dynamic_update_slice(tgt_k, yk, (t, 0, 0, dst_offset, 0))
-        tgt_v = jax.lax.dynamic_update_slice(tgt_v, yv, (t, 0, 0, dst_offset, 0))
+        yk = cache_layout(km(features(src_k, layers, src_theta)), tgt_k.shape[2], tgt_theta, dst_offset)
+        yv = cache_layout(vm(features(src_v, layers, None)), tgt_v.shape[2], None, dst_offset)
+        tgt_k = jax.lax.dynamic_update_slice(tgt_k, yk.astype(tgt_k.dtype)[None], (t, 0, 0, dst_offset, 0))
+        tgt_v = jax.lax.dynamic_update_slice(tgt_v, yv.astype(tgt_v.dtype)[None], (t, 0, 0, dst_offset, 0))
     return tgt_k, tgt_v
 
 

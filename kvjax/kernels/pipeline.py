@@ -22,7 +22,7 @@ from kvjax.kernels.map_insert import insert_layers
 from kvjax.mapper.kvmap import KVMap
 from kvjax.models.config import Qwen3Config
 from kvjax.models.params import Params
-from kvjax.models.qwen3 import causal_attention, embed, finish, head_angles, qkv
+from kvjax.models.decoder import causal_attention, embed, finish, head_angles, qkv
 
 
 def _prefill_map(sparams: Params, scfg: Qwen3Config, kvmap: KVMap, tokens, lengths, capacity: int, dtype,

@@ -13,25 +13,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 from kvjax import distributed, sharding
-from kvjax.cache import AXES as CACHE_AXES, KVCache, init_cache
+from kvjax.builders.native import prefill_cache as native_cache  # the models' own caches (traceable)
 from kvjax.mapper.features import layer_features, paired_features
 from kvjax.mapper.pairing import Pairing
 from kvjax.mapper.ridge import Stats, chunk_stats, to_stats
 from kvjax.models.config import Qwen3Config
-from kvjax.models.params import Params, shard_params
-from kvjax.models.qwen3 import forward
-from kvjax.sharding import constrain
+from kvjax.models.params import shard_params
 
-Model = tuple[Qwen3Config, Params]
+from kvjax.models.model import Model  # noqa: F401  (re-exported for callers that import it from here)
 log = logging.getLogger(__name__)
-
-
-def native_cache(params: Params, cfg: Qwen3Config, tokens: jax.Array, lengths: jax.Array | None = None) -> KVCache:
-    """The model's own cache after prefilling windows int [B, T] (right-padded to `lengths`; traceable). Under an
-    active mesh (jax.set_mesh) the cache is sharded by its logical axes (batch over 'data', kv heads over 'model')."""
-    cache = init_cache(cfg, tokens.shape[0], tokens.shape[1], params.embed.dtype)
-    cache = cache.replace(k=constrain(cache.k, CACHE_AXES), v=constrain(cache.v, CACHE_AXES))
-    return forward(params, cfg, tokens, cache, lengths, last_only=True, fresh=True)[1]
 
 
 @functools.partial(jax.jit, static_argnames=("scfg", "tcfg", "pairing"))

@@ -21,7 +21,6 @@ from jax.sharding import Mesh
 
 from kvjax.cache import KVCache
 from kvjax.kernels.map_insert import insert_layers, resolve_impl
-from kvjax.mapper.features import paired_features, to_cache_layout
 from kvjax.mapper.pairing import Pairing
 from kvjax.mapper.ridge import RidgeFit
 from kvjax.models.config import Qwen3Config
@@ -140,15 +139,6 @@ def check_models(kvmap: KVMap, source: Qwen3Config, target: Qwen3Config) -> None
                          "for these models (kvjax.fit_map) or load the map that belongs to them")
 
 
-def map_features(kvmap: KVMap, source_cache: KVCache, t: int) -> list[tuple[jax.Array, jax.Array]]:
-    """Mapped (keys, values) target features [B, t, Fy] per target layer (keys still in content space)."""
-    out = []
-    for layers, kmap, vmap in zip(kvmap.spec.pairing, kvmap.keys, kvmap.values):
-        xk, xv = paired_features(source_cache, layers, kvmap.spec.source_theta, t)
-        out.append((kmap(xk), vmap(xv)))
-    return out
-
-
 def apply_map(kvmap: KVMap, source_cache: KVCache, capacity: int | None = None, dtype=None,
               length: int | None = None, impl: str = "xla", interpret: bool = False) -> KVCache:
     """Translate a source cache into a target cache (traceable; jit it with `length`/`capacity`/`impl` static).
@@ -165,18 +155,10 @@ def apply_map(kvmap: KVMap, source_cache: KVCache, capacity: int | None = None, 
         raise ValueError(f"target capacity {capacity} is smaller than the {t} mapped positions")
     dtype = dtype or source_cache.dtype
     hkv, hd = kvmap.spec.target_kv
-    if resolve_impl(impl, source_cache.head_dim, hd, t, interpret) == "pallas":
-        shape = (len(kvmap.keys), source_cache.batch_size, hkv, capacity, hd)
-        k, v = insert_layers(source_cache.k, source_cache.v, jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
-                             kvmap.keys, kvmap.values, pairing=kvmap.spec.pairing,
-                             tgt_layers=tuple(range(len(kvmap.keys))), length=t, src_theta=kvmap.spec.source_theta,
-                             tgt_theta=kvmap.spec.target_theta, impl="pallas", interpret=interpret)
-        return KVCache(k=k, v=v, lengths=jnp.minimum(source_cache.lengths, t), origin=f"mapped:{kvmap.map_id}")
-    ks, vs = [], []
-    for yk, yv in map_features(kvmap, source_cache, t):
-        ks.append(to_cache_layout(yk, hkv, kvmap.spec.target_theta).astype(dtype))
-        vs.append(to_cache_layout(yv, hkv, None).astype(dtype))
-    pad = [(0, 0), (0, 0), (0, 0), (0, capacity - t), (0, 0)]
-    k = jnp.pad(jnp.stack(ks), pad)
-    v = jnp.pad(jnp.stack(vs), pad)
+    impl = resolve_impl(impl, source_cache.head_dim, hd, t, interpret)
+    shape = (len(kvmap.keys), source_cache.batch_size, hkv, capacity, hd)
+    k, v = insert_layers(source_cache.k, source_cache.v, jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                         kvmap.keys, kvmap.values, pairing=kvmap.spec.pairing, tgt_layers=tuple(range(len(kvmap.keys))),
+                         length=t, src_theta=kvmap.spec.source_theta, tgt_theta=kvmap.spec.target_theta, impl=impl,
+                         interpret=interpret)
     return KVCache(k=k, v=v, lengths=jnp.minimum(source_cache.lengths, t), origin=f"mapped:{kvmap.map_id}")

@@ -28,11 +28,13 @@ from tqdm import tqdm
 from kvjax import distributed, sharding
 from kvjax.distributed import TokenWindows
 from kvjax.generation import Sampling, decode_loop
-from kvjax.mapper.calibrate import Model, model_on_mesh, native_cache
+from kvjax.builders.native import prefill_cache
+from kvjax.mapper.calibrate import model_on_mesh
+from kvjax.models.model import Model
 from kvjax.mapper.kl import kl
 from kvjax.mapper.kvmap import KVMap, apply_map, kvmap_shardings
 from kvjax.mapper.residual_config import ResidualConfig
-from kvjax.models.qwen3 import forward, forward_nocache
+from kvjax.models.decoder import forward, forward_nocache
 from kvjax.windows import step_batch, step_starts
 
 log = logging.getLogger(__name__)
@@ -63,7 +65,7 @@ def position_kl(kvmap: KVMap, source: Model, target: Model, tokens: jax.Array, p
     tokens[:, prefix:] (traceable)."""
     scfg, sparams = source
     teacher = jax.lax.stop_gradient(forward_nocache(sparams, scfg, tokens[:, :-1])[:, prefix - 1 :])
-    src_cache = jax.lax.stop_gradient(native_cache(sparams, scfg, tokens[:, : prefix - 1]))
+    src_cache = jax.lax.stop_gradient(prefill_cache(sparams, scfg, tokens[:, : prefix - 1]))
     return kl(teacher, student_logits(kvmap, target, src_cache, tokens, prefix))
 
 
@@ -77,7 +79,7 @@ def rollout_windows(kvmap: KVMap, source: Model, target: Model, prefix_tokens: j
     """prefix + the target's greedy continuation of n tokens from the mapped prefix cache (traceable)."""
     (scfg, sparams), (tcfg, tparams) = source, target
     b, p = prefix_tokens.shape
-    mapped = apply_map(kvmap, native_cache(sparams, scfg, prefix_tokens[:, :-1]), capacity=p + n, length=p - 1)
+    mapped = apply_map(kvmap, prefill_cache(sparams, scfg, prefix_tokens[:, :-1]), capacity=p + n, length=p - 1)
     logits, mapped = forward(tparams, tcfg, prefix_tokens[:, -1:], mapped)
     out, _, _ = decode_loop(tparams, tcfg, mapped, logits[:, 0], n, jax.random.key(0), Sampling(), (), 0)
     return jnp.concatenate([prefix_tokens, out], axis=1)

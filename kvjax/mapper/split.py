@@ -18,9 +18,9 @@ import numpy as np
 
 from kvjax.builders import CacheBuilder, Clock, Mapped, NativePrefill, Pipelined
 from kvjax.generation import CACHE_ALIGN, Sampling, decode_loop, pad_prompts
-from kvjax.mapper.calibrate import Model
+from kvjax.models.model import Model
 from kvjax.mapper.kvmap import KVMap, check_models
-from kvjax.models.qwen3 import decode_jit
+from kvjax.models.decoder import decode_jit
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,3 @@
+"""Model families (kvjax.models.family) and the decoder they share. Importing this package registers every family."""
+
+from kvjax.models import qwen3  # noqa: F401  (registers the Qwen3 family)

@@ -10,6 +10,8 @@ import hashlib
 import json
 from typing import Any
 
+from kvjax.models.rope import Rope
+
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 
 
@@ -44,6 +46,10 @@ class Qwen3Config:
                               f"({self.num_kv_heads}) for grouped-query attention")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    @property
+    def rope(self) -> Rope:
+        return Rope(self.rope_theta)
 
     @property
     def q_per_kv(self) -> int:
@@ -155,10 +161,14 @@ def _rope_settings(d: dict[str, Any], source: str) -> tuple[float, Any]:
     return float(theta), scaling
 
 
-def load_config(path: str) -> Qwen3Config:
+def load_config(path: str):
+    """The config of an HF config.json, read by the family its model_type names (kvjax.models.family)."""
     with open(path) as f:
         try:
             d = json.load(f)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON ({e}); re-download or re-save the checkpoint") from None
-    return Qwen3Config.from_hf_dict(d, source=path)
+    from kvjax.models.family import family_for_model_type
+    if d.get("model_type") == "qwen3" or "model_type" not in d:  # Qwen3's own checks explain a wrong architecture
+        return Qwen3Config.from_hf_dict(d, source=path)
+    return family_for_model_type(d.get("model_type"), path).config.from_hf_dict(d, source=path)

@@ -1,8 +1,7 @@
-"""Qwen3 forward pass as pure functions over (Params, KVCache).
+"""The Qwen3 family (Qwen3ForCausalLM): QK-norm attention without biases, SwiGLU MLP, plain RoPE.
 
-One function, `forward`, serves prefill (many tokens per row) and decode (one token per row): it writes the new
-keys/values into the cache at each row's own positions and attends over a static window of the cache that covers
-every row's live part (see kvjax.cache.window_sizes), so decode cost grows with the context, not the capacity.
+Its config is kvjax.models.config.Qwen3Config; its tensors are described once by `param_specs` (shapes, logical
+axes, init, HF names and layouts), which loading, saving, sharding and init all read.
 """
 
 from __future__ import annotations
@@ -10,73 +9,61 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
-from kvjax.cache import KVCache, window_sizes
 from kvjax.models.config import Qwen3Config
-from kvjax.models.params import LayerParams, Params
-from kvjax.models.rope import apply_rope, rope_angles
+from kvjax.models.decoder import rms_norm
+from kvjax.models.family import Family, register
+from kvjax.models.params import ParamSpec, proj_in, spec, transpose
+from kvjax.models.rope import apply_rope
 from kvjax.sharding import constrain
 
-NEG_INF = -1e30  # finite, so fully masked (padding) rows stay NaN-free
+
+@struct.dataclass
+class LayerParams:
+    attn_norm: jax.Array  # [D]
+    q: jax.Array  # [D, Hq, hd]
+    k: jax.Array  # [D, Hkv, hd]
+    v: jax.Array  # [D, Hkv, hd]
+    q_norm: jax.Array  # [hd]
+    k_norm: jax.Array  # [hd]
+    o: jax.Array  # [Hq, hd, D]
+    mlp_norm: jax.Array  # [D]
+    gate: jax.Array  # [D, F]
+    up: jax.Array  # [D, F]
+    down: jax.Array  # [F, D]
 
 
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return w * xf.astype(x.dtype)
+def param_specs(cfg: Qwen3Config) -> dict[str, ParamSpec]:
+    """Flat description ``{"embed": ..., "layers.0.q": ..., ...}`` of every tensor."""
+    d, f, v, hd = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    hq, hkv = cfg.num_heads, cfg.num_kv_heads
 
-
-def _group(q: jax.Array, hkv: int) -> jax.Array:
-    """q [B, T, Hq, hd] -> [B, Hkv, G*T, hd]: the G query heads sharing a KV head become extra query rows, so
-    attention is one plain batched matmul per KV head (no repeated K/V)."""
-    b, t, hq, hd = q.shape
-    return q.reshape(b, t, hkv, hq // hkv, hd).transpose(0, 2, 3, 1, 4).reshape(b, hkv, (hq // hkv) * t, hd)
-
-
-def _ungroup(o: jax.Array, t: int) -> jax.Array:
-    """[B, Hkv, G*T, hd] -> [B, T, Hq, hd]."""
-    b, hkv, gt, hd = o.shape
-    return o.reshape(b, hkv, gt // t, t, hd).transpose(0, 3, 1, 2, 4).reshape(b, t, (gt // t) * hkv, hd)
-
-
-def _softmax_attend(qg, k, v, mask):
-    """qg [B, Hkv, Q, hd], k/v [B, Hkv, S, hd], mask broadcastable to [B, Hkv, Q, S] -> [B, Hkv, Q, hd]."""
-    scores = jnp.einsum("bkqd,bksd->bkqs", qg, k).astype(jnp.float32) * (qg.shape[-1] ** -0.5)
-    probs = jax.nn.softmax(jnp.where(mask, scores, NEG_INF), axis=-1).astype(v.dtype)
-    return jnp.einsum("bkqs,bksd->bkqd", probs, v)
-
-
-def _attend_window(q, k, v, q_pos, kv_len, layer: int, window: int):
-    """Causal GQA attention of q [B, T, Hq, hd] over positions [0, window) of one layer of the cache.
-
-    k, v: [L, B, Hkv, C, hd] whole cache buffers (sliced here, so only the window is read); q_pos [B, T] absolute
-    positions; kv_len [B] valid positions per row.
-    """
-    t, hkv = q.shape[1], k.shape[2]
-    g = q.shape[2] // hkv
-    k = k[layer, :, :, :window]  # [B, Hkv, W, hd]
-    v = v[layer, :, :, :window]
-    key_pos = jnp.arange(window)
-    q_pos = jnp.tile(q_pos, (1, g))  # [B, G*T], matching _group's row order
-    mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < kv_len[:, None, None])
-    return _ungroup(_softmax_attend(_group(q, hkv), k, v, mask[:, None]), t)
-
-
-def attend(q, k, v, q_pos, kv_len, layer: int):
-    """Attention over the smallest static window of the cache that holds every row's live positions."""
-    windows = window_sizes(k.shape[3])
-    if len(windows) == 1:
-        return _attend_window(q, k, v, q_pos, kv_len, layer, windows[0])
-    index = jnp.searchsorted(jnp.asarray(windows), jnp.max(kv_len))
-    index = jnp.minimum(index, len(windows) - 1)
-    branches = [lambda q, k, v, p, n, w=w: _attend_window(q, k, v, p, n, layer, w) for w in windows]
-    return jax.lax.switch(index, branches, q, k, v, q_pos, kv_len)
-
-
-def _write(buf: jax.Array, layer: int, new: jax.Array, positions: jax.Array) -> jax.Array:
-    """buf [L, B, Hkv, C, hd] <- new [B, T, Hkv, hd] at buf[layer, b, :, positions[b, t]]; positions >= C drop."""
-    rows = jnp.arange(new.shape[0])[:, None]
-    return buf.at[layer, rows, :, positions].set(new.astype(buf.dtype), mode="drop")
+    specs = {"embed": spec((v, d), ("vocab", "embed"), "normal", "model.embed_tokens.weight")}
+    for i in range(cfg.num_layers):
+        attn, mlp, layer = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"layers.{i}."
+        specs.update({
+            layer + "attn_norm": spec((d,), ("embed",), "ones", f"model.layers.{i}.input_layernorm.weight"),
+            layer + "q": spec((d, hq, hd), ("embed", "heads", "head_dim"), "normal", attn + "q_proj.weight",
+                              **proj_in(d, hq, hd)),
+            layer + "k": spec((d, hkv, hd), ("embed", "kv_heads", "head_dim"), "normal", attn + "k_proj.weight",
+                              **proj_in(d, hkv, hd)),
+            layer + "v": spec((d, hkv, hd), ("embed", "kv_heads", "head_dim"), "normal", attn + "v_proj.weight",
+                              **proj_in(d, hkv, hd)),
+            layer + "q_norm": spec((hd,), ("head_dim",), "ones", attn + "q_norm.weight"),
+            layer + "k_norm": spec((hd,), ("head_dim",), "ones", attn + "k_norm.weight"),
+            layer + "o": spec((hq, hd, d), ("heads", "head_dim", "embed"), "normal", attn + "o_proj.weight",
+                              to_hf=lambda w: np.asarray(w).reshape(hq * hd, d).T,
+                              from_hf=lambda w: np.asarray(w).T.reshape(hq, hd, d)),
+            layer + "mlp_norm": spec((d,), ("embed",), "ones", f"model.layers.{i}.post_attention_layernorm.weight"),
+            layer + "gate": spec((d, f), ("embed", "ffn"), "normal", mlp + "gate_proj.weight", **transpose()),
+            layer + "up": spec((d, f), ("embed", "ffn"), "normal", mlp + "up_proj.weight", **transpose()),
+            layer + "down": spec((f, d), ("ffn", "embed"), "normal", mlp + "down_proj.weight", **transpose()),
+        })
+    specs["final_norm"] = spec((d,), ("embed",), "ones", "model.norm.weight")
+    if not cfg.tie_word_embeddings:
+        specs["lm_head"] = spec((d, v), ("embed", "vocab"), "normal", "lm_head.weight", **transpose())
+    return specs
 
 
 def qkv(lp: LayerParams, cfg: Qwen3Config, x, cos, sin):
@@ -100,199 +87,6 @@ def finish(lp: LayerParams, cfg: Qwen3Config, x, attn):
     return constrain(x, ("batch", None, None))
 
 
-def layer_forward(lp: LayerParams, cfg: Qwen3Config, x, cos, sin, cache: KVCache, layer: int, positions, kv_len,
-                  fresh: bool = False):
-    """One decoder layer over cached context. x [B, T, D]; returns (x, cache with this layer's K/V written).
-    `fresh`: the cache held nothing before these tokens, so attention needs only their own K/V."""
-    q, k, v = qkv(lp, cfg, x, cos, sin)
-    cache = cache.replace(k=_write(cache.k, layer, k, positions), v=_write(cache.v, layer, v, positions))
-    if fresh:
-        attn = causal_attention(q, k, v)
-    else:
-        attn = attend(q, cache.k, cache.v, positions, kv_len, layer)  # [B, T, Hq, hd]
-    return finish(lp, cfg, x, attn), cache
 
-
-def causal_attention(q, k, v, block: int = 128):
-    """Causal GQA attention within sequences that start at position 0: q [B, T, Hq, hd], k/v [B, T, Hkv, hd].
-
-    Queries are processed in blocks of `block`; block i attends only keys [0, end of block i), so the masked upper
-    triangle is mostly never computed and each block's scores stay cache-sized (~3x faster than one [T, T] pass).
-    """
-    t, hkv = q.shape[1], k.shape[2]
-    g = q.shape[2] // hkv
-    qg = _group(q, hkv).reshape(q.shape[0], hkv, g, t, q.shape[3])  # [B, Hkv, G, T, hd]
-    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, T, hd]
-    outs = []
-    for lo in range(0, t, block):
-        hi = min(lo + block, t)
-        qi = qg[:, :, :, lo:hi].reshape(q.shape[0], hkv, g * (hi - lo), q.shape[3])
-        q_pos = jnp.tile(jnp.arange(lo, hi), g)
-        mask = jnp.arange(hi)[None, :] <= q_pos[:, None]  # [G*(hi-lo), hi]
-        o = _softmax_attend(qi, k[:, :, :hi], v[:, :, :hi], mask)
-        outs.append(o.reshape(q.shape[0], hkv, g, hi - lo, q.shape[3]))
-    o = jnp.concatenate(outs, axis=3).reshape(q.shape[0], hkv, g * t, q.shape[3])
-    return _ungroup(o, t)
-
-
-def head_angles(cfg: Qwen3Config, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos, sin for token positions int [B, T] (or [T]), shaped to broadcast over heads: [B or 1, T, 1, hd]."""
-    cos, sin = rope_angles(positions, cfg.head_dim, cfg.rope_theta)
-    if positions.ndim == 1:
-        cos, sin = cos[None], sin[None]
-    return cos[:, :, None, :], sin[:, :, None, :]
-
-
-def embed(params: Params, tokens: jax.Array) -> jax.Array:
-    """Token embeddings [B, T, D], batch-sharded under a mesh."""
-    return constrain(params.embed[tokens], ("batch", None, None))
-
-
-def forward_nocache(params: Params, cfg: Qwen3Config, tokens: jax.Array, remat: bool = False) -> jax.Array:
-    """Logits [B, T, V] of whole sequences from position 0, without a cache (training, scoring)."""
-    b, t = tokens.shape
-    cos, sin = head_angles(cfg, jnp.arange(t))
-
-    def layer(lp, x):
-        q, k, v = qkv(lp, cfg, x, cos, sin)
-        return finish(lp, cfg, x, causal_attention(q, k, v))
-
-    if remat:
-        layer = jax.checkpoint(layer)
-    x = embed(params, tokens)
-    for lp in params.layers:
-        x = layer(lp, x)
-    return unembed(params, rms_norm(x, params.final_norm, cfg.rms_norm_eps))
-
-
-def unembed(params: Params, x: jax.Array) -> jax.Array:
-    if params.lm_head is None:
-        return jnp.einsum("btd,vd->btv", x, params.embed)
-    return jnp.einsum("btd,dv->btv", x, params.lm_head)
-
-
-def forward(params: Params, cfg: Qwen3Config, tokens: jax.Array, cache: KVCache, lengths: jax.Array | None = None,
-            last_only: bool = False, fresh: bool = False) -> tuple[jax.Array, KVCache]:
-    """Run `tokens` [B, T] (right-padded; `lengths` [B] real tokens per row, default T) after each row's cached
-    positions. Returns logits [B, T, V] (or [B, V] at each row's last real token when `last_only`) and the cache with
-    `lengths` advanced. `fresh` (static) promises that the cache is empty (all lengths 0): attention then uses
-    block-causal attention over the new tokens alone instead of reading the cache."""
-    b, t = tokens.shape
-    if lengths is None:
-        lengths = jnp.full((b,), t, jnp.int32)
-    start = cache.lengths
-    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
-    kv_len = start + lengths
-    cos, sin = head_angles(cfg, positions)
-    x = embed(params, tokens)  # [B, T, D]
-    for i, lp in enumerate(params.layers):
-        x, cache = layer_forward(lp, cfg, x, cos, sin, cache, i, positions, kv_len, fresh)
-    if last_only:
-        x = x[jnp.arange(b), jnp.maximum(lengths - 1, 0)][:, None]  # [B, 1, D]
-    logits = unembed(params, rms_norm(x, params.final_norm, cfg.rms_norm_eps))
-    if last_only:
-        logits = logits[:, 0]
-    return logits, cache.replace(lengths=kv_len)
-
-
-# ---- public entry points (jitted, cache donated) -----------------------------------------------------------------
-
-def _prefill(params, cfg, tokens, cache, lengths, last_only, fresh):
-    return forward(params, cfg, tokens, cache, lengths, last_only, fresh)
-
-
-def decode(params, cfg, tokens, cache):
-    """One token per row int [B] after the cache (traceable): (logits [B, V], cache)."""
-    logits, cache = forward(params, cfg, tokens[:, None], cache)
-    return logits[:, 0], cache
-
-
-_prefill_jit = jax.jit(_prefill, static_argnames=("cfg", "last_only", "fresh"), donate_argnames=("cache",))
-decode_jit = jax.jit(decode, static_argnames=("cfg",), donate_argnames=("cache",))
-
-
-def _check_cache(cfg: Qwen3Config, cache: KVCache, tokens, ndim: int, what: str) -> None:
-    from kvjax.cache import check_compatible
-    if not isinstance(cache, KVCache):
-        raise TypeError(f"{what}: cache must be a kvjax.KVCache (kvjax.init_cache), got {type(cache).__name__}")
-    check_compatible(cfg, cache)
-    if tokens.ndim != ndim or not jnp.issubdtype(tokens.dtype, jnp.integer):
-        shape = "[B, T]" if ndim == 2 else "[B]"
-        raise ValueError(f"{what}: tokens must be an integer array of shape {shape}, got {tokens.dtype}{tokens.shape}")
-    if tokens.shape[0] != cache.batch_size:
-        raise ValueError(f"{what}: tokens have batch {tokens.shape[0]} but the cache was made for batch "
-                         f"{cache.batch_size}")
-
-
-def _on_host(*arrays):
-    """numpy values of `arrays` (None passes through) in one device-to-host transfer; host inputs cost nothing.
-    The compiled functions cannot raise, so what they would silently get wrong is checked here, before any compute
-    is queued."""
-    return [None if a is None else np.asarray(a) for a in jax.device_get(arrays)]
-
-
-def _int32(value, host: np.ndarray):
-    """The int32 argument for a compiled call: a device array as it is, else the host copy (the jitted call uploads
-    it more cheaply than a separate jnp.asarray dispatch)."""
-    if isinstance(value, jax.Array) and value.dtype == jnp.int32:
-        return value
-    return host.astype(np.int32, copy=False)
-
-
-def _check_token_ids(cfg: Qwen3Config, tokens: np.ndarray, real: np.ndarray, what: str) -> None:
-    """Ids outside the vocabulary would be gathered from a clamped embedding row: wrong logits, no error."""
-    bad = real & ((tokens < 0) | (tokens >= cfg.vocab_size))
-    if bad.any():
-        at = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(f"{what}: token ids must be in [0, {cfg.vocab_size}) (the model's vocab_size), got "
-                         f"{int(tokens[at])} at index {list(at)}; encode with the tokenizer of this model")
-
-
-LARGER_CACHE = "create a larger cache: kvjax.init_cache(cfg, batch, max_len) with max_len >= prompt + new tokens"
-
-
-def prefill(params: Params, cfg: Qwen3Config, tokens, cache: KVCache, lengths=None, *, last_only: bool = False,
-            fresh: bool | None = None):
-    """Process prompt tokens int32 [B, T] (right-padded; `lengths` [B] = real tokens per row) after what the cache
-    holds. Returns (logits [B, T, V] or, with `last_only`, [B, V] at each row's last real token; cache). The cache
-    argument is donated: use the returned one. Before compiling anything, the tokens, `lengths` and cache.lengths
-    are read on the host (one small device-to-host copy) to reject ids outside the vocabulary and prompts that
-    overflow the cache; `fresh` (whether the cache is empty) defaults to what that read shows."""
-    tokens = tokens if isinstance(tokens, jax.Array) else np.asarray(tokens)
-    _check_cache(cfg, cache, tokens, 2, "prefill")
-    b, t = tokens.shape
-    if t > cache.capacity:
-        raise ValueError(f"prefill: {t} tokens do not fit a cache of capacity {cache.capacity}; "
-                         "make the cache larger (kvjax.init_cache(cfg, batch, max_len))")
-    if lengths is not None and not isinstance(lengths, jax.Array):
-        lengths = np.asarray(lengths)
-    host_tokens, host_lengths, cached = _on_host(tokens, lengths, cache.lengths)
-    new = np.full((b,), t) if host_lengths is None else host_lengths
-    if new.shape != (b,) or new.min() < 0 or new.max() > t:
-        raise ValueError(f"prefill: lengths must be [B] = [{b}] integers in 0..{t} (real tokens per row), got {new}")
-    _check_token_ids(cfg, host_tokens, np.arange(t)[None, :] < new[:, None], "prefill")
-    over = np.flatnonzero(cached + new > cache.capacity)
-    if over.size:
-        r = int(over[0])
-        raise ValueError(f"prefill: row {r} holds {int(cached[r])} positions and gets {int(new[r])} more, past the "
-                         f"cache capacity {cache.capacity}; {LARGER_CACHE}")
-    if fresh is None:
-        fresh = not cached.any()
-    lengths = None if lengths is None else _int32(lengths, host_lengths)
-    return _prefill_jit(params, cfg, _int32(tokens, host_tokens), cache, lengths, last_only, bool(fresh))
-
-
-def decode_step(params: Params, cfg: Qwen3Config, tokens, cache: KVCache):
-    """One token per row, int32 [B], appended at each row's own position. Returns (logits [B, V], cache).
-    The cache argument is donated: use the returned one. The tokens and cache.lengths are read on the host (one
-    small device-to-host copy per step) to reject ids outside the vocabulary and a row whose cache is full, whose
-    write would fall outside the buffer: size the cache for prompt + new tokens."""
-    tokens = tokens if isinstance(tokens, jax.Array) else np.asarray(tokens)
-    _check_cache(cfg, cache, tokens, 1, "decode_step")
-    host_tokens, cached = _on_host(tokens, cache.lengths)
-    _check_token_ids(cfg, host_tokens, np.ones(host_tokens.shape, bool), "decode_step")
-    full = np.flatnonzero(cached >= cache.capacity)
-    if full.size:
-        raise ValueError(f"decode_step: the cache is full (all {cache.capacity} positions used) in row(s) "
-                         f"{full.tolist()}, so the new token's keys/values would not be stored; {LARGER_CACHE}")
-    return decode_jit(params, cfg, _int32(tokens, host_tokens), cache)
+QWEN3 = register(Family(name="qwen3", config=Qwen3Config, model_types=("qwen3",), layer=LayerParams,
+                        param_specs=param_specs, qkv=qkv, finish=finish))

@@ -23,7 +23,7 @@ import optax
 import kvjax
 from kvjax.mapper.calibrate import native_cache
 from kvjax.mapper.kl import kl
-from kvjax.models.qwen3 import forward, forward_nocache
+from kvjax.models.decoder import forward, forward_nocache
 
 
 def main() -> None:

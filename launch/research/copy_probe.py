@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from launch.toy.config import toy_model
-from kvjax.models.qwen3 import forward_nocache
+from kvjax.models.decoder import forward_nocache
 from kvjax.pretrain import TrainConfig, batch_at, init_state, make_train_step
 from launch.toy.train import load_tokens
 

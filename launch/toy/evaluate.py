@@ -48,7 +48,7 @@ def repeated_passage_ce(params, cfg, windows: np.ndarray, n: int = 256) -> tuple
     it: a model with induction heads (what in-context retrieval needs) finds the repeat far easier."""
     import jax.numpy as jnp
 
-    from kvjax.models.qwen3 import forward_nocache
+    from kvjax.models.decoder import forward_nocache
     x = windows[:, :n].astype(np.int32)
     toks = jnp.asarray(np.concatenate([x, x], 1))
     logits = forward_nocache(params, cfg, toks[:, :-1]).astype(jnp.float32)
