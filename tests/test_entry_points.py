@@ -1,4 +1,4 @@
-"""The former standalone pipelines are flags over the main job: launch.fit_distributed and launch.toy.fit_map
+"""The former standalone pipelines are flags over the main job: launch.cluster.fit_distributed and launch.toy.fit_map
 translate into `python -m kvjax.launch` arguments that it accepts (checked by its own parser and preflight), with
 the settings they used to stand for."""
 
@@ -14,7 +14,7 @@ TOY = os.path.join(REPO, "checkpoints", "toy")
 
 
 def test_fit_distributed_is_the_fit_config(tmp_path):
-    from launch import fit_distributed
+    from launch.cluster import fit_distributed
     np.save(tmp_path / "tokens.npy", np.random.RandomState(0).randint(1, 8000, 5000).astype(np.uint16))
     args = fit_distributed.parse_args([
         "--source", f"{TOY}/source", "--target", f"{TOY}/target", "--tokens", str(tmp_path / "tokens.npy"),
@@ -46,3 +46,21 @@ def test_toy_fit_map_is_the_toy_config():
     assert (cfg.eval.distances.windows, cfg.eval.kl.windows) == (32, 128)  # held-out rows 0:32 and 32:160
     with pytest.raises(SystemExit, match="--pairing 'best'"):
         fit_map.launch_args(fit_map.parse_args(["--pairing", "best"]))
+
+
+def test_distributed_flags_are_checked_before_anything_runs(tmp_path, capsys, monkeypatch):
+    from kvjax.distributed import ENV_ADDRESS, ENV_ID, ENV_NUM, split_launch_flags
+    for name in (ENV_ADDRESS, ENV_NUM, ENV_ID):
+        monkeypatch.delenv(name, raising=False)
+    flags, rest = split_launch_flags(["--config=toy", "--num-processes=4", "--process_id=1", "--redo=report",
+                                      "--coordinator=10.0.0.1:1234"])
+    assert (flags.num_processes, flags.process_id, flags.coordinator) == (4, 1, "10.0.0.1:1234")
+    assert rest == ["--config=toy", "--redo=report"]
+    out = tmp_path / "run"
+    for bad, message in (("--distributed=maybe", "--distributed=maybe: use auto, on or off"),
+                         ("--step_timeout=soon", "--step_timeout='soon': expected float"),
+                         ("--coordinator", "--coordinator: give a value"),
+                         ("--num_processes=2", "2 processes but no coordinator address")):
+        assert launch.main([f"--config.output_dir={out}", bad]) == 2, bad
+        assert message in capsys.readouterr().err, bad
+    assert not out.exists()
