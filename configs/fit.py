@@ -1,8 +1,8 @@
-"""The map only: ridge + residual fitted on a token file, no evaluations (what launch/fit_distributed.py runs).
+"""The map only: ridge + residual fitted on a token file, no evaluations (what launch/cluster/fit_distributed.py runs).
 
     python -m kvjax.launch --config=fit --config.source.path=SRC --config.target.path=TGT \
         --config.data.train_text=tokens.npy --config.output_dir=runs/map
-    # N processes: every one runs the same command (launch/multihost.py locally, launch/templates/ on clusters)
+    # N processes: every one runs the same command (launch/cluster/multihost.py locally, its templates/ on clusters)
 
 The run directory gets map_ridge/ and map/ (kvjax.save_map, written by process 0), residual/ (orbax checkpoints
 written by every process: put it on a filesystem every host sees) and a report with the map's fit only. The

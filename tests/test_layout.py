@@ -203,6 +203,11 @@ def test_the_room_check_catches_a_private_import(tmp_path):
     assert where == [["launch/research/probe.py", "1"], ["launch/research/probe.py", "3"]], problems
 
 
+def test_launch_holds_rooms_only():
+    loose = [p.name for p in (REPO / "launch").glob("*.py") if p.name != "__init__.py"]
+    assert not loose, f"launch/{loose}: put each entry point in a room ({', '.join(ROOMS)}) and say so in the README"
+
+
 def test_settings_modules_do_not_import_jax():
     problems = [chain for m in JAX_FREE for chain in heavy_imports(REPO, m)]
     assert not problems, "settings modules import JAX & co.: " + "; ".join(problems)

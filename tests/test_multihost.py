@@ -1,7 +1,7 @@
 """`python -m kvjax.launch --config=toy` on two JAX processes (2 fake CPU devices each, gloo collectives) through
-launch.multihost: its map equals the one-process run's; a dead peer ends the job quickly, with a clear message; the
-rerun resumes to the same map as an uninterrupted run; a crash in the middle of a checkpoint save leaves the previous
-checkpoint usable.
+launch.cluster.multihost: its map equals the one-process run's; a dead peer ends the job quickly, with a clear
+message; the rerun resumes to the same map as an uninterrupted run; a crash in the middle of a checkpoint save leaves
+the previous checkpoint usable.
 
 Every subprocess runs under a hard timeout, on a free port, and is killed by the test if it outlives it."""
 
@@ -55,8 +55,8 @@ def start(args, log_path, procs=2):
         env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
         cmd = [sys.executable, "-m", "kvjax.launch", *args]
     else:
-        cmd = [sys.executable, "-m", "launch.multihost", "--procs", str(procs), "--devices-per-proc", "2", "--grace",
-               "90", "--timeout", str(HARD_TIMEOUT - 20), "--", "kvjax.launch", *args, *TWO_BY_TWO]
+        cmd = [sys.executable, "-m", "launch.cluster.multihost", "--procs", str(procs), "--devices-per-proc", "2",
+               "--grace", "90", "--timeout", str(HARD_TIMEOUT - 20), "--", "kvjax.launch", *args, *TWO_BY_TWO]
     log = open(log_path, "w")
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 

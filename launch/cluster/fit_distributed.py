@@ -1,9 +1,9 @@
 """Fit a cache map (ridge + residual) on a token file, one to many hosts: the main job's `fit` config under the flags
 of the former standalone pipeline. Every process runs the same command.
 
-    python -m launch.fit_distributed --source SRC --target TGT --tokens tokens.npy --out runs/map
-    python -m launch.multihost --procs 2 --devices-per-proc 2 -- launch.fit_distributed --source SRC ...
-    # a TPU pod slice or a SLURM GPU cluster: launch/templates/ (they start python -m kvjax.launch directly)
+    python -m launch.cluster.fit_distributed --source SRC --target TGT --tokens tokens.npy --out runs/map
+    python -m launch.cluster.multihost --procs 2 --devices-per-proc 2 -- launch.cluster.fit_distributed --source SRC ...
+    # a TPU pod slice or a SLURM GPU cluster: launch/cluster/templates/ (they start python -m kvjax.launch directly)
 
 is exactly
 

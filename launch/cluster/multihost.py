@@ -1,6 +1,6 @@
 """Run a kvjax job as N JAX processes on this machine (tests, laptops): the local stand-in for a multi-host launch.
 
-    python -m launch.multihost --procs 2 --devices-per-proc 2 -- kvjax.launch --config=toy \
+    python -m launch.cluster.multihost --procs 2 --devices-per-proc 2 -- kvjax.launch --config=toy \
         --config.mesh.data=2 --config.mesh.model=2
 
 Each process gets JAX_COORDINATOR_ADDRESS=127.0.0.1:<free port>, JAX_NUM_PROCESSES and JAX_PROCESS_ID (read by
@@ -8,7 +8,7 @@ kvjax.distributed.initialize) and, on CPU, --devices-per-proc fake devices; cros
 Output lines are prefixed with [pI]. When a process fails, the others get --grace seconds to stop by themselves
 (JAX's heartbeats end them once a peer is gone), then they are terminated; the launcher exits with the first
 failure's status (128 + signal for a signal) and says who failed how. For TPU pods and SLURM clusters see
-launch/templates/.
+launch/cluster/templates/.
 """
 
 from __future__ import annotations
@@ -150,10 +150,10 @@ def launch(module: str, args: list[str], procs: int, devices: int, *, port: int 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if "--" not in argv:
-        sys.exit("usage: python -m launch.multihost [--procs N] [--devices-per-proc D] -- MODULE [ARGS...]")
+        sys.exit("usage: python -m launch.cluster.multihost [--procs N] [--devices-per-proc D] -- MODULE [ARGS...]")
     split = argv.index("--")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                usage="python -m launch.multihost [options] -- MODULE [ARGS...]")
+                                usage="python -m launch.cluster.multihost [options] -- MODULE [ARGS...]")
     p.add_argument("--procs", type=int, default=2, help="processes to start")
     p.add_argument("--devices-per-proc", type=int, default=1,
                    help="fake CPU devices per process (with --platform gpu: accelerators per process)")

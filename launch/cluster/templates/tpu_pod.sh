@@ -2,7 +2,7 @@
 # The main job (python -m kvjax.launch --config=qwen32_8: fit the 32B -> 8B cache map, evaluate, report) on a Cloud
 # TPU pod slice: every host runs the same program (JAX multi-controller).
 #
-#   TPU_NAME=my-v5p-32 ZONE=us-east5-a SHARED=/mnt/shared launch/templates/tpu_pod.sh
+#   TPU_NAME=my-v5p-32 ZONE=us-east5-a SHARED=/mnt/shared launch/cluster/templates/tpu_pod.sh
 #
 # Needs: the kvjax checkout at $REPO on every host with `pip install -e '.[tpu]'` done there (launch/venv installs
 # the CPU test extra, not jax[tpu]), the HF checkpoints and the calibration text on a filesystem all hosts mount
