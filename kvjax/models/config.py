@@ -10,8 +10,6 @@ import hashlib
 import json
 from typing import Any
 
-from kvjax.models.rope import Rope
-
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 
 
@@ -48,7 +46,9 @@ class Qwen3Config:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
 
     @property
-    def rope(self) -> Rope:
+    def rope(self):
+        """The model's RoPE description (kvjax.models.rope.Rope; imported here so configs read without JAX)."""
+        from kvjax.models.rope import Rope
         return Rope(self.rope_theta)
 
     @property
