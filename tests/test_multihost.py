@@ -8,6 +8,7 @@ Every subprocess runs under a hard timeout, on a free port, and is killed by the
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,7 +40,7 @@ TWO_BY_TWO = ["--config.mesh.data=2", "--config.mesh.model=2", "--heartbeat_time
 # thing to compare: at lambda 1e-3 on 512 calibration tokens the ridge solve amplifies float32 rounding to ~4e-4 of
 # the largest weight (measured) along directions the calibration data barely excite, which the map's output does
 # not see. What the map produces, the target's cache from held-out source caches, agreed to 4.6e-5 of its largest
-# entry after the ridge and 3.3e-5 after 30 residual steps (measured); the tolerance leaves 4x margin.
+# entry after the ridge and after 30 residual steps (measured); the tolerance leaves 4x margin.
 CACHE_RTOL = 2e-4
 
 
@@ -135,9 +136,9 @@ def test_two_processes_give_the_one_process_map(runs):
     assert re.search(r"\[p1\].*stage distances +runs on process 0; waiting", log)
     metrics = {n: json.loads(read(d / "metrics.json")) for n, d in (("one", one), ("two", two))}
     assert metrics["two"]["run"]["devices"].startswith("4 x cpu")
-    for kind in ("key_cos", "value_cos"):  # evaluated by process 0 on its 2 devices: the one-device numbers
-        for arm, value in metrics["one"]["distances"][kind].items():
-            assert metrics["two"]["distances"][kind][arm] == pytest.approx(value, abs=1e-4), (kind, arm)
+    for kind in ("key_cos", "value_cos"):  # evaluated by process 0 on its 2 devices: the one-device numbers, up to
+        for arm, value in metrics["one"]["distances"][kind].items():  # the maps' difference (1.3e-6 measured)
+            assert metrics["two"]["distances"][kind][arm] == pytest.approx(value, abs=1e-5), (kind, arm)
 
 
 def test_dead_peer_ends_the_job_and_the_rerun_resumes_to_the_same_map(runs):
@@ -169,6 +170,9 @@ def test_dead_peer_ends_the_job_and_the_rerun_resumes_to_the_same_map(runs):
     assert steps_done and steps_done[-1] < STEPS
     assert not (out / "stages" / "residual.json").exists()
 
+    elsewhere = runs / "run_killed_moved"  # the same interrupted run, resumed on another topology below
+    shutil.copytree(out, elsewhere)
+
     rerun_log = runs / "run_killed2.log"
     assert finish(start(toy_job(out), rerun_log)) == 0, read(rerun_log)[-6000:]
     rerun = read(rerun_log)
@@ -176,6 +180,14 @@ def test_dead_peer_ends_the_job_and_the_rerun_resumes_to_the_same_map(runs):
     assert f"resumed from step {steps_done[-1]}" in rerun
     # bit-identical to the uninterrupted two-process run
     assert_maps_equal(kvjax.load_map(str(out / "map")), kvjax.load_map(str(runs / "run2" / "map")))
+
+    # resumed on one process with one device: the checkpoint of the 2 x 2 mesh restores onto it, and the map is the
+    # one-process run's (within the two topologies' difference, see CACHE_RTOL)
+    moved_log = runs / "run_killed_moved.log"
+    assert finish(start(toy_job(elsewhere), moved_log, procs=1)) == 0, read(moved_log)[-6000:]
+    assert f"resumed from step {steps_done[-1]}" in read(moved_log)
+    for want, got in zip(mapped_caches(runs / "run1", "map"), mapped_caches(elsewhere, "map")):
+        assert np.abs(got - want).max() / np.abs(want).max() <= CACHE_RTOL
 
 
 CRASH_CHILD = textwrap.dedent("""
