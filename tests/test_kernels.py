@@ -140,6 +140,15 @@ def random_kvmap(source, target, pairing, rank=8, residual=4, seed=0) -> KVMap:
                  spec=spec_for(scfg, tcfg, pairing, rank, residual))
 
 
+def map_tol(ref, positions: int, kvmap, extra: int = 0) -> float:
+    """Worst-case first-order float32 difference between two implementations of the map: the kernel computes RoPE
+    angles in float32 (p * f: 2 roundings, then cos / sin), the XLA map reads a host table, and keys are un-rotated
+    and re-rotated (4 (p + 1) roundings at most), plus the dot products over the map's input features, plus `extra`
+    roundings upstream; times the largest entry. Measured: 4.6e-7 of the largest entry (7.6 U)."""
+    terms = 4 * (positions + 1) + kvmap.keys[0].w_in.shape[0] + extra
+    return terms * 2.0 ** -24 * float(np.abs(np.asarray(ref)).max())
+
+
 @pytest.fixture(scope="module")
 def pair():
     source = model(4, 64, 4, 2, 16, seed=0, theta=1e4)
@@ -156,8 +165,8 @@ def test_apply_map_impls_agree(pair):
     pallas = kvjax.apply_map(kvmap, cache, capacity=48, impl="pallas", interpret=True)
     np.testing.assert_array_equal(auto.k, ref.k)
     for got in (pallas, auto):
-        np.testing.assert_allclose(got.k, ref.k, atol=1e-5)
-        np.testing.assert_allclose(got.v, ref.v, atol=1e-5)
+        np.testing.assert_allclose(got.k, ref.k, atol=map_tol(ref.k, 37, kvmap))
+        np.testing.assert_allclose(got.v, ref.v, atol=map_tol(ref.v, 37, kvmap))
         np.testing.assert_array_equal(got.lengths, ref.lengths)
         assert got.origin == ref.origin and got.is_mapped
     with pytest.raises(ValueError, match="interpret=True"):
@@ -173,8 +182,9 @@ def test_pipelined_prefill_map_equals_prefill_then_map(pair, impl):
                           length=37)
     got = pipelined_prefill_map(source, kvmap, tokens, lengths, capacity=64, impl=impl, interpret=impl == "pallas")
     assert got.k.shape == ref.k.shape and got.origin == ref.origin
-    np.testing.assert_allclose(got.k, ref.k, atol=2e-5)
-    np.testing.assert_allclose(got.v, ref.v, atol=2e-5)
+    prefill_terms = 3 * (source[0].hidden_size + 37)  # the source layers run again, in another program
+    np.testing.assert_allclose(got.k, ref.k, atol=map_tol(ref.k, 37, kvmap, prefill_terms))
+    np.testing.assert_allclose(got.v, ref.v, atol=map_tol(ref.v, 37, kvmap, prefill_terms))
     np.testing.assert_array_equal(got.lengths, lengths)
     with pytest.raises(ValueError, match="fitted for source model"):
         pipelined_prefill_map(pair[1], kvmap, tokens)
