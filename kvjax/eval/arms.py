@@ -117,8 +117,9 @@ class ArmSpec:
 
 TARGET, DIRECT, RIDGE, RESIDUAL, SOURCE = "target", "direct", "ridge", "residual", "source"
 
-# `cache` uses NativeRows / MappedRows / SourcePrefix above; kvjax.builders' NativePrefill / Mapped / SharedPrefill
-# have the same interface and replace them one row at a time (SharedPrefill as ArmContext.shared in make_arms).
+# `cache` uses NativeRows / MappedRows / SourcePrefix above. kvjax.builders' NativePrefill and Mapped (with
+# shared=kvjax.builders.SourcePrefill as ArmContext.shared, set in make_arms) have the same interface: each row's
+# `cache` becomes e.g. `lambda c: Mapped(c.source, c.target, c.map(RIDGE), shared=c.shared)`.
 
 TABLE = (
     ArmSpec(TARGET, "native target", "#4C72B0", lambda c: NativeRows(c.target)),
