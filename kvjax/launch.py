@@ -75,7 +75,8 @@ def plan(cfg: RunConfig) -> dict[str, Stage]:
 class Job:
     """The stages of one run. In a multi-process run every process builds a Job: all of them run the data-parallel
     stages (COLLECTIVE) on the mesh over every device; process 0 alone runs the others on its own devices (`local`)
-    and writes the run directory's shared files, while the others wait."""
+    and writes the run directory's shared files, while the others wait. A Job asks JAX which process it is: start
+    jax.distributed (kvjax.distributed.initialize, as main() does) before building one."""
 
     def __init__(self, cfg: RunConfig, redo: tuple[str, ...] = (), step_timeout: float = 0.0):
         import jax
