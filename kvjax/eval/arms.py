@@ -32,11 +32,11 @@ from kvjax.eval.likelihood import bucket, continuation_logprobs, fit_capacity
 from kvjax.eval.multiple_choice import MCItem, MCResult, PrefixFn, encode
 from kvjax.eval.retrieval import RetrievalItem, RetrievalResult
 from kvjax.generation import pad_prompts
-from kvjax.mapper.calibrate import Model
+from kvjax.models.model import Model
 from kvjax.mapper.kvmap import KVMap, LinearMap, apply_map, direct_map, spec_for
 from kvjax.mapper.pairing import depth_pairing
 from kvjax.models.config import Qwen3Config
-from kvjax.models.qwen3 import forward
+from kvjax.models.decoder import forward
 
 # ---- caches: (tokens int [B, T], lengths int [B]) -> the answering model's cache of each row's tokens[:length] ----
 # (the interface of kvjax.builders: `.model` is the answering model, calling it builds the cache)
