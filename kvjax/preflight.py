@@ -91,6 +91,7 @@ def validate(cfg: RunConfig) -> None:
             problems.append(f"{name} must be >= 1, got {value}")
     if cfg.residual.steps < 0:
         problems.append(f"residual.steps must be >= 0, got {cfg.residual.steps}")
+    problems += cfg.arms.problems(cfgs['target'].num_layers if 'target' in cfgs else None)
     problems += suite.preflight(cfg)  # each evaluation's settings and inputs (gate.cos_arm: distances)
     for f in dataclasses.fields(GateConfig):
         value = getattr(cfg.gate, f.name)

@@ -14,6 +14,7 @@ from kvjax.eval.suite.kl import KLEval
 from kvjax.eval.suite.mc import MCEval
 from kvjax.eval.suite.retrieval import RetrievalEval
 from kvjax.eval.suite.throughput import ThroughputEval
+from kvjax.eval.arm_settings import ArmSettings
 from kvjax.gate import GateConfig
 from kvjax.mapper.residual_config import ResidualConfig
 
@@ -78,6 +79,7 @@ class RunConfig:
     map: MapConfig = MapConfig()
     residual: ResidualConfig = ResidualConfig()  # residual training (steps=0: ridge only)
     eval: EvalConfig = EvalConfig()
+    arms: ArmSettings = ArmSettings()  # settings of the arms that take any (the partial-recomputation arm)
     gate: GateConfig = GateConfig()
     mesh: MeshConfig = MeshConfig()
     seed: int = 0  # window draws (calibration, lambda selection); bootstrap and residual seeds are their own

@@ -428,7 +428,7 @@ def test_arm_table():
     from kvjax import config_flags
     from kvjax.eval import arms
     from kvjax.run_config import RunConfig
-    assert [a.name for a in arms.TABLE] == ["target", "direct", "ridge", "residual", "source"]
+    assert [a.name for a in arms.TABLE] == ["target", "direct", "ridge", "residual", "partial", "source"]
     assert len({a.colour for a in arms.TABLE}) == len(arms.TABLE)
     for name in ("toy", "toy_pruned", "qwen32_8"):  # every arm a shipped config names is in the table
         cfg = config_flags.build(name, [], RunConfig)
@@ -458,6 +458,13 @@ def test_every_arm_builds_its_cache(params):
         np.testing.assert_allclose(np.asarray(caches[name].k), np.asarray(mapped.k), atol=1e-6)
         np.testing.assert_allclose(np.asarray(caches[name].v), np.asarray(mapped.v), atol=1e-6)
     assert not np.allclose(np.asarray(caches["target"].k), np.asarray(caches["source"].k))
+    # partial (default: bottom 1 of the final map): layer 0 is the target's own, the layers above the mapped ones
+    for what in ("k", "v"):
+        got = np.asarray(getattr(caches["partial"], what))
+        np.testing.assert_allclose(got[1:], np.asarray(getattr(mapped, what))[1:], atol=1e-6)
+        for r, n in enumerate(lengths):
+            np.testing.assert_allclose(got[0, r, :, :n], np.asarray(getattr(caches["target"], what))[0, r, :, :n],
+                                       atol=1e-5)
     one = built[0].prefix_fn([5, 6, 7, 8, 11], 3)  # item by item: the context's prefix in `rows` identical rows
     np.testing.assert_allclose(np.asarray(one.k[:, 0]), np.asarray(caches["target"].k[:, 0]), atol=1e-5)
     assert np.asarray(one.lengths).tolist() == [4, 4, 4]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kvjax.builders.base import CacheBuilder, Clock
 from kvjax.builders.native import prefill_cache_jit
@@ -20,22 +19,22 @@ from kvjax.mapper.kvmap import KVMap, apply_map, check_models
 map_jit = jax.jit(apply_map, static_argnames=("capacity", "dtype", "length", "impl", "interpret"))
 
 
-class SourcePrefill:
-    """The source's cache of a batch (capacity = the batch's token axis). With `memo` (the default when builders
-    share one), the latest batch's cache is kept while the same batch is asked for again, so every mapped builder
-    holding this object reuses one source prefill per batch; without it (a builder's own, e.g. when timing), every
-    call prefills."""
+class SourcePrefill(CacheBuilder):
+    """The source reads the prompt: a native-prefill builder whose latest cache is kept (with `memo`, the default
+    when builders share one) while the same batch is asked for again, so the source arm and every mapped builder
+    holding this object pay for one source prefill per batch; without `memo` (a builder's own, e.g. when timing)
+    every call prefills."""
 
-    def __init__(self, source, memo: bool = True):
-        self.model, self.memo = tuple(source), memo
+    def __init__(self, source, memo: bool = True, name: str = "source"):
+        self.model, self.memo, self.name = tuple(source), memo, name
         self._key, self._cache = None, None
 
-    def __call__(self, tokens: np.ndarray, lengths: np.ndarray, clock: Clock) -> KVCache:
-        key = (tokens.shape, tokens.tobytes(), lengths.tobytes()) if self.memo else None
+    def build(self, tokens, lengths, capacity: int, clock: Clock) -> KVCache:
+        key = (tokens.shape, tokens.tobytes(), lengths.tobytes(), capacity) if self.memo else None
         if key is None or key != self._key:
             cfg, params = self.model
             self._cache = clock("source_prefill", prefill_cache_jit(params, cfg, jnp.asarray(tokens),
-                                                                    jnp.asarray(lengths)))
+                                                                    jnp.asarray(lengths), capacity))
             self._key = key
         return self._cache
 
@@ -50,7 +49,7 @@ class Mapped(CacheBuilder):
         self.source = shared if shared is not None else SourcePrefill(source, memo=False)
 
     def build(self, tokens, lengths, capacity: int, clock: Clock) -> KVCache:
-        source_cache = self.source(tokens, lengths, clock)
+        source_cache = self.source.build(tokens, lengths, tokens.shape[1], clock)  # the map reads slots 0..T-1
         return clock("map", map_jit(self.kvmap, source_cache, capacity=capacity, length=tokens.shape[1],
                                     impl=self.impl))
 

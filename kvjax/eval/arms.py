@@ -5,14 +5,16 @@
             widths differ, each layer's features are cut or zero-padded to the target's width (the "raw" baseline)
   ridge     the target answers from the source cache mapped by the ridge map
   residual  the same with the ridge + residual map
+  partial   the final map's cache with k target layers recomputed natively (kvjax.builders.PartialRecompute; k and
+            the placement from RunConfig.arms)
   source    the source reads and answers (native large model)
 
 Each row names the arm (its key in configs, eval records and metrics.json), its legend label and chart colour, how
-its cache is built and the fitted map it needs. The table's order is the order of report columns and chart legends:
+its cache is built (a kvjax.builders builder) and the fitted map it needs. The table's order is the order of report columns and chart legends:
 the native target first, the source's own answer last. How to add an arm: see kvjax.eval.suite.
 
 The scorers here run every arm on one batch of items before moving on, so the arms that read the source share one
-source prefill per batch (`SourcePrefix`), which is what a large source costs most; batching keeps per-call overhead
+source prefill per batch (kvjax.builders.SourcePrefill), which is what a large source costs most; batching keeps per-call overhead
 small.
 """
 
@@ -27,73 +29,18 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from kvjax.cache import KVCache, init_cache
+from kvjax.builders import CacheBuilder, Mapped, NativePrefill, PartialRecompute, SourcePrefill
+from kvjax.cache import KVCache
+from kvjax.eval.arm_settings import ArmSettings
 from kvjax.eval.likelihood import bucket, continuation_logprobs, fit_capacity
 from kvjax.eval.multiple_choice import MCItem, MCResult, PrefixFn, encode
 from kvjax.eval.retrieval import RetrievalItem, RetrievalResult
 from kvjax.generation import pad_prompts
 from kvjax.models.model import Model
-from kvjax.mapper.kvmap import KVMap, LinearMap, apply_map, direct_map, spec_for
+from kvjax.mapper.kvmap import KVMap, LinearMap, direct_map, spec_for
 from kvjax.mapper.pairing import depth_pairing
 from kvjax.models.config import Qwen3Config
 from kvjax.models.decoder import forward
-
-# ---- caches: (tokens int [B, T], lengths int [B]) -> the answering model's cache of each row's tokens[:length] ----
-# (the interface of kvjax.builders: `.model` is the answering model, calling it builds the cache)
-
-_apply = jax.jit(apply_map)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _prefill_rows(params, cfg, tokens, lengths):
-    cache = init_cache(cfg, tokens.shape[0], tokens.shape[1], params.embed.dtype)
-    return forward(params, cfg, tokens, cache, lengths, last_only=True, fresh=True)[1]
-
-
-def prefill_rows(model: Model, tokens, lengths) -> KVCache:
-    """The model's cache of each row's tokens[:length] (time axis bucketed: few compiles)."""
-    cfg, params = model
-    tokens = np.asarray(tokens, np.int32)
-    padded = np.zeros((tokens.shape[0], bucket(tokens.shape[1])), np.int32)
-    padded[:, : tokens.shape[1]] = tokens
-    return _prefill_rows(params, cfg, jnp.asarray(padded), jnp.asarray(lengths, jnp.int32))
-
-
-class NativeRows(NamedTuple):
-    """The model reads the prompt itself."""
-
-    model: Model
-
-    def __call__(self, tokens, lengths) -> KVCache:
-        return prefill_rows(self.model, tokens, lengths)
-
-
-class SourcePrefix:
-    """The source reads the prompt; the cache of the latest batch of rows is kept so that every arm scoring the same
-    items reuses one source prefill."""
-
-    def __init__(self, source: Model):
-        self.model = source
-        self._key, self._cache = None, None
-
-    def __call__(self, tokens, lengths) -> KVCache:
-        tokens, lengths = np.asarray(tokens, np.int32), np.asarray(lengths, np.int32)
-        key = (tokens.tobytes(), tokens.shape, lengths.tobytes())
-        if key != self._key:
-            self._cache, self._key = prefill_rows(self.model, tokens, lengths), key
-        return self._cache
-
-
-class MappedRows(NamedTuple):
-    """The source reads the prompt (shared prefill), a map translates its cache, the target answers."""
-
-    model: Model  # the target
-    shared: SourcePrefix
-    kvmap: KVMap
-
-    def __call__(self, tokens, lengths) -> KVCache:
-        return _apply(self.kvmap, self.shared(tokens, lengths))
-
 
 # ---- the table -----------------------------------------------------------------------------------------------------
 
@@ -103,7 +50,9 @@ class ArmContext(NamedTuple):
     source: Model
     target: Model
     map: Callable[[str], KVMap]  # a map by name: "direct" (injection_map) or a fitted map ("ridge", "residual")
-    shared: SourcePrefix  # the source's prefill, shared by every arm that reads the source
+    shared: SourcePrefill  # the source's prefill (a builder), shared by every arm that reads the source
+    final: str  # the run's final map ("residual", or "ridge" when the residual is not trained)
+    settings: ArmSettings  # RunConfig.arms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,22 +60,24 @@ class ArmSpec:
     name: str  # key in configs (eval.*.arms), eval records and metrics.json
     label: str  # chart legend
     colour: str  # chart colour
-    cache: Callable[[ArmContext], Callable]  # how its cache is built: a builder (`.model` answers; (tokens, lengths))
+    cache: Callable[[ArmContext], CacheBuilder]  # how its cache is built (kvjax.builders)
     needs: str | None = None  # the fitted map it reads (a stage of the job); None: it exists in every run
+    reads_settings: bool = False  # built with RunConfig.arms (a change there reruns the evaluations that score it)
 
 
-TARGET, DIRECT, RIDGE, RESIDUAL, SOURCE = "target", "direct", "ridge", "residual", "source"
-
-# `cache` uses NativeRows / MappedRows / SourcePrefix above. kvjax.builders' NativePrefill and Mapped (with
-# shared=kvjax.builders.SourcePrefill as ArmContext.shared, set in make_arms) have the same interface: each row's
-# `cache` becomes e.g. `lambda c: Mapped(c.source, c.target, c.map(RIDGE), shared=c.shared)`.
+TARGET, DIRECT, RIDGE, RESIDUAL, PARTIAL, SOURCE = "target", "direct", "ridge", "residual", "partial", "source"
 
 TABLE = (
-    ArmSpec(TARGET, "native target", "#4C72B0", lambda c: NativeRows(c.target)),
-    ArmSpec(DIRECT, "direct injection", "#937860", lambda c: MappedRows(c.target, c.shared, c.map(DIRECT))),
-    ArmSpec(RIDGE, "ridge", "#8172B3", lambda c: MappedRows(c.target, c.shared, c.map(RIDGE)), needs=RIDGE),
-    ArmSpec(RESIDUAL, "ridge + residual", "#55A868", lambda c: MappedRows(c.target, c.shared, c.map(RESIDUAL)),
-            needs=RESIDUAL),
+    ArmSpec(TARGET, "native target", "#4C72B0", lambda c: NativePrefill(c.target, name=TARGET)),
+    ArmSpec(DIRECT, "direct injection", "#937860",
+            lambda c: Mapped(c.source, c.target, c.map(DIRECT), name=DIRECT, shared=c.shared)),
+    ArmSpec(RIDGE, "ridge", "#8172B3", lambda c: Mapped(c.source, c.target, c.map(RIDGE), name=RIDGE, shared=c.shared),
+            needs=RIDGE),
+    ArmSpec(RESIDUAL, "ridge + residual", "#55A868",
+            lambda c: Mapped(c.source, c.target, c.map(RESIDUAL), name=RESIDUAL, shared=c.shared), needs=RESIDUAL),
+    ArmSpec(PARTIAL, "partial recompute", "#C44E52",
+            lambda c: PartialRecompute(c.source, c.target, c.map(c.final), c.settings.partial_k,
+                                       c.settings.partial_mode, name=PARTIAL, shared=c.shared), reads_settings=True),
     ArmSpec(SOURCE, "native source", "#DD8452", lambda c: c.shared),
 )
 ARMS = {a.name: a for a in TABLE}
@@ -186,9 +137,10 @@ def _one_context(cache: Callable, context_ids, rows: int) -> KVCache:
     return repeat_rows(cache(prefix, lengths), rows)
 
 
-def make_arms(names, source: Model, target: Model, maps) -> list[Arm]:
+def make_arms(names, source: Model, target: Model, maps, final: str = RESIDUAL,
+              settings: ArmSettings = ArmSettings()) -> list[Arm]:
     """Arms in the order of `names`. `maps`: name -> KVMap, a dict or a function (the job's, which loads on first
-    use); the arms that read a map ("direct", "ridge", "residual") need it."""
+    use); the arms that read a map ("direct", "ridge", "residual", and "partial" the `final` one) need it."""
     def get(name: str) -> KVMap:
         if callable(maps):
             return maps(name)
@@ -196,13 +148,13 @@ def make_arms(names, source: Model, target: Model, maps) -> list[Arm]:
             raise ValueError(f"no map {name!r} for the arms {list(names)} (have {sorted(maps)})")
         return maps[name]
 
-    ctx = ArmContext(source, target, get, SourcePrefix(source))
+    ctx = ArmContext(source, target, get, SourcePrefill(source, name=SOURCE), final, settings)
     out = []
     for name in names:
         if name not in ARMS:
             raise ValueError(f"arm {name!r}: not in the arm table; arms are {', '.join(ARMS)} (kvjax.eval.arms)")
-        cache = ARMS[name].cache(ctx)
-        out.append(Arm(name, cache.model, functools.partial(_one_context, cache), cache))
+        cache = functools.partial(ARMS[name].cache(ctx), bucketed=True)  # bucketed token axis: few compiles
+        out.append(Arm(name, cache.func.model, functools.partial(_one_context, cache), cache))
     return out
 
 

@@ -84,7 +84,10 @@ def stage_settings(e: Evaluation, cfg, fitted: tuple[str, ...]) -> dict:
     ec = settings_of(e, cfg, fitted)
     out = {e.name: to_dict(getattr(cfg.eval, e.name)), "final": fitted[-1]}
     if "arms" in out[e.name]:
+        from kvjax.eval.arms import ARMS
         out["arms"] = list(ec.arms)
+        if any(ARMS[a].reads_settings for a in ec.arms if a in ARMS):
+            out["arm_settings"] = to_dict(cfg.arms)
     return {**out, **e.depends(cfg)}
 
 

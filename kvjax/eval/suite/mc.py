@@ -28,14 +28,14 @@ class MCEval:
     split: str = "validation"  # split of hub datasets
     limit: int | None = 200  # first N items of each set (None: all)
     normalize: str = "length"  # option score: "length" (per token), "bytes" (acc_norm) or "none" (sum)
-    arms: tuple[str, ...] = ("target", "source", "direct", "ridge", "residual")  # names in kvjax.eval.arms.TABLE
+    arms: tuple[str, ...] = ("target", "source", "direct", "ridge", "residual", "partial")  # kvjax.eval.arms.TABLE
     batch_size: int = 8  # items scored together (x options rows)
 
 
 def run(ec: MCEval, ctx) -> dict:
     from kvjax.eval.arms import make_arms, score_mc_arms
     from kvjax.eval.multiple_choice import load_mc
-    arms = make_arms(ec.arms, ctx.source, ctx.target, ctx.map)
+    arms = make_arms(ec.arms, ctx.source, ctx.target, ctx.map, ctx.final, ctx.cfg.arms)
     tokenizer = ctx.tokenizer()
     out = {}
     for schema in SETS:

@@ -36,7 +36,7 @@ def run(ec: RetrievalEval, ctx) -> dict:
     from kvjax.eval.arms import make_arms, score_retrieval_arms
     from kvjax.eval.needles import make_needle_items
     from kvjax.eval.retrieval import load_retrieval
-    arms = make_arms(ec.arms, ctx.source, ctx.target, ctx.map)
+    arms = make_arms(ec.arms, ctx.source, ctx.target, ctx.map, ctx.final, ctx.cfg.arms)
     tokenizer = ctx.tokenizer()
     out = {}
     for length in ec.lengths:
