@@ -37,6 +37,7 @@ def parse(argv):
     p.add_argument("--mc", type=int, default=200, help="items per multiple-choice set (0: skip)")
     p.add_argument("--cost-len", type=int, default=1024, help="prompt length of the cost measurement")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--cost-only", action="store_true", help="skip agreement, KL and multiple choice")
     p.add_argument("--out", default="")
     return p.parse_args(argv)
 
@@ -75,12 +76,13 @@ def main(argv=None) -> int:
             arms[name] = PartialRecompute(source, target, kvmap, k, mode, name=name, shared=shared)
     rows = {name: {"mode": getattr(b, "mode", None), "k": getattr(b, "k", None)} for name, b in arms.items()}
 
-    print(f"agreement and KL on {len(windows)} windows ({args.prefix} + {args.cont})", flush=True)
-    for name, agree in agreement_table(arms, source, target, windows, args.prefix).items():
-        rows[name].update(with_target=float(agree["with_target"].mean()),
-                          with_source=float(agree["with_source"].mean()), kl=float(agree["kl_mapped"].mean()))
+    if not args.cost_only:
+        print(f"agreement and KL on {len(windows)} windows ({args.prefix} + {args.cont})", flush=True)
+        for name, agree in agreement_table(arms, source, target, windows, args.prefix).items():
+            rows[name].update(with_target=float(agree["with_target"].mean()),
+                              with_source=float(agree["with_source"].mean()), kl=float(agree["kl_mapped"].mean()))
 
-    if args.mc:
+    if args.mc and not args.cost_only:
         tok = kvjax.load_tokenizer(run_cfg["target"]["path"])
         mc_arms = [Arm(n, b.model, None, lambda t, l, b=b: b(t, l, bucketed=True)) for n, b in arms.items()]
         mc_arms.append(Arm("source", source, None, lambda t, l: NativePrefill(source)(t, l, bucketed=True)))
