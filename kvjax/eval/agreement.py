@@ -36,6 +36,8 @@ def _compare(teacher, native, student):
     pick = student.argmax(-1)
     return {"with_source": (pick == teacher.argmax(-1)).mean(-1),
             "with_target": (pick == native.argmax(-1)).mean(-1),
+            "first_with_source": (pick[:, 0] == teacher[:, 0].argmax(-1)).astype(jnp.float32),
+            "first_with_target": (pick[:, 0] == native[:, 0].argmax(-1)).astype(jnp.float32),
             "target_with_source": (native.argmax(-1) == teacher.argmax(-1)).mean(-1),
             "kl_mapped": kl(teacher, student).mean(-1),
             "kl_native": kl(teacher, native).mean(-1)}
@@ -49,6 +51,8 @@ def next_token_agreement(builder: CacheBuilder | KVMap, source, target, windows:
     with_source         fraction of positions where the target-from-built-cache argmax == the source's argmax
     with_target         ... == the native target's argmax (the target having read the prefix itself)
     target_with_source  native target argmax == source argmax (the baseline the map should beat)
+    first_with_source   1 if the first token after the prefix (what a prefill hand-off decides) == the source's
+    first_with_target   ... == the native target's
     kl_mapped           KL(source || target from the built cache), nats/token
     kl_native           KL(source || native target), nats/token (how far apart the two models are to begin with)
 

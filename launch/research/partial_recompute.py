@@ -38,6 +38,7 @@ def parse(argv):
     p.add_argument("--cost-len", type=int, default=1024, help="prompt length of the cost measurement")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--cost-only", action="store_true", help="skip agreement, KL and multiple choice")
+    p.add_argument("--no-cost", action="store_true", help="skip the cost measurement")
     p.add_argument("--out", default="")
     return p.parse_args(argv)
 
@@ -80,7 +81,9 @@ def main(argv=None) -> int:
         print(f"agreement and KL on {len(windows)} windows ({args.prefix} + {args.cont})", flush=True)
         for name, agree in agreement_table(arms, source, target, windows, args.prefix).items():
             rows[name].update(with_target=float(agree["with_target"].mean()),
-                              with_source=float(agree["with_source"].mean()), kl=float(agree["kl_mapped"].mean()))
+                              with_source=float(agree["with_source"].mean()), kl=float(agree["kl_mapped"].mean()),
+                              first_with_target=float(agree["first_with_target"].mean()),
+                              first_with_source=float(agree["first_with_source"].mean()))
 
     if args.mc and not args.cost_only:
         tok = kvjax.load_tokenizer(run_cfg["target"]["path"])
@@ -95,6 +98,8 @@ def main(argv=None) -> int:
             for name, r in score_mc_arms(items, tok, mc_arms, desc=schema).items():
                 rows[name][schema] = float(r.accuracy)
 
+    if args.no_cost:
+        return _write(args, rows, len(windows), None, None)
     print(f"cost at {args.cost_len} tokens, {args.repeats} interleaved rounds", flush=True)
     prompt = np.asarray(heldout[:1, : args.cost_len], np.int32)
     timed = {"source_prefill": NativePrefill(source), **{n: b for n, b in arms.items() if n != "source"}}
@@ -116,14 +121,18 @@ def main(argv=None) -> int:
             continue
         rows[n].update(seconds=m, recompute_vs_target_prefill=m.get("recompute", 0.0) / tgt_s,
                        total_vs_source_prefill=m["total"] / src_s)
-    result = {"run": args.run, "map": args.map, "windows": len(windows), "prefix": args.prefix, "cont": args.cont,
+    return _write(args, rows, len(windows), src_s, tgt_s)
+
+
+def _write(args, rows: dict, windows: int, src_s, tgt_s) -> int:
+    result = {"run": args.run, "map": args.map, "windows": windows, "prefix": args.prefix, "cont": args.cont,
               "mc_items": args.mc, "cost_len": args.cost_len, "source_prefill_s": src_s, "target_prefill_s": tgt_s,
               "arms": rows, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
     out = args.out or os.path.join(args.run, "partial_recompute.json")
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
-    cols = ("with_target", "with_source", "kl", "hellaswag", "piqa", "recompute_vs_target_prefill",
-            "total_vs_source_prefill")
+    cols = ("with_target", "with_source", "first_with_target", "first_with_source", "kl", "hellaswag", "piqa",
+            "recompute_vs_target_prefill", "total_vs_source_prefill")
     print("| arm | " + " | ".join(cols) + " |\n|---|" + "---:|" * len(cols))
     for n, r in rows.items():
         print(f"| {n} | " + " | ".join("" if r.get(c) is None else f"{r[c]:.4f}" for c in cols) + " |")

@@ -26,10 +26,15 @@ from kvjax.hf import load_hf, save_hf
 from kvjax.models.config import Qwen3Config
 from kvjax.models.params import Params
 from kvjax.pretrain import train
-from launch.toy.fit_map import sha256_file
+from launch.toy.data import sha256
 from launch.toy.train import load_tokens
 
 log = logging.getLogger("launch.toy.pruned")
+
+
+def file_sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return sha256(f.read())
 
 
 def prune_layers(cfg: Qwen3Config, params: Params, layers) -> tuple[Qwen3Config, Params]:
@@ -74,7 +79,7 @@ def main(argv=None) -> None:
     scfg, sparams = load_hf(source_dir)
     tcfg, init = prune_layers(scfg, sparams, pc.layers)
     train_settings = json.loads(json.dumps(dataclasses.asdict(pc.train)))  # as it reads back (tuples -> lists)
-    check_identity(pc.work_dir, {"source_sha256": sha256_file(os.path.join(source_dir, "model.safetensors")),
+    check_identity(pc.work_dir, {"source_sha256": file_sha256(os.path.join(source_dir, "model.safetensors")),
                                  "layers": list(pc.layers), "train": train_settings})
     log.info("pruned target: source layers %s, %.2fM params (source %.2fM), %d steps", pc.layers,
              tcfg.num_params() / 1e6, scfg.num_params() / 1e6, pc.train.steps)
