@@ -450,6 +450,15 @@ def parse(argv: list[str]) -> tuple[RunConfig | None, tuple[str, ...], bool]:
     return cfg, redo, False
 
 
+def alias(forwarded: list[str], print_only: bool = False) -> int:
+    """What an older entry point that became a set of flags of this job runs: the job with `forwarded`, or with
+    `print_only` just the equivalent command line."""
+    if print_only:
+        print("python -m kvjax.launch " + " ".join(forwarded))
+        return 0
+    return main(forwarded)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     from kvjax.corpus import CorpusError

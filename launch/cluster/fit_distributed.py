@@ -95,12 +95,8 @@ def launch_args(args: argparse.Namespace) -> list[str]:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    forwarded = launch_args(args)
-    if args.print:
-        print("python -m kvjax.launch " + " ".join(forwarded))
-        return
     from kvjax import launch
-    sys.exit(launch.main(forwarded))
+    sys.exit(launch.alias(launch_args(args), args.print))
 
 
 if __name__ == "__main__":
