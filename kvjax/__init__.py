@@ -14,6 +14,7 @@ from kvjax.mapper.kvmap import KVMap, apply_map
 from kvjax.mapper.residual import ResidualConfig, train_residual
 from kvjax.mapper.split import SplitResult, generate_from, native_generate, split_generate
 from kvjax.gate import GateResult, load_gate
+from kvjax.speculative import SpecResult, speculative_generate, speculative_split_generate
 from kvjax.tensorfile import SafetensorsError
 
 __version__ = "0.1.0"
@@ -23,4 +24,5 @@ __all__ = [
     "prefill", "decode_step", "CacheBuilder", "NativePrefill", "Mapped", "Pipelined", "PartialRecompute",
     "generate_from", "KVMap", "fit_map", "apply_map", "save_map", "load_map", "train_residual",
     "ResidualConfig", "split_generate", "native_generate", "SplitResult", "GateResult", "load_gate",
+    "speculative_generate", "speculative_split_generate", "SpecResult",
 ]

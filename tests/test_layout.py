@@ -28,7 +28,7 @@ FLOORS = {
     # pretraining. Builders and mapper are peers: a Mapped builder applies a KVMap, and fitting a map prefills
     # natively through a builder
     "kvjax.kernels": 2, "kvjax.builders": 2, "kvjax.mapper": 2, "kvjax.generation": 2, "kvjax.pretrain": 2,
-    "kvjax.pretrain_config": 2,
+    "kvjax.pretrain_config": 2, "kvjax.speculative": 2,
     # 3 eval: the evaluations, their arms and registry, the report, the quality gate that judges their metrics
     "kvjax.eval": 3, "kvjax.gate": 3,
     # 4 job: `python -m kvjax.launch` (its config, flags, preflight, stages) and the package's public API (kvjax)

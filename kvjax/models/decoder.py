@@ -167,6 +167,16 @@ def forward(params: Params, cfg, tokens: jax.Array, cache: KVCache, lengths: jax
     positions. Returns logits [B, T, V] (or [B, V] at each row's last real token when `last_only`) and the cache with
     `lengths` advanced. `fresh` (static) promises that the cache is empty (all lengths 0): attention then uses
     block-causal attention over the new tokens alone instead of reading the cache."""
+    logits, cache, _ = forward_features(params, cfg, tokens, cache, (), lengths, last_only, fresh)
+    return logits, cache
+
+
+def forward_features(params: Params, cfg, tokens: jax.Array, cache: KVCache, feature_layers: tuple[int, ...],
+                     lengths: jax.Array | None = None, last_only: bool = False, fresh: bool = False):
+    """`forward`, also returning the hidden states of `feature_layers` (static): the OUTPUT of each listed layer
+    (its residual stream after attention and MLP, before the final norm; HF's hidden_states[i + 1]) at every input
+    position, concatenated in the listed order: [B, T, len(feature_layers) * D] (None when the tuple is empty). A
+    speculative drafter that reads the verifier's features (kvjax.speculative) gets them from the verify pass."""
     b, t = tokens.shape
     if lengths is None:
         lengths = jnp.full((b,), t, jnp.int32)
@@ -175,14 +185,18 @@ def forward(params: Params, cfg, tokens: jax.Array, cache: KVCache, lengths: jax
     kv_len = start + lengths
     cos, sin = head_angles(cfg, positions)
     x = embed(params, tokens)  # [B, T, D]
+    feats = {}
     for i, lp in enumerate(params.layers):
         x, cache = layer_forward(lp, cfg, x, cos, sin, cache, i, positions, kv_len, fresh)
+        if i in feature_layers:
+            feats[i] = x
+    features = jnp.concatenate([feats[i] for i in feature_layers], axis=-1) if feature_layers else None
     if last_only:
         x = x[jnp.arange(b), jnp.maximum(lengths - 1, 0)][:, None]  # [B, 1, D]
     logits = unembed(params, rms_norm(x, params.final_norm, cfg.rms_norm_eps))
     if last_only:
         logits = logits[:, 0]
-    return logits, cache.replace(lengths=kv_len)
+    return logits, cache.replace(lengths=kv_len), features
 
 
 # ---- public entry points (jitted, cache donated) -----------------------------------------------------------------

@@ -1,0 +1,14 @@
+"""Speculative decoding: a drafter proposes tokens, the verifier checks them in one forward, output stays the
+verifier's (kvjax.speculative.loop documents the shared loop and the drafter interface).
+
+  loop     the compiled verify loop, acceptance rules (greedy / rejection sampling), Stats
+  draft    ModelDrafter: a small causal LM drafting from its own cache
+  api      speculative_generate, speculative_split_generate (speculative KV transfer), transfer_builder
+"""
+
+from kvjax.speculative.api import SpecResult, speculative_generate, speculative_split_generate, transfer_builder
+from kvjax.speculative.draft import DraftState, ModelDrafter
+from kvjax.speculative.loop import Stats, accept_greedy, accept_sampled, run_loop, sampling_probs, verify_loop
+
+__all__ = ["SpecResult", "speculative_generate", "speculative_split_generate", "transfer_builder", "DraftState",
+           "ModelDrafter", "Stats", "accept_greedy", "accept_sampled", "run_loop", "sampling_probs", "verify_loop"]

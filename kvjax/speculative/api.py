@@ -1,0 +1,241 @@
+"""Speculative decoding entry points: plain drafting, and drafting from a speculative KV transfer.
+
+`speculative_generate`: the verifier's cache comes from a builder (its own prefill by default), the drafter prefills
+the prompt itself (or, for a drafter object, does what its `start` does), then the verify loop runs.
+
+`speculative_split_generate`: the SMALL model prefills each prompt once; that one cache is both the drafter's cache and
+the input of a KVMap into the LARGE model's coordinates (optionally repaired by recomputing some large-model layers,
+kvjax.builders.partial), and the large model verifies from the mapped cache. Greedy output is then the large model's
+greedy decode FROM THE MAPPED CACHE (what kvjax.generate_from(transfer_builder(...), ...) produces), not from its
+native prefill: speculation is lossless with respect to the verifier's cache, and the map decides what that cache
+holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.builders import CacheBuilder, Clock, Mapped, NativePrefill, PartialRecompute
+from kvjax.builders.mapped import map_jit
+from kvjax.builders.native import prefill_cache_jit
+from kvjax.builders.partial import recompute_jit, recompute_layers
+from kvjax.cache import init_cache
+from kvjax.generation import CACHE_ALIGN, Sampling, pad_prompts
+from kvjax.mapper.kvmap import KVMap, check_models
+from kvjax.models.decoder import forward_features
+from kvjax.models.model import Model, as_model
+from kvjax.speculative.draft import ModelDrafter
+from kvjax.speculative.loop import Stats, run_loop, stats_of
+
+DEFAULT_DRAFT_LEN = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecResult:
+    """What speculative_split_generate returns."""
+
+    tokens: jax.Array  # int32 [B, N]
+    phases: dict  # seconds per phase: prefill (small model), map, repair, decode (empty unless timings=True)
+    stats: Stats
+
+
+@dataclasses.dataclass(frozen=True)
+class _Batch:
+    tokens: np.ndarray  # [B, T] right-padded prompts
+    lengths: np.ndarray  # [B]
+    prefix: np.ndarray  # [B, T'] what the caches hold: each prompt but its last token (T' = max(T - 1, 1))
+    prefix_lengths: np.ndarray  # [B] lengths - 1
+    last: np.ndarray  # [B] each prompt's last token: the first pending token
+    capacity: int
+    sampling: Sampling
+    eos: tuple
+    pad: int
+
+
+def _is_model(x) -> bool:
+    return isinstance(x, Model) or (isinstance(x, (tuple, list)) and len(x) == 2 and hasattr(x[0], "vocab_size"))
+
+
+def _as_drafter(drafter, draft_len: int | None, vocab: int):
+    if _is_model(drafter):
+        model = as_model(drafter)
+        if model.cfg.vocab_size != vocab:
+            raise ValueError(f"the drafter's vocabulary ({model.cfg.vocab_size}) differs from the verifier's ({vocab}); "
+                             "speculative decoding needs two models that share a tokenizer")
+        g = DEFAULT_DRAFT_LEN if draft_len is None else draft_len
+        _check_draft_len(g)
+        return ModelDrafter(model, draft_len=int(g))
+    missing = [m for m in ("draft_len", "feature_layers", "start", "propose", "commit") if not hasattr(drafter, m)]
+    if missing:
+        raise TypeError(f"drafter must be a model (kvjax.load_hf) or a drafter object with draft_len, feature_layers, "
+                        f"start, propose and commit (kvjax.speculative.loop); {type(drafter).__name__} lacks "
+                        f"{', '.join(missing)}")
+    if draft_len is not None and draft_len != drafter.draft_len:
+        raise ValueError(f"draft_len={draft_len} but this drafter drafts {drafter.draft_len} tokens per round; leave "
+                         "draft_len unset for a drafter object (its draft_len is fixed when it is built)")
+    _check_draft_len(drafter.draft_len)
+    return drafter
+
+
+def _check_draft_len(g) -> None:
+    if not isinstance(g, (int, np.integer)) or g < 1:
+        raise ValueError(f"draft_len must be an integer >= 1 (tokens drafted per round), got {g!r}")
+
+
+def _batch(prompts, max_new_tokens: int, draft_len: int, cfgs, temperature: float, top_p: float, key,
+           eos_token_ids, pad_token_id) -> _Batch:
+    """Checked host arrays, the cache capacity and the decoding settings (the one place inputs are validated)."""
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    sampling = Sampling(float(temperature), float(top_p))
+    if sampling.temperature > 0 and key is None:
+        raise ValueError("sampling (temperature > 0) needs an explicit key=jax.random.key(seed)")
+    if isinstance(prompts, (list, tuple)) and prompts and not np.isscalar(prompts[0]):
+        tokens, lengths = pad_prompts(prompts)
+    else:
+        tokens = np.asarray(prompts)
+        if tokens.ndim == 1:
+            tokens = tokens[None]
+        if tokens.ndim != 2 or tokens.size == 0 or not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"prompts must be token lists or an integer array [B, T], got {tokens.dtype}"
+                             f"{tokens.shape}")
+        tokens = tokens.astype(np.int32)
+        lengths = np.full((tokens.shape[0],), tokens.shape[1], np.int32)
+    vcfg = cfgs[0]
+    if tokens.min() < 0 or tokens.max() >= vcfg.vocab_size:
+        raise ValueError(f"prompt token ids must be in [0, {vcfg.vocab_size}), got range [{tokens.min()}, "
+                         f"{tokens.max()}]")
+    need = tokens.shape[1] + max_new_tokens + draft_len + 1  # a round writes draft_len + 1 positions past its start
+    for cfg in cfgs:
+        if need > cfg.max_position_embeddings:
+            raise ValueError(f"prompt ({tokens.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) + draft_len + 1 "
+                             f"= {need} positions exceed the model's max_position_embeddings "
+                             f"({cfg.max_position_embeddings}); shorten the prompt or ask for fewer tokens")
+    eos = tuple(int(e) for e in (vcfg.eos_token_ids if eos_token_ids is None else eos_token_ids))
+    pad = pad_token_id if pad_token_id is not None else (vcfg.pad_token_id if vcfg.pad_token_id is not None else
+                                                          (eos[0] if eos else 0))
+    t = max(tokens.shape[1] - 1, 1)
+    return _Batch(tokens=tokens, lengths=lengths, prefix=np.ascontiguousarray(tokens[:, :t]),
+                  prefix_lengths=lengths - 1, last=tokens[np.arange(len(tokens)), lengths - 1],
+                  capacity=math.ceil(need / CACHE_ALIGN) * CACHE_ALIGN, sampling=sampling, eos=eos, pad=int(pad))
+
+
+_prefill_features = jax.jit(
+    lambda params, cfg, tokens, lengths, capacity, layers: forward_features(
+        params, cfg, tokens, init_cache(cfg, tokens.shape[0], capacity, params.embed.dtype), layers, lengths,
+        fresh=True)[1:],
+    static_argnames=("cfg", "capacity", "layers"))
+
+
+def _check_layers(layers, cfg) -> tuple[int, ...]:
+    layers = tuple(int(i) for i in layers)
+    if any(not 0 <= i < cfg.num_layers for i in layers):
+        raise ValueError(f"drafter.feature_layers {layers} must be verifier layers in 0..{cfg.num_layers - 1}")
+    return layers
+
+
+def speculative_generate(verifier, drafter, prompts, max_new_tokens: int, *, draft_len: int | None = None,
+                         builder: CacheBuilder | None = None, temperature: float = 0.0, top_p: float = 1.0,
+                         key=None, return_stats: bool = False, eos_token_ids=None, pad_token_id: int | None = None):
+    """Speculative decoding: `drafter` proposes `draft_len` tokens per round, `verifier` checks them in one forward.
+
+    verifier: a model as kvjax.load_hf returns it (Model or (cfg, params)). drafter: a model sharing the verifier's
+    vocabulary (it drafts from its own cache, one forward per token; draft_len default 4) or a drafter object
+    (kvjax.speculative.loop: e.g. a block drafter reading the verifier's features; its draft_len is its own).
+    prompts: token lists of any lengths or an int array [B, T] (as kvjax.generate takes them). builder: the
+    CacheBuilder that makes the VERIFIER's cache of each prompt but its last token (default NativePrefill of the
+    verifier; e.g. kvjax.Mapped(drafter, verifier, kvmap) for a transferred cache, though then the drafter prefills
+    separately; speculative_split_generate shares one prefill).
+
+    Greedy (temperature 0) output is the verifier's greedy decode from that cache (token-identical to
+    kvjax.generate with the default builder, up to float rounding); with temperature > 0 (explicit `key`) the output
+    is distributed as the verifier's sampling with the same temperature and top_p. Each row stops at EOS
+    (`eos_token_ids`, default the verifier's) and later positions hold the pad id. Returns int32 [B, max_new_tokens],
+    and with `return_stats` also a kvjax.speculative.Stats (rounds, accepted drafts, per-round acceptance, tau).
+    """
+    verifier = as_model(verifier)
+    vcfg = verifier.cfg
+    drafter = _as_drafter(drafter, draft_len, vcfg.vocab_size)
+    layers = _check_layers(drafter.feature_layers, vcfg)
+    cfgs = (vcfg,) + ((drafter.model.cfg,) if isinstance(drafter, ModelDrafter) else ())
+    b = _batch(prompts, max_new_tokens, drafter.draft_len, cfgs, temperature, top_p, key, eos_token_ids,
+               pad_token_id)
+    features = None
+    if builder is not None:
+        if builder.model[0] != vcfg:
+            raise ValueError(f"builder {builder!r} builds a cache for another model than the verifier; pass a builder "
+                             "whose answering model is the verifier")
+        if layers:
+            raise ValueError("this drafter reads the verifier's hidden features of the prompt, which only the "
+                             "verifier's own prefill computes; drop builder=")
+        if b.prefix_lengths.min() < 1:
+            raise ValueError("with a builder every prompt needs at least 2 tokens (the builder reads all but the last)")
+        cache = builder(b.prefix, b.prefix_lengths, capacity=b.capacity)
+    elif layers:
+        cache, features = _prefill_features(verifier.params, vcfg, jnp.asarray(b.prefix),
+                                            jnp.asarray(b.prefix_lengths), b.capacity, layers)
+    else:
+        cache = NativePrefill(verifier)(b.prefix, b.prefix_lengths, capacity=b.capacity)
+    state = drafter.start(b.prefix, b.prefix_lengths, b.capacity, features)
+    out, counters = run_loop(verifier, drafter, cache, state, b.last,
+                             key if key is not None else jax.random.key(0), int(max_new_tokens), b.sampling, b.eos,
+                             b.pad)
+    return (out, stats_of(counters, drafter.draft_len)) if return_stats else out
+
+
+def transfer_builder(small, large, kvmap: KVMap, repair_layers: int = 0, repair_mode: str = "bottom"
+                     ) -> CacheBuilder:
+    """The builder whose cache the large model verifies from in speculative_split_generate: Mapped, or
+    PartialRecompute with `repair_layers` large-model layers recomputed (`repair_mode` "bottom" or "top").
+    kvjax.generate_from(transfer_builder(...), prompts, N) is the greedy output speculative_split_generate equals."""
+    if repair_layers:
+        return PartialRecompute(small, large, kvmap, repair_layers, repair_mode)
+    return Mapped(small, large, kvmap)
+
+
+def speculative_split_generate(small, large, kvmap: KVMap, prompts, max_new_tokens: int, *, draft_len: int = 4,
+                               repair_layers: int = 0, repair_mode: str = "bottom", temperature: float = 0.0,
+                               top_p: float = 1.0, key=None, eos_token_ids=None, pad_token_id: int | None = None,
+                               timings: bool = False, impl: str = "xla") -> SpecResult:
+    """Speculative KV transfer. The small model prefills each prompt (but its last token) ONCE; `kvmap` (fitted with
+    the small model as source and the large one as target) maps that cache into the large model's coordinates, the
+    large model optionally recomputes `repair_layers` of its layers over the prompt (`repair_mode` "bottom": layers
+    0..k-1, "top": the last k; kvjax.builders.partial), then the small model drafts from its own cache and the large
+    model verifies from the mapped one (the verify loop of kvjax.speculative.loop).
+
+    Returns SpecResult(tokens int32 [B, N], phases, stats). With `timings` the phases are seconds, each measured with
+    block_until_ready (so they do not overlap): prefill (small model), map, repair (0 without repair), decode (the
+    speculative loop; includes compiling on a first call, so time a second call). Greedy output equals the large
+    model's greedy decode from the mapped (repaired) cache: kvjax.generate_from(transfer_builder(small, large, kvmap,
+    repair_layers, repair_mode), prompts, N). Arguments otherwise as speculative_generate.
+    """
+    small, large = as_model(small), as_model(large)
+    check_models(kvmap, small.cfg, large.cfg)
+    _check_draft_len(draft_len)
+    layers = recompute_layers(large.cfg.num_layers, int(repair_layers), repair_mode)
+    drafter = _as_drafter(small, draft_len, large.cfg.vocab_size)
+    b = _batch(prompts, max_new_tokens, draft_len, (large.cfg, small.cfg), temperature, top_p, key, eos_token_ids,
+               pad_token_id)
+    if b.prefix_lengths.min() < 1:
+        raise ValueError("speculative_split_generate needs prompts of at least 2 tokens (all but the last are "
+                         "prefilled and mapped)")
+    clock = Clock(enabled=timings)
+    tokens, lengths, t = jnp.asarray(b.prefix), jnp.asarray(b.prefix_lengths), b.prefix.shape[1]
+    small_cache = clock("prefill", prefill_cache_jit(small.params, small.cfg, tokens, lengths, b.capacity))
+    if len(layers) == large.cfg.num_layers:  # everything recomputed: the large model's own prefill
+        clock("map", None)
+        cache = clock("repair", prefill_cache_jit(large.params, large.cfg, tokens, lengths, b.capacity))
+    else:
+        cache = clock("map", map_jit(kvmap, small_cache, capacity=b.capacity, length=t, impl=impl))
+        if layers:
+            cache = recompute_jit(large.params, large.cfg, tokens, lengths, cache, layers)
+        cache = clock("repair", cache)
+    out, counters = clock("decode", run_loop(large, drafter, cache, drafter.from_cache(small_cache), b.last,
+                                             key if key is not None else jax.random.key(0), int(max_new_tokens),
+                                             b.sampling, b.eos, b.pad))
+    return SpecResult(tokens=out, phases=dict(clock.phases), stats=stats_of(counters, draft_len))

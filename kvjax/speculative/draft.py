@@ -1,0 +1,95 @@
+"""The plain drafter: a small causal LM (a Model as kvjax.load_hf returns it) drafting from its own KV cache.
+
+It implements the drafter interface of kvjax.speculative.loop. Its cache holds the prompt and every token emitted so
+far except the pending one, with one twist: when the verifier accepted all gamma drafts, the last draft d_gamma was
+never run through the drafter (it was only its output), so it is kept as an `extra` token and the next round's first
+drafter step runs [d_gamma, last] as one 2-token forward (rows without an extra run [last] with length 1 in the same
+call). That keeps a round at exactly gamma drafter forwards whatever was accepted.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from kvjax.builders.native import prefill_cache_jit
+from kvjax.cache import KVCache
+from kvjax.generation import Sampling
+from kvjax.models.decoder import forward
+from kvjax.speculative.loop import draw, sampling_probs
+
+
+@struct.dataclass
+class DraftState:
+    cache: KVCache  # the drafter's cache
+    extra: jax.Array  # [B] int32: the accepted draft d_gamma not yet in the cache (where has_extra)
+    has_extra: jax.Array  # [B] bool
+    base: jax.Array  # [B] int32: cache length after this round's first step (before the later drafts)
+
+
+@struct.dataclass
+class ModelDrafter:
+    """A draft model proposing `draft_len` tokens per round, one forward per token (the first may carry 2)."""
+
+    model: object  # kvjax Model (cfg static, params leaves)
+    draft_len: int = struct.field(pytree_node=False, default=4)
+    feature_layers: tuple = struct.field(pytree_node=False, default=())
+
+    def start(self, tokens, lengths, capacity: int, features=None) -> DraftState:
+        """Prefill the prompts but their last tokens (tokens [B, T], lengths [B]) into a fresh cache."""
+        cfg, params = self.model
+        cache = prefill_cache_jit(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths), int(capacity))
+        return self.from_cache(cache)
+
+    def from_cache(self, cache: KVCache) -> DraftState:
+        """A state around a cache the drafter's model already holds (e.g. the prefill a speculative KV transfer also
+        maps for the verifier): no second prefill."""
+        b = cache.batch_size
+        return DraftState(cache=cache, extra=jnp.zeros((b,), jnp.int32), has_extra=jnp.zeros((b,), bool),
+                          base=cache.lengths)
+
+    def propose(self, state: DraftState, last, key, sampling: Sampling):
+        cfg, params = self.model
+        g = self.draft_len
+        greedy = sampling.temperature == 0.0
+        keys = jax.random.split(key, g)
+
+        def pick(logits, k):  # logits [B, V] -> (token [B], q [B, V] or None)
+            if greedy:
+                return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+            q = sampling_probs(logits, sampling)
+            return draw(q, k), q
+
+        first = jnp.where(state.has_extra[:, None], jnp.stack([state.extra, last], 1),
+                          jnp.stack([last, jnp.zeros_like(last)], 1))
+        logits, cache = forward(params, cfg, first, state.cache, 1 + state.has_extra.astype(jnp.int32),
+                                last_only=True)
+        tok, q = pick(logits, keys[0])
+        base = cache.lengths
+
+        if g == 1:
+            drafts, qs = tok[:, None], (None if greedy else q[:, None])
+        else:
+            def step(carry, k):
+                tok, cache = carry
+                logits, cache = forward(params, cfg, tok[:, None], cache)
+                nxt, q = pick(logits[:, 0], k)
+                return (nxt, cache), (nxt, q)
+
+            (_, cache), (rest, rest_q) = jax.lax.scan(step, (tok, cache), keys[1:])
+            drafts = jnp.concatenate([tok[:, None], rest.T], axis=1)
+            qs = None if greedy else jnp.concatenate([q[:, None], rest_q.transpose(1, 0, 2)], axis=1)
+        return drafts, qs, state.replace(cache=cache, base=base)
+
+    def commit(self, state: DraftState, tokens, n_new, features=None) -> DraftState:
+        g = self.draft_len
+        n_acc = n_new - 1
+        live = n_new > 0
+        # the cache holds [extra?, last, d_1 .. d_{g-1}]: keep up to the accepted drafts (d_g was never run)
+        before = state.base - 1 - state.has_extra.astype(jnp.int32)  # length before this round
+        lengths = jnp.where(live, state.base + jnp.minimum(n_acc, g - 1), before)
+        full = live & (n_acc == g)
+        return state.replace(cache=state.cache.replace(lengths=lengths),
+                             extra=jnp.where(live, jnp.where(full, tokens[:, g - 1], 0), state.extra),
+                             has_extra=jnp.where(live, full, state.has_extra))

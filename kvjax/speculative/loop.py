@@ -1,0 +1,242 @@
+"""The speculative verify loop: one compiled loop shared by every lossless drafter.
+
+Each round a drafter proposes `draft_len` (gamma) tokens, the verifier scores the pending token and the gamma drafts in
+ONE forward over its cache (the shared decoder forward with T = gamma + 1 at each row's own `lengths`), the longest
+acceptable prefix is kept plus one token of the verifier's own, and both caches roll back to the accepted length by
+setting `KVCache.lengths` (entries past `lengths` are dead: attention masks them and the next write overwrites them;
+nothing is copied). Rows accept different lengths; a row stops at its first EOS (kept) or at max_new_tokens. The
+whole loop is one `lax.while_loop` inside one jit, like kvjax.generate.
+
+Acceptance. Greedy (temperature 0): a draft is accepted while it equals the verifier's argmax, and the verifier's
+argmax after the accepted prefix is appended, so the output is the verifier's own greedy decode (token-identical up to
+float rounding of a (gamma+1)-token forward vs one-token steps). Sampling: the standard rejection rule (Leviathan et
+al. 2023; Chen et al. 2023): draft x ~ q is accepted with probability min(1, p(x)/q(x)); at the first rejection a token
+is drawn from norm(max(0, p - q)); after gamma acceptances a bonus token is drawn from p. Both p (verifier) and q
+(drafter) are the sampling distributions after temperature and top_p (`sampling_probs`), so the output is
+distributed exactly as the verifier's own sampling with the same temperature/top_p.
+
+State of a round. Every round starts with one PENDING token per row, `last` [B]: the newest output token, not yet in
+the verifier's cache (at the start, the prompt's last token: the verifier's cache holds the prompt but its last
+token). The verifier runs [last, d_1 .. d_gamma] at positions lengths .. lengths + gamma. With n_acc accepted drafts
+its cache keeps lengths + n_acc + 1 positions (last and the accepted drafts), the round emits n_new = n_acc + 1
+tokens (the accepted drafts and the verifier's token), and that last emitted token is the next pending token.
+
+THE DRAFTER INTERFACE (what a drafting method implements; kvjax.speculative.draft.ModelDrafter is the plain one):
+
+A drafter is a pytree, e.g. a flax.struct.dataclass: its arrays (weights) are leaves, its settings static fields. It is
+passed into the compiled loop as an argument, so it must not hold Python state that changes. It has
+
+    draft_len: int                      static gamma: drafts per round (DFlash: the block's mask positions)
+    feature_layers: tuple[int, ...]     verifier layers whose hidden states it reads; () for a plain draft model.
+                                        A feature is the OUTPUT of that verifier layer (residual stream after the
+                                        layer's attention and MLP, before the final norm; HF hidden_states[i + 1]),
+                                        the listed layers concatenated on the last axis: F = len(layers) * D_verifier
+                                        (kvjax.models.decoder.forward_features).
+    start(tokens [B, T] int32, lengths [B] int32, capacity: int, features [B, T, F] | None) -> state
+        Host-level (may call jitted functions), once per batch, before the loop. tokens[:, :lengths] is each prompt
+        WITHOUT its last token (that one is the first pending token); features are the verifier's at those positions
+        (only when feature_layers is non-empty). `capacity`: cache positions the loop may write (prompt +
+        max_new_tokens + gamma + 1); the state's caches need at least that many.
+    propose(state, last [B] int32, key, sampling: Sampling) -> (drafts [B, gamma] int32, q, state)
+        Traceable. `last` is the pending token. q: the drafter's sampling distribution of each draft, [B, gamma, V]
+        f32 (`sampling_probs` of its logits), drafts drawn from it; None is allowed only when sampling.temperature
+        is 0 (greedy drafts).
+    commit(state, tokens [B, gamma + 1] int32, n_new [B] int32, features [B, gamma + 1, F] | None) -> state
+        Traceable. tokens[:, :n_new] are the tokens this round emitted: the n_new - 1 accepted drafts, then the
+        verifier's token (which is the next pending token); entries past n_new are junk. features are the verifier's
+        at the positions it ran this round, [last, d_1, .., d_gamma]: the first n_new are now context (None when
+        feature_layers is empty). n_new == 0 marks a row that had already finished: its state must come back as it
+        was before this round's propose. Roll caches back by setting their `lengths` (no copies).
+
+Entry points: `verify_loop` (traceable), `run_loop` (the jitted loop from a built verifier cache and drafter state),
+and kvjax.speculative.api (speculative_generate, speculative_split_generate).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.cache import KVCache
+from kvjax.generation import Sampling
+from kvjax.models.decoder import forward_features
+
+
+def sampling_probs(logits: jax.Array, sampling: Sampling) -> jax.Array:
+    """The distribution kvjax.generate samples from, as probabilities [..., V] f32: softmax(logits / T), restricted
+    to the smallest set of most likely tokens whose mass reaches top_p (a token is kept when the mass of strictly
+    more likely tokens is below top_p, as kvjax.generation.sample does) and renormalised. Needs temperature > 0."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32) / sampling.temperature, axis=-1)
+    if sampling.top_p >= 1.0:
+        return probs
+    order = jnp.argsort(-probs, axis=-1)
+    sorted_probs = jnp.take_along_axis(probs, order, axis=-1)
+    keep_sorted = (jnp.cumsum(sorted_probs, axis=-1) - sorted_probs) < sampling.top_p
+    keep = jnp.zeros_like(keep_sorted)
+    keep = jnp.put_along_axis(keep, order, keep_sorted, axis=-1, inplace=False)
+    probs = jnp.where(keep, probs, 0.0)
+    return probs / jnp.sum(probs, axis=-1, keepdims=True)
+
+
+def draw(probs: jax.Array, key: jax.Array) -> jax.Array:
+    """Tokens int32 [...] drawn from probabilities [..., V] (zeros are never drawn)."""
+    return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
+
+
+def accept_greedy(logits: jax.Array, drafts: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """logits [B, g+1, V] of the verifier at [last, d_1..d_g], drafts [B, g] -> (n_acc [B], tokens [B, g+1]).
+
+    The verifier's argmax at each position is what it would have emitted there; drafts are accepted while they
+    equal it, so tokens = the argmax itself (its first n_acc entries ARE the accepted drafts, entry n_acc the
+    verifier's own next token)."""
+    target = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    match = drafts == target[:, :-1]
+    n_acc = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=-1), axis=-1)
+    return n_acc, target
+
+
+def accept_sampled(logits: jax.Array, drafts: jax.Array, q: jax.Array, key: jax.Array, sampling: Sampling
+                   ) -> tuple[jax.Array, jax.Array]:
+    """The rejection rule: logits [B, g+1, V], drafts [B, g] drawn from q [B, g, V] -> (n_acc [B], tokens [B, g+1])
+    with tokens[:, :n_acc] = the accepted drafts and tokens[:, n_acc] the corrected (or bonus) token."""
+    b, g = drafts.shape
+    p = sampling_probs(logits, sampling)  # [B, g+1, V]
+    ku, kr = jax.random.split(key)
+    p_d = jnp.take_along_axis(p[:, :g], drafts[..., None], axis=-1)[..., 0]
+    q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    u = jax.random.uniform(ku, (b, g))
+    ok = u * q_d < p_d  # u < p/q without dividing; q_d > 0 for a drawn token
+    n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=-1), axis=-1)
+    rows = jnp.arange(b)
+    p_n = p[rows, n_acc]  # [B, V]
+    q_n = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)[rows, n_acc]  # q = 0 after the last draft: bonus ~ p
+    residual = jnp.maximum(p_n - q_n, 0.0)
+    # p == q leaves no residual mass; rejection then had probability 0, reachable only through rounding: draw from p
+    residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p_n)
+    fix = draw(residual / jnp.sum(residual, -1, keepdims=True), kr)
+    drafts_ext = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)
+    j = jnp.arange(g + 1)[None]
+    tokens = jnp.where(j < n_acc[:, None], drafts_ext, fix[:, None])
+    return n_acc, tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    """Acceptance statistics of one speculative run, per row (numpy arrays).
+
+    rounds [B]: verify rounds the row took part in; accepted [B]: drafts accepted over those rounds; per_round
+    [B, R]: drafts accepted in each round (-1 where the row had stopped); emitted [B]: tokens in the output
+    (EOS-truncated and capped at max_new_tokens, so the last round may have produced more than it kept)."""
+
+    rounds: object
+    accepted: object
+    per_round: object
+    emitted: object
+    draft_len: int
+
+    @property
+    def acceptance_length(self):
+        """Mean tokens per round per row, tau = (accepted + rounds) / rounds: accepted drafts plus the verifier's
+        token (1 = nothing accepted, draft_len + 1 = everything)."""
+        import numpy as np
+        return (np.asarray(self.accepted) + np.asarray(self.rounds)) / np.maximum(np.asarray(self.rounds), 1)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Over all rounds of all rows: total (accepted + 1) / total rounds."""
+        import numpy as np
+        rounds = int(np.sum(self.rounds))
+        return float((np.sum(self.accepted) + rounds) / max(rounds, 1))
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Fraction of drafted tokens accepted, over all rounds of all rows."""
+        import numpy as np
+        return float(np.sum(self.accepted) / max(int(np.sum(self.rounds)) * self.draft_len, 1))
+
+    def as_dict(self) -> dict:
+        import numpy as np
+        return {"draft_len": self.draft_len, "rounds": np.asarray(self.rounds).tolist(),
+                "accepted": np.asarray(self.accepted).tolist(), "emitted": np.asarray(self.emitted).tolist(),
+                "acceptance_length": self.acceptance_length.tolist(),
+                "mean_acceptance_length": self.mean_acceptance_length, "acceptance_rate": self.acceptance_rate}
+
+
+def verify_loop(verifier, drafter, cache: KVCache, state, last: jax.Array, key: jax.Array, max_new_tokens: int,
+                sampling: Sampling, eos_ids: tuple[int, ...], pad_id: int):
+    """The speculative loop (traceable). verifier: a Model (cfg, params); cache: its KVCache holding each prompt but
+    its last token; state: drafter.start's; last [B]: each prompt's last token. Returns (tokens int32 [B, N] with
+    `pad_id` after each row's EOS or end, per-row counters (rounds, accepted, per_round, emitted), verifier cache,
+    drafter state)."""
+    vcfg, vparams = verifier
+    b, g, n = last.shape[0], drafter.draft_len, max_new_tokens
+    layers = tuple(drafter.feature_layers)
+    eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
+    greedy = sampling.temperature == 0.0
+    width = n + g + 1  # room for a full round written at any count < n
+
+    def write(row, toks, at):
+        return jax.lax.dynamic_update_slice(row, toks, (at,))
+
+    def cond(c):
+        return (c["i"] < n) & ~jnp.all(c["done"])
+
+    def body(c):
+        key, kd, ka = jax.random.split(c["key"], 3)
+        drafts, q, state = drafter.propose(c["state"], c["last"], kd, sampling)
+        block = jnp.concatenate([c["last"][:, None], drafts], axis=1)  # [B, g+1]
+        logits, cache, feats = forward_features(vparams, vcfg, block, c["cache"], layers)
+        if greedy:
+            n_acc, toks = accept_greedy(logits, drafts)
+        else:
+            n_acc, toks = accept_sampled(logits, drafts, q, ka, sampling)
+        active = ~c["done"]
+        n_new = jnp.where(active, n_acc + 1, 0)
+        cache = cache.replace(lengths=c["cache"].lengths + n_new)  # roll back: only last + accepted drafts stay
+        state = drafter.commit(state, toks, n_new, feats)
+        out = jnp.where(active[:, None], jax.vmap(write)(c["out"], toks, c["count"]), c["out"])
+        is_eos = jnp.isin(toks, eos) & (jnp.arange(g + 1)[None] < n_new[:, None])
+        hit = jnp.any(is_eos, axis=-1)
+        kept = jnp.where(hit, jnp.argmax(is_eos, axis=-1) + 1, n_new)
+        count = c["count"] + kept
+        nxt = toks[jnp.arange(b), n_acc]
+        return dict(i=c["i"] + 1, out=out, count=count, done=c["done"] | hit | (count >= n), cache=cache,
+                    state=state, last=jnp.where(active, nxt, c["last"]), key=key,
+                    rounds=c["rounds"] + active.astype(jnp.int32),
+                    accepted=c["accepted"] + jnp.where(active, n_acc, 0),
+                    per_round=c["per_round"].at[:, c["i"]].set(jnp.where(active, n_acc, -1)))
+
+    init = dict(i=jnp.int32(0), out=jnp.full((b, width), pad_id, jnp.int32), count=jnp.zeros((b,), jnp.int32),
+                done=jnp.zeros((b,), bool), cache=cache, state=state, last=last.astype(jnp.int32), key=key,
+                rounds=jnp.zeros((b,), jnp.int32), accepted=jnp.zeros((b,), jnp.int32),
+                per_round=jnp.full((b, n), -1, jnp.int32))
+    c = jax.lax.while_loop(cond, body, init)
+    emitted = jnp.minimum(c["count"], n)
+    out = jnp.where(jnp.arange(n)[None] < emitted[:, None], c["out"][:, :n], pad_id)
+    counters = dict(rounds=c["rounds"], accepted=c["accepted"], per_round=c["per_round"], emitted=emitted)
+    return out, counters, c["cache"], c["state"]
+
+
+@functools.partial(jax.jit, static_argnames=("max_new_tokens", "sampling", "eos_ids", "pad_id"))
+def _run_loop(verifier, drafter, cache, state, last, key, max_new_tokens, sampling, eos_ids, pad_id):
+    out, counters, _, _ = verify_loop(verifier, drafter, cache, state, last, key, max_new_tokens, sampling, eos_ids,
+                                      pad_id)
+    return out, counters
+
+
+def run_loop(verifier, drafter, cache: KVCache, state, last, key, max_new_tokens: int, sampling: Sampling,
+             eos_ids: tuple[int, ...], pad_id: int):
+    """The compiled `verify_loop`: (tokens int32 [B, N], counters dict of device arrays). The caller checks its
+    inputs (kvjax.speculative.api does); one compile per (models, batch, capacity, N, sampling, EOS, pad)."""
+    return _run_loop(verifier, drafter, cache, state, jnp.asarray(last, jnp.int32), key, int(max_new_tokens),
+                     sampling, tuple(int(e) for e in eos_ids), int(pad_id))
+
+
+def stats_of(counters: dict, draft_len: int) -> Stats:
+    """Host Stats from run_loop's counters."""
+    host = jax.device_get(counters)
+    return Stats(rounds=host["rounds"], accepted=host["accepted"], per_round=host["per_round"],
+                 emitted=host["emitted"], draft_len=draft_len)
