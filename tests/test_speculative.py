@@ -1,0 +1,197 @@
+"""Speculative decoding: greedy output is the verifier's, sampled output is distributed as the verifier's, rows accept
+different lengths, the transfer API decodes from the mapped cache, features reach a feature-reading drafter."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import struct
+
+import kvjax
+from kvjax.generation import Sampling, sample
+from kvjax.models.decoder import forward_features, forward_nocache
+from kvjax.speculative import ModelDrafter, sampling_probs, speculative_generate, speculative_split_generate
+from kvjax.speculative.api import _prefill_features, transfer_builder
+from kvjax.speculative.loop import verify_loop
+from maptools import VOCAB, tiny_pair
+
+
+@pytest.fixture(scope="module")
+def models():
+    """(verifier 3 layers, small 2-layer drafter, a noisy copy of the verifier: accepts often but not always)."""
+    big, small = (kvjax.Model(*m) for m in tiny_pair())
+    leaves, tree = jax.tree.flatten(big.params)
+    keys = jax.random.split(jax.random.key(7), len(leaves))
+    noisy = jax.tree.unflatten(tree, [x + 0.03 * jax.random.normal(k, x.shape, x.dtype) for x, k in
+                                      zip(leaves, keys)])
+    return big, small, kvjax.Model(big.cfg, noisy)
+
+
+def prompts(lengths, seed=0):
+    rng = np.random.RandomState(seed)
+    return [rng.randint(1, VOCAB, n).tolist() for n in lengths]
+
+
+def native(model, ps, n, **kw):
+    return np.asarray(kvjax.generate(model.params, model.cfg, ps, n, **kw))
+
+
+def test_greedy_equals_the_verifiers_greedy_decode(models):
+    big, small, noisy = models
+    ps = prompts([5, 17, 1, 11])
+    want = native(big, ps, 19, eos_token_ids=())
+    for drafter, g in ((noisy, 1), (noisy, 3), (small, 2), (big, 5)):
+        got, stats = speculative_generate(big, drafter, ps, 19, draft_len=g, eos_token_ids=(), return_stats=True)
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"draft_len {g}")
+        assert (stats.emitted == 19).all() and (stats.rounds >= -(-19 // (g + 1))).all()
+        if drafter is big:  # the verifier drafting for itself: every draft accepted, g + 1 tokens per round
+            assert stats.mean_acceptance_length == g + 1 and (stats.rounds == 4).all()
+
+
+def test_rows_accept_different_lengths_and_stop_at_eos(models):
+    big, _, noisy = models
+    ps = prompts([6, 9, 3, 14], seed=3)
+    free = native(big, ps, 16, eos_token_ids=())
+    eos = int(free[0, 4])  # row 0 stops by its 5th token
+    want = native(big, ps, 16, eos_token_ids=(eos,), pad_token_id=0)
+    got, stats = speculative_generate(big, noisy, ps, 16, draft_len=3, eos_token_ids=(eos,), pad_token_id=0,
+                                      return_stats=True)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    stop = [int(np.flatnonzero(np.r_[r == eos, True])[0]) + 1 for r in free]
+    np.testing.assert_array_equal(stats.emitted, np.minimum(stop, 16))
+    first = stats.per_round[:, 0]
+    assert len(set(first.tolist())) > 1, f"rows accepted the same number of drafts in round 1: {first}"
+    assert stats.rounds[0] < stats.rounds.max()  # the row that hit EOS early left the loop early
+    # per-round counts add up: accepted drafts + one verifier token per round >= emitted tokens
+    np.testing.assert_array_equal(np.where(stats.per_round >= 0, stats.per_round, 0).sum(1), stats.accepted)
+    assert (stats.accepted + stats.rounds >= stats.emitted).all()
+
+
+def test_sampling_probs_truncates_like_sample():
+    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
+    np.testing.assert_allclose(sampling_probs(logits, Sampling(1.0, 0.7)), [[0.625, 0.375, 0, 0]], atol=1e-6)
+    np.testing.assert_allclose(sampling_probs(logits, Sampling(1.0, 1.0)), [[0.5, 0.3, 0.15, 0.05]], atol=1e-6)
+    keys = jax.random.split(jax.random.key(0), 2000)
+    draws = np.asarray(jax.vmap(lambda k: sample(logits, k, Sampling(1.0, 0.8)))(keys))[:, 0]
+    probs = np.asarray(sampling_probs(logits, Sampling(1.0, 0.8)))[0]
+    np.testing.assert_allclose(np.bincount(draws, minlength=4) / 2000, probs, atol=0.03)
+
+
+def _chi2_pvalue(counts, probs):
+    """Pearson's chi-square p-value of `counts` under `probs`, bins with expected count < 5 pooled."""
+    expected = probs * counts.sum()
+    big = expected >= 5
+    obs = np.r_[counts[big], counts[~big].sum()]
+    exp = np.r_[expected[big], expected[~big].sum()]
+    obs, exp = (obs, exp) if exp[-1] > 0 else (obs[:-1], exp[:-1])
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    return float(jax.scipy.special.gammaincc((len(obs) - 1) / 2, stat / 2))
+
+
+def test_sampling_follows_the_verifiers_distribution():
+    """2000 rows of one prompt sampled in one call (independent draws): the first token's frequencies match the
+    verifier's (temperature, top_p) distribution and NOT the drafter's; the second token's, given the most common
+    first token, match the verifier's conditional one (the rejection residual and accepted drafts at position 2)."""
+    cfg = kvjax.Qwen3Config(vocab_size=12, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                            num_kv_heads=1, head_dim=16, tie_word_embeddings=True, eos_token_ids=(), pad_token_id=0)
+    verifier = kvjax.Model(cfg, kvjax.init_params(cfg, jax.random.key(0), std=0.1))
+    drafter = kvjax.Model(cfg, kvjax.init_params(cfg, jax.random.key(1), std=0.1))
+    prompt, rows, s = [3, 7, 1, 9], 2000, Sampling(0.9, 0.95)
+
+    def dist(model, toks):
+        return np.asarray(sampling_probs(forward_nocache(model.params, cfg, jnp.asarray([toks]))[0, -1], s),
+                          np.float64)
+
+    out = np.asarray(speculative_generate(verifier, drafter, [prompt] * rows, 2, draft_len=2, temperature=s.temperature,
+                                          top_p=s.top_p, key=jax.random.key(42)))
+    counts = np.bincount(out[:, 0], minlength=12)
+    assert _chi2_pvalue(counts, dist(verifier, prompt)) > 1e-3
+    assert _chi2_pvalue(counts, dist(drafter, prompt)) < 1e-6  # the test can tell the two apart
+    x1 = int(np.argmax(counts))
+    second = np.bincount(out[out[:, 0] == x1, 1], minlength=12)
+    assert _chi2_pvalue(second, dist(verifier, prompt + [x1])) > 1e-3
+
+
+def test_transfer_decodes_from_the_mapped_cache(models):
+    big, small, _ = models
+    windows = np.random.RandomState(0).randint(1, VOCAB, (8, 32)).astype(np.int32)
+    kvmap = kvjax.fit_map(small, big, windows, windows[:4], batch_size=8)[0]  # small reads, large answers
+    ps = prompts([9, 20, 4], seed=5)
+    for repair in (0, 1):
+        result = speculative_split_generate(small, big, kvmap, ps, 12, draft_len=3, repair_layers=repair,
+                                            eos_token_ids=(), timings=True)
+        want = np.asarray(kvjax.generate_from(transfer_builder(small, big, kvmap, repair), ps, 12, eos_token_ids=()))
+        np.testing.assert_array_equal(np.asarray(result.tokens), want, err_msg=f"repair {repair}")
+        assert set(result.phases) == {"prefill", "map", "repair", "decode"}
+        assert (result.stats.emitted == 12).all()
+
+
+@struct.dataclass
+class FeatureProbe:
+    """A drafter reading verifier features: drafts like `inner`, keeps the feature of the newest context position."""
+
+    inner: ModelDrafter
+    feature_layers: tuple = struct.field(pytree_node=False, default=(0, 2))
+
+    @property
+    def draft_len(self):
+        return self.inner.draft_len
+
+    def start(self, tokens, lengths, capacity, features):
+        return self.inner.start(tokens, lengths, capacity), features[jnp.arange(len(lengths)), lengths - 1]
+
+    def propose(self, state, last, key, sampling):
+        drafts, q, inner = self.inner.propose(state[0], last, key, sampling)
+        return drafts, q, (inner, state[1])
+
+    def commit(self, state, tokens, n_new, features):
+        newest = features[jnp.arange(len(n_new)), jnp.maximum(n_new - 1, 0)]
+        return (self.inner.commit(state[0], tokens, n_new, None),
+                jnp.where((n_new > 0)[:, None], newest, state[1]))
+
+
+def test_a_feature_drafter_gets_the_verifiers_layer_outputs(models):
+    big, _, _ = models
+    cfg = big.cfg
+    probe = FeatureProbe(ModelDrafter(big, draft_len=2))  # the verifier drafts for itself: 3 tokens per round
+    ps = prompts([6, 3], seed=9)
+    got = np.asarray(speculative_generate(big, probe, ps, 9, eos_token_ids=()))
+    np.testing.assert_array_equal(got, native(big, ps, 9, eos_token_ids=()))
+    tokens, lengths = kvjax.pad_prompts(ps)
+    prefix, plen, capacity = tokens[:, :-1], lengths - 1, 128
+    cache, features = _prefill_features(big.params, cfg, jnp.asarray(prefix), jnp.asarray(plen), capacity, (0, 2))
+    state = probe.start(prefix, plen, capacity, features)
+    last = tokens[np.arange(2), lengths - 1]
+    run = jax.jit(verify_loop, static_argnums=(6, 7, 8, 9))
+    _, counters, _, (_, newest) = run(big, probe, cache, state, jnp.asarray(last), jax.random.key(0), 9, Sampling(),
+                                      (), 0)
+    assert np.asarray(counters["rounds"]).tolist() == [3, 3]
+    for r, p in enumerate(ps):  # the newest context position: the 8th generated token
+        seq = jnp.asarray([p + got[r, :8].tolist()])
+        _, _, ref = forward_features(big.params, cfg, seq, kvjax.init_cache(cfg, 1, 32), (0, 2), fresh=True)
+        np.testing.assert_allclose(np.asarray(newest[r]), np.asarray(ref[0, -1]), atol=1e-4)
+
+
+def test_bad_speculative_arguments(models):
+    big, small, _ = models
+    other = kvjax.Qwen3Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                              num_kv_heads=1, head_dim=16)
+    other = kvjax.Model(other, kvjax.init_params(other, jax.random.key(0)))
+    with pytest.raises(ValueError, match="vocabulary .*differs"):
+        speculative_generate(big, other, [[3, 4]], 4)
+    with pytest.raises(ValueError, match="draft_len must be an integer >= 1"):
+        speculative_generate(big, small, [[3, 4]], 4, draft_len=0)
+    with pytest.raises(ValueError, match="max_new_tokens must be"):
+        speculative_generate(big, small, [[3, 4]], 0)
+    with pytest.raises(ValueError, match="explicit key"):
+        speculative_generate(big, small, [[3, 4]], 4, temperature=0.5)
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 96\)"):
+        speculative_generate(big, small, [[3, 96]], 4)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        speculative_generate(big, small, [[3] * 50], big.cfg.max_position_embeddings)
+    with pytest.raises(ValueError, match="another model than the verifier"):
+        speculative_generate(big, small, [[3, 4]], 4, builder=kvjax.NativePrefill(small))
+    with pytest.raises(ValueError, match="leave draft_len unset"):
+        speculative_generate(big, ModelDrafter(small, draft_len=3), [[3, 4]], 4, draft_len=2)
+    with pytest.raises(TypeError, match="drafter object"):
+        speculative_generate(big, object(), [[3, 4]], 4)
