@@ -1,0 +1,161 @@
+"""The rollout-trained residual, measured as seed 004 does: ridge vs ridge + KL residual vs ridge + rollout residual in
+32-step rollout divergence.
+
+    python -m launch.research.rollout_residual --run RUN [--steps 400] [--lr 3e-3] [--windows 64] [--n 32]
+
+Reads a main-job run (its config.json for the models, map_ridge/ for the frozen ridge map, data/train_tokens.npy for
+the residual's training windows, data/heldout.npy for the frozen held-out windows). Trains two residuals on top of the
+same ridge with the same steps, learning rate, batch and data (the run's `residual` settings with --steps / --lr
+over them): one on source-teacher KL along the text's own continuation (the main job's residual), one along the
+target's own greedy rollout from the mapped cache (`ResidualConfig.rollout`). Each trains in <out>/kl/ and
+<out>/rollout/ (orbax checkpoints: an interrupted command resumes; a finished training is not repeated). Then, on
+--windows held-out windows (rows --skip.., the main job's KL windows), the target greedily generates --n tokens from
+each map's cache and the source teacher scores every step (kvjax.eval.rollout): the mean divergence per map, its
+per-step curve, each residual's paired 95% interval vs the ridge and the windows it improves. Writes
+<out>/rollout_residual.json and prints the table. `--measure-only` refuses to train (the residuals must be finished).
+A run without a residual is enough (`--config.residual.steps=0`): only map_ridge/ is read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+ARMS = ("ridge", "kl", "rollout")
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--run", required=True, help="a `python -m kvjax.launch` run directory with map_ridge/")
+    p.add_argument("--out", default="", help="default <run>/rollout_residual")
+    p.add_argument("--steps", type=int, default=400, help="optimizer steps of each residual")
+    p.add_argument("--lr", type=float, default=0.0, help="peak learning rate (default: the run's residual.lr)")
+    p.add_argument("--cont", type=int, default=0,
+                   help="continuation tokens per training window (default: the run's residual.cont_len)")
+    p.add_argument("--only", choices=ARMS[1:], help="train this residual alone (two commands train both at once)")
+    p.add_argument("--windows", type=int, default=64, help="frozen held-out windows measured")
+    p.add_argument("--skip", type=int, default=-1,
+                   help="held-out rows before them (default: the run's distance windows, i.e. the KL windows)")
+    p.add_argument("--prefix", type=int, default=256, help="tokens the source reads and the map translates")
+    p.add_argument("--n", type=int, default=32, help="tokens the target generates from the mapped cache")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--measure-only", action="store_true")
+    p.add_argument("--train-only", action="store_true")
+    return p.parse_args(argv)
+
+
+def train(name: str, ridge, source, target, tokens, rc, workdir: str):
+    """The residual `name` trained to rc.steps in `workdir` (resuming), with the wall time its runs took in total.
+    A finished training is saved as <workdir>/map and loaded from there."""
+    import kvjax
+    from kvjax.mapper.residual import train_residual
+    clock_path, map_dir = os.path.join(workdir, "train_seconds.json"), os.path.join(workdir, "map")
+    spent = json.load(open(clock_path)) if os.path.isfile(clock_path) else {"seconds": 0.0, "steps": 0}
+    if spent["steps"] >= rc.steps and os.path.isdir(map_dir):
+        return kvjax.load_map(map_dir, source[0], target[0]), spent
+    t0 = time.perf_counter()
+    kvmap, history = train_residual(ridge, source, target, tokens, rc, workdir=workdir)
+    if history:
+        spent = {"seconds": spent["seconds"] + time.perf_counter() - t0, "steps": history[-1]["step"]}
+        with open(clock_path, "w") as f:
+            json.dump(spent, f)
+        print(f"{name}: training KL {history[0]['kl']:.4f} -> {history[-1]['kl']:.4f} (steps "
+              f"{history[0]['step']}..{history[-1]['step']})", flush=True)
+    if spent["steps"] >= rc.steps:
+        kvjax.save_map(map_dir, kvmap, info={"residual": dataclasses.asdict(rc), "train_seconds": spent["seconds"]})
+    return kvmap, spent
+
+
+def main(argv=None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    cfg_path, ridge_dir = os.path.join(args.run, "config.json"), os.path.join(args.run, "map_ridge")
+    for path in (cfg_path, ridge_dir, os.path.join(args.run, "data", "heldout.npy")):
+        if not os.path.exists(path):
+            print(f"rollout_residual: {path} does not exist; run `python -m kvjax.launch` (--config.residual.steps=0 "
+                  "is enough) and pass its directory as --run", file=sys.stderr)
+            return 2
+    import jax.numpy as jnp
+
+    import kvjax
+    from kvjax.eval.stats import paired_bootstrap_ci
+    from kvjax.mapper.residual_config import ResidualConfig
+
+    run_cfg = json.load(open(cfg_path))
+    out = args.out or os.path.join(args.run, "rollout_residual")
+    source, target = (kvjax.load_hf(run_cfg[r]["path"], dtype=jnp.dtype(run_cfg[r]["dtype"]))
+                      for r in ("source", "target"))
+    ridge = kvjax.load_map(ridge_dir, source[0], target[0])
+    base = ResidualConfig(**{k: v for k, v in run_cfg["residual"].items() if k in
+                             {f.name for f in dataclasses.fields(ResidualConfig)}})
+    rc = dataclasses.replace(base, steps=args.steps, lr=args.lr or base.lr, cont_len=args.cont or base.cont_len,
+                             rollout=False,
+                             save_every=min(base.save_every, args.steps))
+    maps, clocks = {"ridge": ridge}, {}
+    tokens = np.asarray(np.load(os.path.join(args.run, "data", "train_tokens.npy"), mmap_mode="r"))
+    for name in ARMS[1:] if args.only is None else (args.only,):
+        workdir = os.path.join(out, name)
+        done = os.path.join(workdir, "train_seconds.json")
+        if args.measure_only and (not os.path.isfile(done) or json.load(open(done))["steps"] < rc.steps):
+            print(f"rollout_residual: --measure-only but {workdir} holds no finished training; run without it",
+                  file=sys.stderr)
+            return 2
+        # a finished training resumes at its last step: nothing more is trained, its map is restored
+        maps[name], clocks[name] = train(name, ridge, source, target, tokens,
+                                         dataclasses.replace(rc, rollout=name == "rollout"), workdir)
+        if clocks[name]["steps"] < rc.steps:
+            print(f"rollout_residual: {name} residual has {clocks[name]['steps']} of {rc.steps} steps",
+                  file=sys.stderr)
+            return 2
+    if args.train_only or args.only:
+        return 0
+    from kvjax.eval.rollout import rollout_table
+
+    heldout = np.load(os.path.join(args.run, "data", "heldout.npy"), mmap_mode="r")
+    skip = args.skip if args.skip >= 0 else run_cfg["eval"]["distances"]["windows"]
+    windows = np.asarray(heldout[skip : skip + args.windows, : args.prefix])
+    if len(windows) < args.windows:
+        print(f"rollout_residual: the run has {len(heldout)} held-out rows; --skip {skip} + --windows "
+              f"{args.windows} need more", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    per_step = rollout_table(maps, source, target, windows, args.n, args.batch_size)
+    print(f"divergence of {len(maps)} maps on {len(windows)} windows: {time.perf_counter() - t0:.0f} s", flush=True)
+    rows = {}
+    for name, d in per_step.items():
+        row = {"divergence": float(d.mean()), "per_step": d.mean(0).tolist(), "per_window": d.mean(1).tolist()}
+        if name != "ridge":
+            ci = paired_bootstrap_ci(d.mean(1), per_step["ridge"].mean(1))
+            row.update(minus_ridge=ci.mean, minus_ridge_ci95=[ci.lo, ci.hi],
+                       change=row["divergence"] / rows["ridge"]["divergence"] - 1.0,
+                       windows_improved=int(np.sum(d.mean(1) < per_step["ridge"].mean(1))),
+                       train_seconds=clocks[name]["seconds"], train_steps=clocks[name]["steps"])
+        rows[name] = row
+    result = {"run": args.run, "source": run_cfg["source"]["path"], "target": run_cfg["target"]["path"],
+              "windows": len(windows), "skip": skip, "prefix": args.prefix, "n": args.n,
+              "residual": dataclasses.asdict(rc), "arms": rows, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "rollout_residual.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\n{len(windows)} windows, prefix {args.prefix}, {args.n} steps; residuals {rc.steps} steps at lr {rc.lr:g}")
+    print("| map | mean divergence | vs ridge | paired 95% CI (map - ridge) | windows improved | training |")
+    print("|---|---:|---:|---|---:|---:|")
+    for name, r in rows.items():
+        if name == "ridge":
+            print(f"| ridge | {r['divergence']:.4f} | | | | |")
+        else:
+            lo, hi = r["minus_ridge_ci95"]
+            print(f"| ridge + {name} residual | {r['divergence']:.4f} | {100 * r['change']:+.1f}% | "
+                  f"{r['minus_ridge']:+.4f} [{lo:+.4f}, {hi:+.4f}] | {r['windows_improved']} / {len(windows)} | "
+                  f"{r['train_seconds'] / 60:.1f} min ({r['train_steps']} steps) |")
+    print(f"wrote {os.path.join(out, 'rollout_residual.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
