@@ -40,7 +40,8 @@ def _compare(teacher, native, student):
             "first_with_target": (pick[:, 0] == native[:, 0].argmax(-1)).astype(jnp.float32),
             "target_with_source": (native.argmax(-1) == teacher.argmax(-1)).mean(-1),
             "kl_mapped": kl(teacher, student).mean(-1),
-            "kl_native": kl(teacher, native).mean(-1)}
+            "kl_native": kl(teacher, native).mean(-1),
+            "kl_to_target": kl(native, student).mean(-1)}
 
 
 def next_token_agreement(builder: CacheBuilder | KVMap, source, target, windows: np.ndarray, prefix: int,
@@ -55,6 +56,8 @@ def next_token_agreement(builder: CacheBuilder | KVMap, source, target, windows:
     first_with_target   ... == the native target's
     kl_mapped           KL(source || target from the built cache), nats/token
     kl_native           KL(source || native target), nats/token (how far apart the two models are to begin with)
+    kl_to_target        KL(native target || target from the built cache), nats/token: how far the built cache moves
+                        the target from its own predictions (the cache quality when small reads and large answers)
 
     `source`, `target` are (config, params) pairs."""
     return agreement_table({"arm": builder}, source, target, windows, prefix, batch_size)["arm"]

@@ -37,16 +37,20 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from kvjax.eval.suite import distances, kl, mc, retrieval, throughput
+from kvjax.eval.suite import distances, kl, mc, native_kl, retrieval, rollout, speculative, throughput, ttft
 from kvjax.eval.suite.evaluation import (Chart, ChartContext, EvalContext, Evaluation, MetricsContext,
                                          ReportContext)
 
 EVALUATIONS: tuple[Evaluation, ...] = (
     distances.EVALUATION,
     kl.EVALUATION,
+    rollout.EVALUATION,  # off by default: seed 004's 32-step divergence of the target decoding from each map's cache
     mc.EVALUATION,
     retrieval.EVALUATION,
     throughput.EVALUATION,
+    native_kl.EVALUATION,  # small reads, large answers (off by default): the answerer's KL to its own predictions
+    ttft.EVALUATION,  # ... and its time to first token from the reader's prefill
+    speculative.EVALUATION,  # ... and speculative decoding, the reader drafting (plain, and from a transferred cache)
 )
 BY_NAME = {e.name: e for e in EVALUATIONS}
 NAMES = tuple(BY_NAME)

@@ -1,0 +1,157 @@
+"""Evaluation `speculative`: speculative decoding with the reader as drafter and the answerer as verifier, timed side by
+side with the answerer's native decoding (kvjax.eval.speculative): plain drafting (the verifier prefills natively) and
+speculative KV transfer (the reader prefills once, its cache is mapped with the final map, optionally repaired, and the
+verifier checks drafts from the mapped cache; kvjax.speculative.speculative_split_generate). Per prompt length and
+draft length: acceptance length, decode tokens/s, end-to-end latency (cache + `new_tokens` tokens) and the transfer's
+agreement with the answerer's native greedy output. For small reads, large answers; off by default. metrics.json
+`speculative`."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+
+from kvjax.eval.report import length_label, pct
+from kvjax.eval.suite.evaluation import Chart, Evaluation, at_least_one
+
+log = logging.getLogger(__name__)
+NATIVE = "native"
+COLOURS = {"native": "#4C72B0", "plain": "#8172B3", "transfer": "#55A868", "repaired": "#C44E52"}
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeEval:
+    enabled: bool = False
+    lengths: tuple[int, ...] = (1024, 4096)  # prompt lengths (tokens of held-out text)
+    draft_lens: tuple[int, ...] = (4,)  # tokens drafted per verify round (one set of arms each)
+    new_tokens: int = 64  # generated tokens per request (the first included; EOS ignored)
+    repeats: int = 3  # timed rounds after a compile round (arms in rotating order); medians are reported
+    repair: bool = True  # also the transfer repaired by partial recomputation (RunConfig.arms settings)
+    batch_size: int = 1
+
+
+def run(ec: SpeculativeEval, ctx) -> dict:
+    from kvjax.eval.speculative import measure_speculative
+    repair = (ctx.cfg.arms.partial_k, ctx.cfg.arms.partial_mode) if ec.repair else None
+    rows = measure_speculative(ctx.source, ctx.target, ctx.map(ctx.final), ctx.heldout.reshape(-1), ec.lengths,
+                               draft_lens=ec.draft_lens, new_tokens=ec.new_tokens, repeats=ec.repeats,
+                               batch_size=ec.batch_size, repair=repair)
+    for length, arms in rows.items():
+        log.info("speculative %5d: %s", length, {a: (round(float(np.median(r["seconds"])), 3), r["tau"],
+                                                    round(r["prefix"], 3)) for a, r in arms.items()})
+    return {"rows": {str(k): v for k, v in rows.items()}, "final": ctx.final, "new_tokens": ec.new_tokens,
+            "batch_size": ec.batch_size, "repeats": ec.repeats,
+            "repair": None if repair is None else {"k": repair[0], "mode": repair[1]}}
+
+
+def _decode_seconds(phases: dict) -> float:
+    """Seconds after the verifier's cache exists: native first token + decode; a speculative arm's loop ("decode",
+    which for plain drafting includes the drafter's own prefill)."""
+    return phases.get("first_token", 0.0) + phases["decode"]
+
+
+def metrics(ev: dict, ctx) -> dict:
+    n, b = ev["new_tokens"], ev["batch_size"]
+    out = {}
+    for length, arms in sorted(ev["rows"].items(), key=lambda kv: int(kv[0])):
+        native = np.asarray(arms[NATIVE]["seconds"])
+        row = {}
+        for arm, r in arms.items():
+            secs = np.asarray(r["seconds"], np.float64)
+            decode = np.asarray([_decode_seconds(p) for p in r["phases"]])
+            m = {"latency_s": float(np.median(secs)), "decode_tps": float(n * b / np.median(decode)),
+                 "phases_s": {k: float(np.median([p[k] for p in r["phases"]])) for k in r["phases"][0]},
+                 "acceptance_length": r["tau"], "matches_native": r["exact"], "prefix_match": r["prefix"],
+                 "first_token_match": r["first"]}
+            if arm != NATIVE:
+                per_round = secs / native  # same round: machine drift cancels
+                m["latency_vs_native"] = float(np.median(secs) / np.median(native))
+                m["latency_vs_native_rounds"] = [float(per_round.min()), float(np.median(per_round)),
+                                                 float(per_round.max())]
+            row[arm] = m
+        out[length] = row
+    return {"lengths": out, "final": ev["final"], "new_tokens": n, "batch_size": b, "repeats": ev["repeats"],
+            "repair": ev["repair"]}
+
+
+def _kind(arm: str) -> str:
+    return arm.split("@")[0]
+
+
+def summary(sp: dict, ctx) -> list[str]:
+    longest = max(sp["lengths"], key=int)
+    row = sp["lengths"][longest]
+    arms = [a for a in row if a != NATIVE]
+    best = min(arms, key=lambda a: row[a]["latency_vs_native"])
+    r = row[best]
+    return [f"- Speculative decoding at {length_label(int(longest))} ({sp['new_tokens']} tokens): best arm {best} at "
+            f"{pct(r['latency_vs_native'] - 1)} end-to-end latency vs native {ctx.target} decoding (acceptance "
+            f"length {r['acceptance_length']:.2f}; output matches native greedy {pct(r['prefix_match'])} of tokens "
+            "before the first difference)."]
+
+
+def report(sp: dict, ctx) -> list[str]:
+    rep = sp["repair"]
+    out = ["## Speculative decoding: plain drafting and speculative KV transfer", "",
+           f"{ctx.source} drafts, {ctx.target} verifies; batch {sp['batch_size']}, {sp['new_tokens']} tokens per "
+           f"request (EOS ignored), medians of {sp['repeats']} timed rounds (arms in rotating order, after a compile "
+           f"round). native = {ctx.target}'s own prefill and decoding; plain@G = it prefills natively and {ctx.source} "
+           f"drafts G tokens per round from its own prefill; transfer@G = {ctx.source} prefills once, the "
+           f"{sp['final']} map gives {ctx.target} its cache, {ctx.target} verifies from it"
+           + (f"; repaired@G = the same with {rep['mode']} {rep['k']} {ctx.target} layer(s) recomputed" if rep else "")
+           + ". Latency = cache + all tokens; decode tok/s = tokens / (time after the cache exists); acceptance = "
+             "tokens per verify round; matches = output equal to native greedy (all tokens / share of tokens before "
+             "the first difference / first token).", "",
+           "| prompt | arm | latency s | vs native [min, med, max of rounds] | decode tok/s | acceptance | matches "
+           "native (all / prefix / first) |", "|---|---|---|---|---|---|---|"]
+    for length, row in sp["lengths"].items():
+        for arm, m in row.items():
+            vs = (f"{pct(m['latency_vs_native'] - 1)} [{m['latency_vs_native_rounds'][0]:.2f}, "
+                  f"{m['latency_vs_native_rounds'][1]:.2f}, {m['latency_vs_native_rounds'][2]:.2f}]"
+                  if arm != NATIVE else "-")
+            tau = "-" if m["acceptance_length"] is None else f"{m['acceptance_length']:.2f}"
+            out.append(f"| {length_label(int(length))} | {arm} | {m['latency_s']:.3f} | {vs} | {m['decode_tps']:.1f} "
+                       f"| {tau} | {pct(m['matches_native'], 0)} / {pct(m['prefix_match'], 0)} / "
+                       f"{pct(m['first_token_match'], 0)} |")
+    out.append("")
+    if "speculative" in ctx.charts:
+        out += [f"![speculative decoding latency]({ctx.charts['speculative']})", ""]
+    return out
+
+
+def chart(sp: dict, path: str, ctx) -> str:
+    from kvjax.eval import charts
+    plt = charts.plt()
+    lengths = sorted(sp["lengths"], key=int)
+    arms = list(sp["lengths"][lengths[0]])
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(arms) * len(lengths) + 2), 4.2))
+    width = 0.8 / len(arms)
+    for i, arm in enumerate(arms):
+        x = np.arange(len(lengths)) + (i - (len(arms) - 1) / 2) * width
+        ys = [sp["lengths"][ln][arm]["latency_s"] for ln in lengths]
+        bars = ax.bar(x, ys, width, color=COLOURS.get(_kind(arm), "#8C8C8C"), label=arm,
+                      alpha=1.0 if arm == NATIVE or arm.endswith(f"@{arms[-1].split('@')[-1]}") else 0.75)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=2)
+    ax.set_xticks(range(len(lengths)), [f"{length_label(int(ln))} prompt" for ln in lengths])
+    ax.set(ylabel="end-to-end seconds (median)",
+           title=f"Latency of {sp['new_tokens']} tokens: native {ctx.target} vs drafting by {ctx.source}")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, ncol=min(len(arms), 4))
+    return charts.save(fig, path)
+
+
+def preflight(ec: SpeculativeEval, cfg) -> list[str]:
+    problems = at_least_one("eval.speculative", ec, "repeats", "batch_size", "new_tokens")
+    if not ec.lengths or min(ec.lengths) < 2:
+        problems.append("eval.speculative.lengths must be prompt lengths >= 2 tokens")
+    if not ec.draft_lens or min(ec.draft_lens) < 1:
+        problems.append("eval.speculative.draft_lens must be draft lengths >= 1")
+    return problems
+
+
+EVALUATION = Evaluation(
+    name="speculative", settings=SpeculativeEval, run=run, metrics=metrics, section=25, report=report,
+    summary=summary, charts=(Chart("speculative", chart),),
+    depends=lambda cfg: {"arm_settings": dataclasses.asdict(cfg.arms)}, preflight=preflight)

@@ -1,0 +1,136 @@
+"""Evaluation `ttft`: time to first token of the answering model from a cache built out of the reader's prefill
+(reader prefill + final map, and + the repair: kvjax.builders.PartialRecompute with RunConfig.arms) against the
+answerer's own prefill, at several prompt lengths, timed side by side in one run (kvjax.eval.ttft: rotating order,
+medians of the timed rounds, per-round ratios). The speed-up this direction is for: small reads, large answers. Off by
+default (the forward job's `throughput` times its split path); metrics.json `ttft`."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+
+from kvjax.eval.report import length_label
+from kvjax.eval.suite.evaluation import Chart, Evaluation, at_least_one
+
+log = logging.getLogger(__name__)
+NATIVE, MAPPED, PARTIAL = "target", "mapped", "partial"  # keys: the answerer's prefill, reader + map, + repair
+STYLE = {NATIVE: ("native {target} prefill", "#4C72B0"), MAPPED: ("{source} prefill + map", "#55A868"),
+         PARTIAL: ("{source} prefill + map + repair", "#C44E52")}
+
+
+@dataclasses.dataclass(frozen=True)
+class TTFTEval:
+    enabled: bool = False
+    lengths: tuple[int, ...] = (1024, 2048, 4096)  # prompt lengths (tokens of held-out text)
+    repeats: int = 5  # timed rounds after a compile round (builders in rotating order); medians are reported
+    repair: bool = True  # also time the repaired cache (partial recomputation, RunConfig.arms settings)
+    batch_size: int = 1  # requests together
+
+
+def run(ec: TTFTEval, ctx) -> dict:
+    from kvjax.builders import Mapped, NativePrefill, PartialRecompute
+    from kvjax.eval.ttft import measure_ttft
+    kvmap = ctx.map(ctx.final)
+    builders = {NATIVE: NativePrefill(ctx.target), MAPPED: Mapped(ctx.source, ctx.target, kvmap)}
+    if ec.repair:
+        builders[PARTIAL] = PartialRecompute(ctx.source, ctx.target, kvmap, ctx.cfg.arms.partial_k,
+                                             ctx.cfg.arms.partial_mode)
+    rows = measure_ttft(builders, ctx.heldout.reshape(-1), ec.lengths, repeats=ec.repeats, batch_size=ec.batch_size)
+    for length, r in rows.items():
+        log.info("ttft %5d: %s", length, {a: round(float(np.median(v)), 4) for a, v in r["rounds"].items()})
+    return {"rows": {str(k): v for k, v in rows.items()}, "final": ctx.final, "batch_size": ec.batch_size,
+            "repeats": ec.repeats, "repair": {"k": ctx.cfg.arms.partial_k, "mode": ctx.cfg.arms.partial_mode}}
+
+
+def metrics(ev: dict, ctx) -> dict:
+    out = {}
+    for length, r in sorted(ev["rows"].items(), key=lambda kv: int(kv[0])):
+        rounds = {a: np.asarray(v, np.float64) for a, v in r["rounds"].items()}
+        med = {a: float(np.median(v)) for a, v in rounds.items()}
+        row = {"ttft_s": med, "speedup": {}, "speedup_rounds": {},
+               "phases_s": {a: {k: float(np.median([p[k] for p in ps])) for k in ps[0]}
+                            for a, ps in r["phases"].items()}}
+        for a in rounds:
+            if a != NATIVE:
+                per_round = rounds[NATIVE] / rounds[a]  # same round, so machine drift cancels
+                row["speedup"][a] = med[NATIVE] / med[a]
+                row["speedup_rounds"][a] = [float(per_round.min()), float(np.median(per_round)),
+                                            float(per_round.max())]
+        out[length] = row
+    out_meta = {"final": ev["final"], "batch_size": ev["batch_size"], "repeats": ev["repeats"],
+                "repair": ev["repair"]}
+    return {"lengths": out, **out_meta}
+
+
+def _labels(ctx) -> dict[str, tuple[str, str]]:
+    return {a: (label.format(source=ctx.source, target=ctx.target), colour) for a, (label, colour) in STYLE.items()}
+
+
+def summary(tt: dict, ctx) -> list[str]:
+    longest = max(tt["lengths"], key=int)
+    s = tt["lengths"][longest]["speedup"]
+    line = (f"- Time to first token at {length_label(int(longest))}: {ctx.source} prefill + map "
+            f"{s[MAPPED]:.2f}x faster than {ctx.target}'s own prefill")
+    if PARTIAL in s:
+        line += f" ({s[PARTIAL]:.2f}x with the repair)"
+    return [line + "."]
+
+
+def report(tt: dict, ctx) -> list[str]:
+    arms = [a for a in STYLE if a in next(iter(tt["lengths"].values()))["ttft_s"]]
+    labels = _labels(ctx)
+    rep = tt["repair"]
+    out = ["## Time to first token: reader prefill + map vs the answerer's own prefill", "",
+           f"Batch {tt['batch_size']}; TTFT = cache of all but the last prompt token + the answerer's forward over "
+           f"that token; medians of {tt['repeats']} timed rounds (builders in rotating order, after a compile round); "
+           f"speed-up = native median / arm median, with [min, median, max] of the same-round ratios. Map: "
+           f"{tt['final']}; repair: {rep['mode']} {rep['k']} answerer layer(s) recomputed.", "",
+           "| prompt | " + " | ".join(f"{labels[a][0]} s" for a in arms) + " | "
+           + " | ".join(f"speed-up {a}" for a in arms if a != NATIVE) + " |",
+           "|---|" + "---|" * (2 * len(arms) - 1)]
+    for length, r in tt["lengths"].items():
+        cells = [f"{r['ttft_s'][a]:.4f}" for a in arms]
+        ups = [f"{r['speedup'][a]:.2f}x [{r['speedup_rounds'][a][0]:.2f}, {r['speedup_rounds'][a][1]:.2f}, "
+               f"{r['speedup_rounds'][a][2]:.2f}]" for a in arms if a != NATIVE]
+        out.append(f"| {length_label(int(length))} | " + " | ".join(cells + ups) + " |")
+    out.append("")
+    if "ttft_reverse" in ctx.charts:
+        out += [f"![time to first token]({ctx.charts['ttft_reverse']})", ""]
+    return out
+
+
+def chart(tt: dict, path: str, ctx) -> str:
+    from kvjax.eval import charts
+    plt = charts.plt()
+    rows = tt["lengths"]
+    xs = charts.lengths(rows)
+    labels = _labels(ctx)
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for a, (label, colour) in labels.items():
+        if a in rows[str(xs[0])]["ttft_s"]:
+            ax.plot(xs, [rows[str(x)]["ttft_s"][a] for x in xs], "o-", color=colour, label=label)
+    for x in xs:
+        ax.annotate(f"{rows[str(x)]['speedup'][MAPPED]:.1f}x", (x, rows[str(x)]["ttft_s"][MAPPED]),
+                    textcoords="offset points", xytext=(0, -14), ha="center", fontsize=8,
+                    color=STYLE[MAPPED][1])
+    ax.set(yscale="log", xlabel="prompt length (tokens)", ylabel="seconds (median)",
+           title="Time to first token of the answering model")
+    charts.length_axis(ax, xs)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return charts.save(fig, path)
+
+
+def preflight(ec: TTFTEval, cfg) -> list[str]:
+    problems = at_least_one("eval.ttft", ec, "repeats", "batch_size")
+    if not ec.lengths or min(ec.lengths) < 2:
+        problems.append("eval.ttft.lengths must be prompt lengths >= 2 tokens")
+    return problems
+
+
+EVALUATION = Evaluation(
+    name="ttft", settings=TTFTEval, run=run, metrics=metrics, section=15, report=report, summary=summary,
+    charts=(Chart("ttft_reverse", chart),), depends=lambda cfg: {"arm_settings": dataclasses.asdict(cfg.arms)},
+    preflight=preflight)
