@@ -1,11 +1,14 @@
-"""Foundation benchmark: kvjax vs transformers (torch, CPU) on one random-init 33.6M Qwen3, float32, batch 1.
+"""Foundation benchmark: kvjax vs transformers (torch, CPU) on one random-init 33.6M Qwen3, float32.
 
-    launch/venv python -m launch.bench.foundation --out bench_foundation.json   # full run, 3-5 minutes
-    launch/venv python -m launch.bench.foundation --quick                       # smoke run, ~40 seconds
+    launch/venv python -m launch.bench.foundation --out bench_foundation.json   # full run, 5-8 minutes
+    launch/venv python -m launch.bench.foundation --quick                       # smoke run, ~1 minute
 
-Reports prefill tokens/s (T=2048, full logits [1, T, V] on both sides), decode tokens/s with the cache holding
-`ctx` tokens (kvjax: decode_step called from Python, and generate's in-jit loop; transformers: DynamicCache), and
-the decode roofline: read bandwidth / bytes read per token (all weights a step touches, the live KV cache; float32).
+Reports prefill tokens/s at several prompt lengths (full logits [1, T, V] on both sides) against the machine's f32
+matmul peak measured in the same run (each library's own 2048^3 product; the faster one is the peak), decode
+tokens/s at batch 1 with the cache holding `ctx` tokens (kvjax: decode_step called from Python, and generate's
+in-jit loop; transformers: DynamicCache) against the decode roofline (read bandwidth / bytes read per token: all
+weights a step touches, the live KV cache; float32), and batched decode: tokens/s at batch 1-64 with every row at
+`--batch-context` tokens.
 
 Method: transformers writes the checkpoint; both sides load it. Each side (kvjax, torch, bandwidth) is a worker
 process of this script pinned with `taskset -c CPUS`, one thread per CPU (XLA sizes its pool from the affinity
@@ -37,7 +40,8 @@ BYTES = 4  # float32
 DECODE_TOKEN = 1  # fed at every timed decode step; its value does not change the cost
 WARMUP_STEPS = 3
 BANDWIDTH_BYTES = 1 << 30
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MATMUL_N = 2048  # the f32 matmul that measures the machine's peak (each library's own product)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # launch/bench/ -> the repository
 
 
 def log(msg: str) -> None:
@@ -58,7 +62,21 @@ def median_seconds(fn, reps: int, warmup: int = 0) -> float:
 
 
 def prompt_tokens(args) -> np.ndarray:
-    return np.random.default_rng(args.seed).integers(0, MODEL["vocab_size"], (1, args.prefill_len))
+    return np.random.default_rng(args.seed).integers(0, MODEL["vocab_size"], (1, max(args.prefill_len,
+                                                                                     *args.prefill_lens)))
+
+
+def batch_tokens(args, b: int) -> np.ndarray:
+    return np.random.default_rng(args.seed + b).integers(0, MODEL["vocab_size"], (b, args.batch_context))
+
+
+def prefill_flops(t: int) -> float:
+    """Multiply-adds x 2 of a prefill of t tokens: every weight matrix once per token (the full-logits head
+    included) plus causal attention (scores and values, half the t x t square)."""
+    d, f, v, hd = MODEL["hidden_size"], MODEL["intermediate_size"], MODEL["vocab_size"], MODEL["head_dim"]
+    hq, hkv, layers = MODEL["num_attention_heads"], MODEL["num_key_value_heads"], MODEL["num_hidden_layers"]
+    weights = layers * (d * hd * (2 * hq + 2 * hkv) + 3 * d * f) + d * v
+    return 2 * weights * t + layers * 2 * 2 * hq * hd * t * t / 2
 
 
 # ---- workers: one per side, each in its own pinned process ------------------------------------------------------
@@ -70,22 +88,47 @@ class KvjaxBench:
         self.args, self.jnp, self.kvjax = args, jnp, kvjax
         self.cfg, self.params = kvjax.load_hf(args.ckpt, dtype=jnp.float32)
         self.prompt = prompt_tokens(args)
-        self.tokens, self.token = jnp.asarray(self.prompt, jnp.int32), jnp.asarray([DECODE_TOKEN], jnp.int32)
+        self.all_tokens = jnp.asarray(self.prompt, jnp.int32)  # the longest prefill length's prompt
+        self.tokens = self.all_tokens[:, :args.prefill_len]
+        self.token = jnp.asarray([DECODE_TOKEN], jnp.int32)
         self.cache = kvjax.init_cache(self.cfg, 1, args.capacity, jnp.float32)
         t0 = time.perf_counter()
         logits = self._prefill()
         first = {"prefill": time.perf_counter() - t0}
         np.save(os.path.join(args.workdir, "kvjax_logits.npy"), np.asarray(logits[0, -1]))
+        for n in args.prefill_lens:
+            first[f"prefill T={n}"] = seconds(lambda: self._prefill(n))
+        self.batched = {}  # batch -> (cache after prefilling every row to --batch-context, the tokens fed)
+        for b in args.batches:
+            rows = jnp.asarray(batch_tokens(args, b), jnp.int32)
+            cache = kvjax.init_cache(self.cfg, b, args.batch_context + 64, jnp.float32)
+            cache = kvjax.prefill(self.params, self.cfg, rows, cache)[1]
+            self.batched[b] = [cache, jnp.full((b,), DECODE_TOKEN, jnp.int32)]
+            first[f"decode batch={b}"] = seconds(lambda: self._decode_batch(b))
         first["decode_step"] = seconds(lambda: self._decode_step(args.contexts[0]))
         for ctx in args.contexts if args.generate_tokens else ():
             for n in (1, args.generate_tokens + 1):
                 first[f"generate ctx={ctx} new={n}"] = seconds(lambda: self._generate(ctx, n))
         self.setup = {"first_call_s": first}
 
-    def _prefill(self):
+    def _prefill(self, n: int | None = None):
         self.cache = self.cache.replace(lengths=self.jnp.zeros((1,), self.jnp.int32))
-        logits, self.cache = self.kvjax.prefill(self.params, self.cfg, self.tokens, self.cache)
+        tokens = self.tokens if n is None else self.all_tokens[:, :n]
+        logits, self.cache = self.kvjax.prefill(self.params, self.cfg, tokens, self.cache)
         return logits.block_until_ready()
+
+    def _decode_batch(self, b: int):
+        cache, token = self.batched[b]
+        cache = cache.replace(lengths=self.jnp.full((b,), self.args.batch_context, self.jnp.int32))
+        logits, self.batched[b][0] = self.kvjax.decode_step(self.params, self.cfg, token, cache)
+        logits.block_until_ready()
+
+    def matmul(self) -> float:
+        import jax
+        a = self.jnp.ones((MATMUL_N, MATMUL_N), self.jnp.float32)
+        f = jax.jit(lambda x: x @ x)
+        f(a).block_until_ready()
+        return 2 * MATMUL_N ** 3 / median_seconds(lambda: f(a).block_until_ready(), 5)
 
     def _decode_step(self, ctx: int):
         self.cache = self.cache.replace(lengths=self.jnp.full((1,), ctx, self.jnp.int32))  # back to ctx tokens
@@ -98,7 +141,11 @@ class KvjaxBench:
 
     def round(self) -> dict:
         a = self.args
-        out = {"prefill": a.prefill_len / median_seconds(self._prefill, a.prefill_reps), "decode": {}, "generate": {}}
+        out = {"prefill": a.prefill_len / median_seconds(self._prefill, a.prefill_reps), "decode": {}, "generate": {},
+               "prefill_lens": {n: n / median_seconds(lambda: self._prefill(n), a.prefill_reps) for n in a.prefill_lens},
+               "batched": {b: b / median_seconds(lambda: self._decode_batch(b), a.decode_steps, WARMUP_STEPS)
+                           for b in a.batches},
+               "matmul_flops": self.matmul()}
         for ctx in a.contexts:
             out["decode"][ctx] = 1 / median_seconds(lambda: self._decode_step(ctx), a.decode_steps, WARMUP_STEPS)
             if a.generate_tokens:  # the tokens after the first over their time: the prefill cancels out
@@ -116,15 +163,32 @@ class TorchBench:
         torch.set_num_threads(args.threads)
         self.args, self.torch, self.transformers = args, torch, transformers
         self.model = transformers.Qwen3ForCausalLM.from_pretrained(args.ckpt, dtype=torch.float32).eval()
-        self.tokens, self.token = torch.from_numpy(prompt_tokens(args)), torch.tensor([[DECODE_TOKEN]])
+        self.all_tokens, self.token = torch.from_numpy(prompt_tokens(args)), torch.tensor([[DECODE_TOKEN]])
+        self.tokens = self.all_tokens[:, :args.prefill_len]
         logits, self.prompt_cache = self._prefill()
         np.save(os.path.join(args.workdir, "torch_logits.npy"), logits[0, -1].numpy())
+        self.batched = {}
+        for b in args.batches:
+            rows = torch.from_numpy(batch_tokens(args, b))
+            self.batched[b] = (self._prefill(rows)[1], torch.full((b, 1), DECODE_TOKEN))
         self.setup = {}
 
-    def _prefill(self):
+    def _prefill(self, tokens=None):
         with self.torch.inference_mode():
             cache = self.transformers.DynamicCache(config=self.model.config)
-            return self.model(input_ids=self.tokens, cache=cache, use_cache=True).logits, cache
+            tokens = self.tokens if tokens is None else tokens
+            return self.model(input_ids=tokens, cache=cache, use_cache=True).logits, cache
+
+    def _decode_batch(self, b: int):
+        cache, token = self.batched[b]
+        with self.torch.inference_mode():
+            self.model(input_ids=token, cache=cache, use_cache=True)
+        cache.crop(-1)  # back to the context: every step decodes at --batch-context tokens
+
+    def matmul(self) -> float:
+        a = self.torch.ones((MATMUL_N, MATMUL_N), dtype=self.torch.float32)
+        with self.torch.inference_mode():
+            return 2 * MATMUL_N ** 3 / median_seconds(lambda: a @ a, 5, 1)
 
     def _decode_step(self, cache):
         cache.crop(-1)  # back to ctx tokens (the cache enters with ctx + 1)
@@ -133,7 +197,12 @@ class TorchBench:
 
     def round(self) -> dict:
         a = self.args
-        out = {"prefill": a.prefill_len / median_seconds(self._prefill, a.prefill_reps), "decode": {}}
+        out = {"prefill": a.prefill_len / median_seconds(self._prefill, a.prefill_reps), "decode": {},
+               "prefill_lens": {n: n / median_seconds(lambda: self._prefill(self.all_tokens[:, :n]), a.prefill_reps)
+                                for n in a.prefill_lens},
+               "batched": {b: b / median_seconds(lambda: self._decode_batch(b), a.decode_steps, WARMUP_STEPS)
+                           for b in a.batches},
+               "matmul_flops": self.matmul()}
         for ctx in a.contexts:
             cache = copy.deepcopy(self.prompt_cache)
             cache.crop(ctx + 1 - a.prefill_len)
@@ -263,7 +332,16 @@ def run(args) -> dict:
               "read_bandwidth_gb_s": bandwidth, "kvjax_first_call_s": workers["kvjax"].setup["first_call_s"],
               "last_logits_max_abs_diff": float(np.abs(kvjax_logits - torch_logits).max()),
               "other_load": {s: median_over(rounds[s], "other_load") for s in SIDES},
-              "prefill_tok_s": {s: median_over(rounds[s], "prefill") for s in ("kvjax", "torch")}, "decode": {}}
+              "prefill_tok_s": {s: median_over(rounds[s], "prefill") for s in ("kvjax", "torch")}, "decode": {},
+              "matmul_gflops": {s: median_over(rounds[s], "matmul_flops") / 1e9 for s in ("kvjax", "torch")},
+              "prefill": {}, "batched": {}}
+    peak = max(result["matmul_gflops"].values()) * 1e9
+    for n in args.prefill_lens:
+        tok = {s: median_over(rounds[s], "prefill_lens", n) for s in ("kvjax", "torch")}
+        result["prefill"][n] = {**{f"{s}_tok_s": v for s, v in tok.items()}, "flops_per_token": prefill_flops(n) / n,
+                                **{f"{s}_peak_frac": v * prefill_flops(n) / n / peak for s, v in tok.items()}}
+    for b in args.batches:
+        result["batched"][b] = {f"{s}_tok_s": median_over(rounds[s], "batched", b) for s in ("kvjax", "torch")}
     for ctx in args.contexts:
         weights, kv = decode_bytes(ctx)
         result["decode"][ctx] = {"kvjax_tok_s": median_over(rounds["kvjax"], "decode", ctx),
@@ -291,6 +369,17 @@ def print_report(r: dict, args) -> None:
         if "kvjax_generate_tok_s" in d:
             g = d["kvjax_generate_tok_s"]
             print(row.format(f"decode ctx={ctx} (generate loop)", f"{g:.1f}", "", "", "", f"{100 * g / roof:.0f}%", ""))
+    peak = max(r["matmul_gflops"].values())
+    print(f"\nprefill against the f32 matmul peak measured here ({MATMUL_N}^3: kvjax/XLA "
+          f"{r['matmul_gflops']['kvjax']:.0f}, torch {r['matmul_gflops']['torch']:.0f} GFLOP/s)")
+    for n, d in r["prefill"].items():
+        print(row.format(f"prefill T={n}", f"{d['kvjax_tok_s']:.0f}", f"{d['torch_tok_s']:.0f}",
+                         f"{d['kvjax_tok_s'] / d['torch_tok_s']:.2f}x", f"{peak * 1e9 / d['flops_per_token']:.0f}",
+                         f"{100 * d['kvjax_peak_frac']:.0f}%/{100 * d['torch_peak_frac']:.0f}%", ""))
+    print(f"\nbatched decode, every row at {args.batch_context} tokens (tokens/s of the whole batch)")
+    for b, d in r["batched"].items():
+        print(row.format(f"decode batch={b}", f"{d['kvjax_tok_s']:.1f}", f"{d['torch_tok_s']:.1f}",
+                         f"{d['kvjax_tok_s'] / d['torch_tok_s']:.2f}x", "", "", ""))
     weights_mb = next(iter(r["decode"].values()))["weight_bytes"] / 1e6
     kv_mb = ", ".join(f"{d['kv_bytes'] / 1e6:.1f} MB at ctx={ctx}" for ctx, d in r["decode"].items())
     print(f"\nroofline = read bandwidth / bytes per token; read bandwidth {r['read_bandwidth_gb_s']:.1f} GB/s "
@@ -314,6 +403,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prefill-reps", type=int, default=3, help="timed prefills (and generate calls) per round (median)")
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 2000], help="decode contexts (< --prefill-len)")
     p.add_argument("--decode-steps", type=int, default=64, help="timed decode steps per context per round (median)")
+    p.add_argument("--prefill-lens", type=int, nargs="+", default=[512, 1024, 2048, 4096],
+                   help="prompt lengths of the prefill-vs-matmul-peak table (< --capacity)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64], help="batched-decode batch sizes")
+    p.add_argument("--batch-context", type=int, default=512, help="tokens in every row's cache for batched decode")
     p.add_argument("--generate-tokens", type=int, default=128,
                    help="time kvjax.generate's in-jit loop over this many tokens after the first (0: skip)")
     p.add_argument("--capacity", type=int, default=4096, help="kvjax cache capacity (decode reads only a window)")
@@ -324,8 +417,10 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.quick:
         args.rounds, args.prefill_reps, args.decode_steps, args.generate_tokens = 1, 1, 8, 0
-    if max(args.contexts) >= args.prefill_len or args.prefill_len >= args.capacity:
-        p.error("need every context < --prefill-len < --capacity")
+        args.prefill_lens, args.batches, args.batch_context = [256], [1, 4], 128
+    if max(args.contexts) >= args.prefill_len or args.prefill_len >= args.capacity \
+            or max(args.prefill_lens) > args.capacity:
+        p.error("need every context < --prefill-len < --capacity, and every --prefill-lens <= --capacity")
     if not {int(c) for c in args.cpus.split(",")} <= os.sched_getaffinity(0):
         p.error(f"--cpus {args.cpus}: this process may only use CPUs {sorted(os.sched_getaffinity(0))}")
     args.threads = len(args.cpus.split(","))
