@@ -28,11 +28,12 @@ FLOORS = {
     # pretraining. Builders and mapper are peers: a Mapped builder applies a KVMap, and fitting a map prefills
     # natively through a builder
     "kvjax.kernels": 2, "kvjax.builders": 2, "kvjax.mapper": 2, "kvjax.generation": 2, "kvjax.pretrain": 2,
-    "kvjax.pretrain_config": 2, "kvjax.speculative": 2,
+    "kvjax.pretrain_config": 2, "kvjax.speculative": 2, "kvjax.drafter": 2,
     # 3 eval: the evaluations, their arms and registry, the report, the quality gate that judges their metrics
     "kvjax.eval": 3, "kvjax.gate": 3,
     # 4 job: `python -m kvjax.launch` (its config, flags, preflight, stages) and the package's public API (kvjax)
     "kvjax.launch": 4, "kvjax.run_config": 4, "kvjax.preflight": 4, "kvjax.stages": 4,
+    "kvjax.serve": 4,  # `python -m kvjax.serve`: the OpenAI-compatible server over a run's map
 }
 FACADE = "kvjax"  # kvjax/__init__.py re-exports every floor: only the job may import names from it
 FACADE_FLOOR = 4

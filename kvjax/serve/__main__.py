@@ -1,0 +1,5 @@
+import sys
+
+from kvjax.serve.cli import main
+
+sys.exit(main())

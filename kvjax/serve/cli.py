@@ -1,0 +1,165 @@
+"""`python -m kvjax.serve --config=NAME [--map PATH] [--host H] [--port P] [--topology T] ...`: serve a run's map.
+
+The same run configs as the main job (configs/NAME.py, --config.FIELD=VALUE overrides). The map is the config's
+finished run (its final map in output_dir, judged by output_dir/gate.json) or --map PATH (a kvjax.save_map
+directory; its gate is PATH/../gate.json when there is one, or --gate FILE). When the gate failed, requests are served
+by the target alone ("native_target"). Problems the user can fix are one message and exit status 2, before any
+model is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from kvjax.config_flags import ConfigFlagError, available_configs, build, parse_argv
+from kvjax.preflight import LaunchError, resolve_models
+from kvjax.run_config import RunConfig
+from kvjax.serve.engine import TOPOLOGIES, EngineConfig
+
+log = logging.getLogger("kvjax.serve")
+DEFAULT_CONFIG = "toy"
+
+
+class ServeError(Exception):
+    """A problem the user can fix; the message names the fix."""
+
+
+def parser() -> argparse.ArgumentParser:
+    d = EngineConfig()
+    p = argparse.ArgumentParser(
+        prog="python -m kvjax.serve", description="OpenAI-compatible server for a fitted map "
+        "(source prefill -> map -> target decode). --config=NAME and --config.FIELD=VALUE as in python -m kvjax.launch "
+        f"(configs: {', '.join(available_configs())}; default {DEFAULT_CONFIG}).")
+    p.add_argument("--map", default="", help="a map directory (kvjax.save_map); default: the config's run directory")
+    p.add_argument("--gate", default="", help="gate.json judging the map (default: beside the map's run)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--topology", choices=TOPOLOGIES, default=d.topology)
+    p.add_argument("--slots", type=int, default=d.slots, help="requests decoding at once (serial: 1)")
+    p.add_argument("--capacity", type=int, default=d.capacity, help="tokens per request: prompt + max_tokens")
+    p.add_argument("--max-prefill-batch", type=int, default=d.max_prefill_batch)
+    p.add_argument("--max-queue", type=int, default=d.max_queue, help="waiting requests before 429")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens_limit, help="largest max_tokens accepted")
+    p.add_argument("--request-timeout", type=float, default=d.request_timeout, help="seconds per request")
+    p.add_argument("--prefill-devices", type=int, default=d.prefill_devices,
+                   help="disaggregated: devices of the prefill pool (default all but one)")
+    p.add_argument("--cpu-devices", type=int, default=2,
+                   help="disaggregated on CPU: host devices to split into the pools (XLA_FLAGS)")
+    p.add_argument("--warmup", type=int, default=0, metavar="TOKENS",
+                   help="compile every prefill bucket up to TOKENS prompt tokens before serving (0: compile lazily)")
+    p.add_argument("--enable-fault-injection", action="store_true",
+                   help="accept POST /admin/faults (fault tooling on localhost; never in production)")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def final_map_dir(cfg: RunConfig) -> str:
+    from kvjax.launch import final_arm, plan
+    return os.path.join(cfg.output_dir, plan(cfg)[final_arm(cfg)].outputs[0])
+
+
+def locate(cfg: RunConfig, name: str, map_arg: str, gate_arg: str) -> tuple[str, str]:
+    """(map directory, gate file or '') with a message naming the command to run when there is none."""
+    from kvjax.mapper.artifact import MANIFEST
+    run = f"python -m kvjax.launch --config={name}"
+    if map_arg:
+        if not os.path.isfile(os.path.join(map_arg, MANIFEST)):
+            raise ServeError(f"--map {map_arg}: not a map directory (no {MANIFEST}); pass a directory written by "
+                             f"kvjax.save_map, e.g. {final_map_dir(cfg)} after `{run}`")
+        beside = os.path.join(os.path.dirname(os.path.abspath(map_arg)), "gate.json")
+        gate = gate_arg or (beside if os.path.isfile(beside) else "")
+    else:
+        path = final_map_dir(cfg)
+        gate = gate_arg or os.path.join(cfg.output_dir, "gate.json")
+        if not os.path.isfile(os.path.join(path, MANIFEST)):
+            raise ServeError(f"config {name!r} has no fitted map at {path}: run `{run}` first (it fits the map and "
+                             "judges it), or pass --map PATH (a kvjax.save_map directory)")
+        if not os.path.isfile(gate):
+            raise ServeError(f"the run in {cfg.output_dir} has not finished (no gate.json, which says whether the "
+                             f"map may serve): run `{run}` to finish it, or pass --map {path} to serve it ungated")
+    if gate_arg and not os.path.isfile(gate_arg):
+        raise ServeError(f"--gate {gate_arg}: no such file (python -m kvjax.launch writes OUTPUT_DIR/gate.json)")
+    return path if not map_arg else map_arg, gate
+
+
+def parse(argv: list[str]):
+    name, overrides, rest = parse_argv(argv)
+    args = parser().parse_args(rest)
+    cfg = resolve_models(build(name or DEFAULT_CONFIG, overrides, RunConfig))
+    engine = EngineConfig(topology=args.topology, slots=args.slots, capacity=args.capacity,
+                          max_prefill_batch=args.max_prefill_batch, max_queue=args.max_queue,
+                          max_tokens_limit=args.max_tokens, request_timeout=args.request_timeout,
+                          prefill_devices=args.prefill_devices)
+    problems = engine.problems()
+    if not 1 <= args.port <= 65535:
+        problems.append(f"--port {args.port}: use 1..65535")
+    if problems:
+        raise ServeError("; ".join(problems))
+    map_dir, gate = locate(cfg, name or DEFAULT_CONFIG, args.map, args.gate)
+    return cfg, args, engine, map_dir, gate
+
+
+def build_server(cfg: RunConfig, args, engine_cfg: EngineConfig, map_dir: str, gate_path: str):
+    """Load the models, map, gate and tokenizer; an Engine (started) and its Server."""
+    import jax.numpy as jnp
+
+    import kvjax
+    from kvjax.serve.app import Server
+    from kvjax.serve.chat import load_chat_template
+    from kvjax.serve.engine import Engine
+    source = kvjax.load_hf(cfg.source.path, dtype=jnp.dtype(cfg.source.dtype))
+    target = kvjax.load_hf(cfg.target.path, dtype=jnp.dtype(cfg.target.dtype))
+    kvmap = kvjax.load_map(map_dir, source.cfg, target.cfg)
+    split, reason = True, ""
+    if gate_path:
+        gate = kvjax.load_gate(gate_path)
+        split = gate.passed
+        reason = "" if split else f"the map failed its quality gate ({gate.summary()})"
+    else:
+        log.warning("no gate result for %s: serving the split path ungated", map_dir)
+    if not split:
+        log.warning("%s: serving the native target path", reason)
+    engine = Engine(tuple(source), tuple(target), kvmap, kvjax.load_tokenizer(cfg.target.path), engine_cfg,
+                    split=split, reason=reason)
+    if args.warmup:
+        log.info("warming up (compiling prefill up to %d tokens) ...", args.warmup)
+        log.info("warm-up done in %.1fs", engine.warmup(args.warmup))
+    engine.start()
+    return engine, Server(engine, cfg.name, load_chat_template(cfg.target.path), args.enable_fault_injection)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    from kvjax.hf import CheckpointError
+    from kvjax.models.config import ConfigError
+    try:
+        cfg, args, engine_cfg, map_dir, gate = parse(argv)
+    except (ServeError, ConfigFlagError, LaunchError, CheckpointError, ConfigError) as e:
+        print(f"kvjax.serve: error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if engine_cfg.topology == "disaggregated" and "xla_force_host_platform_device_count" not in \
+            os.environ.get("XLA_FLAGS", "") and os.environ.get("JAX_PLATFORMS", "cpu") in ("", "cpu"):
+        # on CPU, split the host into devices so each pool has its own (before JAX starts)
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={args.cpu_devices}").strip()
+    import uvicorn
+    try:
+        engine, server = build_server(cfg, args, engine_cfg, map_dir, gate)
+    except (ValueError, CheckpointError, ConfigError, FileNotFoundError) as e:
+        print(f"kvjax.serve: error: {e}", file=sys.stderr)
+        return 2
+    log.info("serving %s (%s path, %s topology, %d slots x %d tokens) on http://%s:%d", cfg.name, engine.path,
+             engine.config.topology, engine.config.slots, engine.config.capacity, args.host, args.port)
+    try:
+        uvicorn.run(server.app(), host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    finally:
+        engine.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

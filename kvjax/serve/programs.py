@@ -1,0 +1,104 @@
+"""The compiled programs of the serving engine: prefill a batch of new prompts into caches, insert them into free
+slots of the one batched decode cache, and advance every slot by one token.
+
+Why these shapes. The decode cache is fixed ([L, slots, Hkv, capacity, hd]), so one decode program serves every mix
+of requests; a slot joins or leaves between two steps by writing its row (insert) or by being masked (step). The
+prefill side pads a batch's prompts to a bucket of the token axis and its batch to a power of two, so a few programs
+cover every prompt. Each row is computed exactly as the offline `kvjax.split_generate` computes it (the same
+builders, prefill of all but the last prompt token, the last token read by the first decode step), and padding rows
+or positions only ever meet masked attention, so a greedy answer does not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.builders import Mapped, NativePrefill
+from kvjax.cache import KVCache, init_cache, window_sizes
+from kvjax.models.decoder import forward
+
+
+def buckets(capacity: int) -> tuple[int, ...]:
+    """Prefill lengths (the token axis a batch is padded to): the attention windows of a cache of `capacity`
+    (about two per octave from 128), with 64 in front for short prompts: a handful of compiles, <= 1.5x padding."""
+    return tuple(sorted({min(64, capacity), *window_sizes(capacity)}))
+
+
+def bucket_for(n: int, sizes: tuple[int, ...]) -> int:
+    for s in sizes:
+        if s >= n:
+            return s
+    raise ValueError(f"{n} prompt tokens do not fit the largest prefill bucket {sizes[-1]}")
+
+
+def batch_size_for(n: int, max_batch: int) -> int:
+    """The padded prefill batch: the next power of two (capped at max_batch)."""
+    return min(max_batch, 1 << max(0, (n - 1).bit_length()))
+
+
+def prefill_builder(source, target, kvmap, split: bool):
+    """The cache builder of the served path: source prefill + map (split) or the target's own prefill (the map's
+    gate failed): the same builders `split_generate` / `native_generate` use."""
+    return Mapped(source, target, kvmap) if split else NativePrefill(target)
+
+
+def prefill_batch(builder, prompts: list[list[int]], bucket: int, batch: int) -> KVCache:
+    """The answering model's cache of every prompt but its last token, rows padded to `batch` (padding rows hold one
+    token) and positions to `bucket`: KVCache [L, batch, Hkv, bucket, hd]."""
+    tokens = np.zeros((batch, bucket), np.int32)
+    lengths = np.ones((batch,), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p) - 1] = p[:-1]
+        lengths[i] = len(p) - 1
+    return builder(tokens, lengths, capacity=bucket)
+
+
+def empty_slots(cfg, slots: int, capacity: int, dtype, device=None) -> KVCache:
+    cache = init_cache(cfg, slots, capacity, dtype)
+    return jax.device_put(cache, device) if device is not None else cache
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def insert(cache: KVCache, new: KVCache, slots: jax.Array) -> KVCache:
+    """Write the rows of `new` ([L, b, Hkv, T, hd], T <= capacity) into rows `slots` [b] of `cache`, in place (the
+    cache is donated: a scatter into its own buffer, no copy of the other slots). A slot index >= the number of
+    slots drops its row (padding rows of a prefill batch)."""
+    t = new.capacity
+    k = cache.k.at[:, slots, :, :t].set(new.k.astype(cache.k.dtype), mode="drop")
+    v = cache.v.at[:, slots, :, :t].set(new.v.astype(cache.v.dtype), mode="drop")
+    lengths = cache.lengths.at[slots].set(new.lengths, mode="drop")
+    return cache.replace(k=k, v=v, lengths=lengths)
+
+
+def _sample_rows(logits, temperature, top_p, seeds, counters):
+    """One token per row with the row's own temperature, top-p and key (seed, tokens generated so far): a seeded
+    request samples the same tokens whatever else shares the batch."""
+    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
+    x = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)[:, None]
+    order = jnp.argsort(-x, axis=-1)
+    sorted_x = jnp.take_along_axis(x, order, axis=-1)
+    probs = jax.nn.softmax(sorted_x, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly more likely tokens (as kvjax.generation.sample)
+    sorted_x = jnp.where(before < top_p[:, None], sorted_x, -jnp.inf)
+    choice = jax.vmap(jax.random.categorical)(keys, sorted_x)
+    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def step(params, cfg, cache: KVCache, tokens, active, temperature, top_p, seeds, counters):
+    """Every slot reads its input token (int32 [S]: a new request's last prompt token, else its latest generated
+    one) and picks the next: (next tokens int32 [S], cache). Greedy rows (temperature 0) take the argmax, as
+    `kvjax.generation.sample` does. Free slots (`active` False) compute too (one program for every mix) but their
+    length is reset to 0, so they never grow and never widen the attention window of the others."""
+    logits, cache = forward(params, cfg, tokens[:, None], cache)
+    logits = logits[:, 0]
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    sampled = temperature > 0
+    nxt = jax.lax.cond(jnp.any(sampled & active),
+                       lambda: jnp.where(sampled, _sample_rows(logits, temperature, top_p, seeds, counters), greedy),
+                       lambda: greedy)
+    return nxt, cache.replace(lengths=jnp.where(active, cache.lengths, 0))
