@@ -40,7 +40,7 @@ def run_case(case, dtype, backend, weight_dtype=jnp.float32):
     fx, fy = len(pairing[0]) * hs * hds, ht * hdt
     keys = [random_map(jax.random.fold_in(ks[4], 2 * j), fx, fy, r, h) for j in range(len(pairing))]
     values = [random_map(jax.random.fold_in(ks[4], 2 * j + 1), fx, fy, r, h) for j in range(len(pairing))]
-    args = dict(pairing=pairing, tgt_layers=tgt_layers, length=n, src_theta=1e4, tgt_theta=5e5, src_offset=so,
+    args = dict(pairing=pairing, tgt_layers=tgt_layers, length=n, src_rope=1e4, tgt_rope=5e5, src_offset=so,
                 dst_offset=do)
     ref = mi.map_insert_reference(src_k, src_v, tgt_k, tgt_v, keys, values, **args)
     pack = lambda maps: mi.pack_maps(maps, fx // hds, ht, dtype=weight_dtype, backend=backend)  # noqa: E731
@@ -82,7 +82,7 @@ def test_donates_and_validates():
     tgt_k, tgt_v = jnp.zeros((1, b, hs, t, hd)), jnp.zeros((1, b, hs, t, hd))
     maps = [random_map(jax.random.key(0), hs * hd, hs * hd, 4, 2)]
     pack = mi.pack_maps(maps, hs, hs, backend="triton")
-    args = dict(pairing=((1,),), tgt_layers=(0,), length=t, src_theta=1e4, tgt_theta=1e4, interpret=True)
+    args = dict(pairing=((1,),), tgt_layers=(0,), length=t, src_rope=1e4, tgt_rope=1e4, interpret=True)
     out = mi.map_insert(src, src, tgt_k, tgt_v, pack, pack, **args)
     assert tgt_k.is_deleted() and tgt_v.is_deleted()  # donated: written in place
     with pytest.raises(ValueError, match="cannot map 32 positions"):
@@ -111,7 +111,7 @@ def test_lowers_for_gpu_and_tpu(platform, backend):
 
     def f(sk, sv, tk, tv, pk, pv):
         return mi.map_insert_call(sk, sv, tk, tv, pk, pv, pairing=((3,), (1,)), tgt_layers=(2, 0), length=n,
-                                  src_theta=1e6, tgt_theta=1e6, src_offset=5, dst_offset=5, backend=backend)
+                                  src_rope=1e6, tgt_rope=1e6, src_offset=5, dst_offset=5, backend=backend)
 
     exp = export.export(jax.jit(f, donate_argnums=(2, 3)), platforms=[platform],
                         disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(

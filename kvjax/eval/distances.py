@@ -24,12 +24,13 @@ def feature_distances(pred: np.ndarray, true: np.ndarray) -> dict[str, float]:
     return {"cos": float(cos.mean()), "nrmse": float(nrmse)}
 
 
-def cache_distances(mapped: KVCache, native: KVCache, theta: float) -> list[dict[str, float]]:
-    """Per target layer {key_cos, key_nrmse, value_cos, value_nrmse} over each row's valid positions (of `native`)."""
+def cache_distances(mapped: KVCache, native: KVCache, rope) -> list[dict[str, float]]:
+    """Per target layer {key_cos, key_nrmse, value_cos, value_nrmse} over each row's valid positions (of `native`);
+    keys compared before RoPE (`rope`: the target's config .rope)."""
     out = []
     for layer in range(native.num_layers):
-        mk, mv = layer_features(mapped, layer, theta, native.capacity)
-        nk, nv = layer_features(native, layer, theta)
+        mk, mv = layer_features(mapped, layer, rope, native.capacity)
+        nk, nv = layer_features(native, layer, rope)
         row = {}
         for kind, a, b in (("key", mk, nk), ("value", mv, nv)):
             d = feature_distances(_valid_rows(a, native.lengths), _valid_rows(b, native.lengths))
@@ -38,12 +39,12 @@ def cache_distances(mapped: KVCache, native: KVCache, theta: float) -> list[dict
     return out
 
 
-def raw_features(source: KVCache, layer: int, theta: float, width: int) -> jnp.ndarray:
+def raw_features(source: KVCache, layer: int, rope, width: int) -> jnp.ndarray:
     """The 'raw' baseline: a source layer's features cut or zero-padded to the target's width (no map at all)."""
     def fit(a):
         return a[..., :width] if a.shape[-1] >= width else jnp.pad(a, [(0, 0), (0, 0), (0, width - a.shape[-1])])
 
-    k, v = layer_features(source, layer, theta)
+    k, v = layer_features(source, layer, rope)
     return fit(k), fit(v)
 
 
@@ -78,11 +79,11 @@ def map_distances(maps: dict, source, target, windows: np.ndarray, batch_size: i
     for i in range(0, len(windows), batch_size):
         tokens = jnp.asarray(windows[i : i + batch_size], jnp.int32)
         src, tgt = prefill_cache_jit(sparams, scfg, tokens), prefill_cache_jit(tparams, tcfg, tokens)
-        native = [layer_features(tgt, t, tcfg.rope_theta) for t in range(tcfg.num_layers)]
+        native = [layer_features(tgt, t, tcfg.rope) for t in range(tcfg.num_layers)]
         for name, kvmap in maps.items():
             mapped = map_jit(kvmap, src)
             for t, (nk, nv) in enumerate(native):
-                mk, mv = layer_features(mapped, t, tcfg.rope_theta)
+                mk, mv = layer_features(mapped, t, tcfg.rope)
                 flat = lambda a: np.asarray(a).reshape(-1, a.shape[-1])  # noqa: E731
                 acc[name][t][0].add(flat(mk), flat(nk))
                 acc[name][t][1].add(flat(mv), flat(nv))

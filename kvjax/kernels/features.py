@@ -3,8 +3,10 @@ flattened, and back. Shared by the map's XLA implementation (kvjax.kernels.map_i
 `apply_map` and the pipelined path run) and by calibration (kvjax.mapper.features), so the features a map is fitted
 on are the features it is applied to.
 
-RoPE angles are host constants: computed inside the jit, XLA recomputed cos/sin in every consumer fusion, per layer
-and head (un-rotating 6 layers of 2 x 64 at 2K tokens: 6.7 ms vs 0.7 ms).
+Each model's keys are un-rotated and re-rotated with its own RoPE description (kvjax.models.rope.Rope: theta and
+any frequency scaling), so a map between models with different RoPE is exact. RoPE angles are host constants:
+computed inside the jit, XLA recomputed cos/sin in every consumer fusion, per layer and head (un-rotating 6 layers
+of 2 x 64 at 2K tokens: 6.7 ms vs 0.7 ms).
 """
 
 from __future__ import annotations
@@ -14,30 +16,32 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kvjax.models.rope import apply_rope, rope_table, unapply_rope
+from kvjax.models.rope import apply_rope, as_rope, rope_table, unapply_rope
 
 
 @functools.lru_cache(maxsize=64)
-def slot_angles(t: int, head_dim: int, theta: float, offset: int = 0):
-    """cos, sin [1, 1, t, hd] for cache slots offset..offset+t-1 (slot i holds position i), host constants."""
-    cos, sin = rope_table(offset + t, head_dim, theta)
+def slot_angles(t: int, head_dim: int, rope, offset: int = 0):
+    """cos, sin [1, 1, t, hd] for cache slots offset..offset+t-1 (slot i holds position i), host constants. `rope`:
+    the model's kvjax.models.rope.Rope (scaling included) or a plain theta."""
+    cos, sin = rope_table(offset + t, head_dim, as_rope(rope))
     return cos[None, None, offset:], sin[None, None, offset:]
 
 
-def content_features(x: jax.Array, theta: float | None, offset: int = 0) -> jax.Array:
-    """One layer's keys (`theta`: un-rotated from positions offset.. to content space) or values (`theta` None),
-    x [B, H, n, hd] -> float32 [B, n, H*hd]."""
+def content_features(x: jax.Array, rope, offset: int = 0) -> jax.Array:
+    """One layer's keys (`rope`: the model's Rope, un-rotated from positions offset.. to content space) or values
+    (`rope` None), x [B, H, n, hd] -> float32 [B, n, H*hd]."""
     b, _, n, _ = x.shape
     x = x.astype(jnp.float32)
-    if theta is not None:
-        x = unapply_rope(x, *slot_angles(n, x.shape[-1], theta, offset))
+    if rope is not None:
+        x = unapply_rope(x, *slot_angles(n, x.shape[-1], rope, offset))
     return x.transpose(0, 2, 1, 3).reshape(b, n, -1)
 
 
-def cache_layout(features: jax.Array, kv_heads: int, theta: float | None, offset: int = 0) -> jax.Array:
-    """[B, n, Hkv*hd] -> [B, Hkv, n, hd]; with `theta`, keys rotated to positions offset..offset+n-1."""
+def cache_layout(features: jax.Array, kv_heads: int, rope, offset: int = 0) -> jax.Array:
+    """[B, n, Hkv*hd] -> [B, Hkv, n, hd]; with `rope` (the model's Rope), keys rotated to positions
+    offset..offset+n-1."""
     b, n, f = features.shape
     x = features.reshape(b, n, kv_heads, f // kv_heads).transpose(0, 2, 1, 3)
-    if theta is not None:
-        x = apply_rope(x, *slot_angles(n, x.shape[-1], theta, offset))
+    if rope is not None:
+        x = apply_rope(x, *slot_angles(n, x.shape[-1], rope, offset))
     return x

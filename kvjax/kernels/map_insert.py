@@ -106,10 +106,10 @@ def pack_maps(maps: Sequence, in_heads: int, out_heads: int, *, dtype=jnp.float3
     return jax.tree.map(lambda *a: jnp.stack(a), *[one(m) for m in maps])
 
 
-def inv_freq_row(head_dim: int, theta) -> jax.Array:
-    """[1, hd] f32: the per-lane rotary frequency of a Rope (or theta), duplicated over the two halves as in
-    rope_angles."""
-    inv = as_rope(theta).inv_freq(head_dim)
+def inv_freq_row(head_dim: int, rope) -> jax.Array:
+    """[1, hd] f32: the per-lane rotary frequency of a Rope (scaling included; or a plain theta), duplicated over the
+    two halves as in rope_angles."""
+    inv = as_rope(rope).inv_freq(head_dim)
     return jnp.concatenate([inv, inv])[None]
 
 
@@ -247,7 +247,7 @@ def _check_shapes(src_k, src_v, pairing, tgt_k, tgt_v, kpack, vpack, tgt_layers,
 
 
 def map_insert_call(src_k, src_v, tgt_k, tgt_v, kpack: PackedMap, vpack: PackedMap, *, pairing: Pairing,
-                    tgt_layers: tuple[int, ...], length: int, src_theta: float, tgt_theta: float,
+                    tgt_layers: tuple[int, ...], length: int, src_rope, tgt_rope,
                     src_offset: int = 0, dst_offset: int = 0, block_t: int | None = None,
                     backend: str | None = None, interpret: bool = False):
     """Traceable body of `map_insert`: use it inside other jitted functions (the buffers are updated in place when
@@ -277,7 +277,7 @@ def map_insert_call(src_k, src_v, tgt_k, tgt_v, kpack: PackedMap, vpack: PackedM
 
     out_spec = pl.BlockSpec((None, None, pl.Element(ht), pl.Element(bt), pl.Element(hdt)),
                             lambda l, bi, i: (_lookup(tgt_layers, l), bi, 0, dst_offset + block_start(i), 0))
-    rows = (inv_freq_row(hds, src_theta), inv_freq_row(hdt, tgt_theta))
+    rows = (inv_freq_row(hds, src_rope), inv_freq_row(hdt, tgt_rope))
     weights = kpack.leaves() + vpack.leaves()
     row_spec = lambda a: pl.BlockSpec(a.shape, lambda l, bi, i: (0, 0))  # noqa: E731
     layer_spec = lambda a, **kw: pl.BlockSpec(  # noqa: E731
@@ -321,13 +321,13 @@ def map_insert_call(src_k, src_v, tgt_k, tgt_v, kpack: PackedMap, vpack: PackedM
     )(*src_k, *src_v, *rows, *weights, tgt_k, tgt_v)
 
 
-_STATIC = ("pairing", "tgt_layers", "length", "src_theta", "tgt_theta", "src_offset", "dst_offset", "block_t",
+_STATIC = ("pairing", "tgt_layers", "length", "src_rope", "tgt_rope", "src_offset", "dst_offset", "block_t",
            "backend", "interpret")
 _map_insert_jit = jax.jit(map_insert_call, donate_argnames=("tgt_k", "tgt_v"), static_argnames=_STATIC)
 
 
 def map_insert(src_k, src_v, tgt_k, tgt_v, kpack: PackedMap, vpack: PackedMap, *, pairing, tgt_layers,
-               length: int, src_theta: float, tgt_theta: float, src_offset: int = 0, dst_offset: int = 0,
+               length: int, src_rope, tgt_rope, src_offset: int = 0, dst_offset: int = 0,
                block_t: int | None = None, backend: str | None = None, interpret: bool = False):
     """Map target layers `tgt_layers` in one kernel call: layer tgt_layers[j] reads source layers pairing[j]
     (position p of that tuple indexes src_k[p] / src_v[p]; pass one array to use it for every p), `length`
@@ -341,14 +341,14 @@ def map_insert(src_k, src_v, tgt_k, tgt_v, kpack: PackedMap, vpack: PackedMap, *
     return _map_insert_jit(src_k, src_v, tgt_k, tgt_v, kpack, vpack,
                            pairing=tuple(tuple(int(s) for s in p) for p in pairing),
                            tgt_layers=tuple(int(t) for t in tgt_layers), length=int(length),
-                           src_theta=float(src_theta), tgt_theta=float(tgt_theta), src_offset=int(src_offset),
+                           src_rope=as_rope(src_rope), tgt_rope=as_rope(tgt_rope), src_offset=int(src_offset),
                            dst_offset=int(dst_offset), block_t=block_t, backend=backend, interpret=bool(interpret))
 
 
 # ---- reference and the impl switch ---------------------------------------------------------------------------------
 
 def map_insert_reference(src_k, src_v, tgt_k, tgt_v, keys: Sequence, values: Sequence, *, pairing,
-                         tgt_layers, length: int, src_theta: float, tgt_theta: float, src_offset: int = 0,
+                         tgt_layers, length: int, src_rope, tgt_rope, src_offset: int = 0,
                          dst_offset: int = 0):
     """Plain-jnp `map_insert` from the unpacked per-layer maps (callables [..., Fx] -> [..., Fy], e.g. LinearMap):
     kvjax.kernels.features and LinearMap, written into the target buffers with dynamic_update_slice. This is the
@@ -357,12 +357,12 @@ def map_insert_reference(src_k, src_v, tgt_k, tgt_v, keys: Sequence, values: Seq
     src_k = (src_k,) * n_src if isinstance(src_k, jax.Array) else tuple(src_k)
     src_v = (src_v,) * n_src if isinstance(src_v, jax.Array) else tuple(src_v)
 
-    def features(arrays, layers, theta):  # [B, n, P*Hs*hds]
-        return jnp.concatenate([content_features(a[layer, :, :, src_offset:src_offset + length], theta, dst_offset)
+    def features(arrays, layers, rope):  # [B, n, P*Hs*hds]
+        return jnp.concatenate([content_features(a[layer, :, :, src_offset:src_offset + length], rope, dst_offset)
                                 for a, layer in zip(arrays, layers)], -1)
 
     for layers, t, km, vm in zip(pairing, tgt_layers, keys, values):
-        yk = cache_layout(km(features(src_k, layers, src_theta)), tgt_k.shape[2], tgt_theta, dst_offset)
+        yk = cache_layout(km(features(src_k, layers, src_rope)), tgt_k.shape[2], tgt_rope, dst_offset)
         yv = cache_layout(vm(features(src_v, layers, None)), tgt_v.shape[2], None, dst_offset)
         tgt_k = jax.lax.dynamic_update_slice(tgt_k, yk.astype(tgt_k.dtype)[None], (t, 0, 0, dst_offset, 0))
         tgt_v = jax.lax.dynamic_update_slice(tgt_v, yv.astype(tgt_v.dtype)[None], (t, 0, 0, dst_offset, 0))
@@ -389,7 +389,7 @@ def resolve_impl(impl: str, src_head_dim: int | None = None, tgt_head_dim: int |
 
 
 def insert_layers(src_k, src_v, tgt_k, tgt_v, keys: Sequence, values: Sequence, *, pairing, tgt_layers,
-                  length: int, src_theta: float, tgt_theta: float, impl: str = "auto", weight_dtype=jnp.float32,
+                  length: int, src_rope, tgt_rope, impl: str = "auto", weight_dtype=jnp.float32,
                   src_offset: int = 0, dst_offset: int = 0, block_t: int | None = None,
                   backend: str | None = None, interpret: bool = False):
     """`map_insert` (impl "pallas"), `map_insert_reference` (impl "xla") or the platform's choice ("auto"), from
@@ -397,7 +397,7 @@ def insert_layers(src_k, src_v, tgt_k, tgt_v, keys: Sequence, values: Sequence, 
     src0 = src_k if isinstance(src_k, jax.Array) else src_k[0]
     impl = resolve_impl(impl, src0.shape[4], tgt_k.shape[4], length, interpret)
     args = dict(pairing=tuple(tuple(p) for p in pairing), tgt_layers=tuple(tgt_layers), length=length,
-                src_theta=src_theta, tgt_theta=tgt_theta, src_offset=src_offset, dst_offset=dst_offset)
+                src_rope=src_rope, tgt_rope=tgt_rope, src_offset=src_offset, dst_offset=dst_offset)
     if impl == "xla":
         return map_insert_reference(src_k, src_v, tgt_k, tgt_v, keys, values, **args)
     backend = backend or platform_backend() or ("triton" if interpret else None)

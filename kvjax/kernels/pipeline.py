@@ -56,7 +56,7 @@ def _prefill_map(sparams: Params, scfg: Qwen3Config, kvmap: KVMap, tokens, lengt
             tgt_k, tgt_v = insert_layers(
                 tuple(kv[s][0] for s in layers), tuple(kv[s][1] for s in layers), tgt_k, tgt_v,
                 (kvmap.keys[tl],), (kvmap.values[tl],), pairing=((0,) * len(layers),), tgt_layers=(tl,), length=t,
-                src_theta=spec.source_theta, tgt_theta=spec.target_theta, impl=impl, block_t=block_t,
+                src_rope=spec.source_rope, tgt_rope=spec.target_rope, impl=impl, block_t=block_t,
                 interpret=interpret)
         for s in [s for s, last in last_use.items() if last == i]:
             del kv[s]

@@ -17,10 +17,12 @@ import orbax.checkpoint as ocp
 
 from kvjax.mapper.kvmap import KVMap, LinearMap, MapSpec
 from kvjax.models.config import Qwen3Config
+from kvjax.models.rope import Rope
 
 MANIFEST = "manifest.json"
 ARRAYS = "arrays"
-FORMAT = "kvjax-map-v1"
+FORMAT = "kvjax-map-v2"  # v2: each model's RoPE description (kvjax.models.rope.Rope) instead of its theta
+READS = ("kvjax-map-v1", FORMAT)  # v1 maps stored source_theta / target_theta: plain RoPE
 
 
 def _shapes(m: LinearMap) -> dict:
@@ -83,8 +85,8 @@ def read_manifest(path: str) -> dict:
                                 "with kvjax.save_map")
     with open(mpath) as f:
         manifest = json.load(f)
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"{mpath}: unknown map format {manifest.get('format')!r} (this kvjax reads {FORMAT})")
+    if manifest.get("format") not in READS:
+        raise ValueError(f"{mpath}: unknown map format {manifest.get('format')!r} (this kvjax reads {list(READS)})")
     return manifest
 
 
@@ -106,6 +108,8 @@ def load_map(path: str, source: Qwen3Config | None = None, target: Qwen3Config |
     spec_d = manifest["spec"]
     spec_d["pairing"] = tuple(tuple(p) for p in spec_d["pairing"])
     spec_d["source_kv"], spec_d["target_kv"] = tuple(spec_d["source_kv"]), tuple(spec_d["target_kv"])
+    for role in ("source", "target"):  # a v1 manifest's theta is the plain RoPE of that theta
+        spec_d[f"{role}_rope"] = Rope.from_json(spec_d.pop(f"{role}_rope", None) or spec_d.pop(f"{role}_theta"))
     spec = MapSpec(**spec_d)
     for cfg, want, role in ((source, spec.source_fingerprint, "source"), (target, spec.target_fingerprint, "target")):
         if cfg is not None and cfg.fingerprint() != want:

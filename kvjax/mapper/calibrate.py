@@ -31,8 +31,8 @@ def _window_stats(sparams, tparams, scfg, tcfg, pairing: Pairing, tokens, mask, 
     flat_mask = mask.reshape(-1)
     out = []
     for t, layers in enumerate(pairing):
-        xk, xv = paired_features(src, layers, scfg.rope_theta)
-        yk, yv = layer_features(tgt, t, tcfg.rope_theta)
+        xk, xv = paired_features(src, layers, scfg.rope)
+        yk, yv = layer_features(tgt, t, tcfg.rope)
         flat = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731
         rk, rv = refs[t]
         out.append((chunk_stats(flat(xk), flat(yk), flat_mask, rk), chunk_stats(flat(xv), flat(yv), flat_mask, rv)))
@@ -148,8 +148,8 @@ def _sharded_stats_fn(scfg, tcfg, pairing: Pairing, mesh: Mesh, s_shardings, t_s
         stats = jax.vmap(chunk_stats, in_axes=(0, 0, 0, None))
         res = []
         for t, layers in enumerate(pairing):
-            xk, xv = paired_features(src, layers, scfg.rope_theta)
-            yk, yv = layer_features(tgt, t, tcfg.rope_theta)
+            xk, xv = paired_features(src, layers, scfg.rope)
+            yk, yv = layer_features(tgt, t, tcfg.rope)
             rk, rv = refs[t]
             res.append((stats(split(xk), split(yk), m, rk), stats(split(xv), split(yv), m, rv)))
         return res

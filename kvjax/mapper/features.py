@@ -10,13 +10,14 @@ from kvjax.cache import KVCache
 from kvjax.kernels.features import content_features
 
 
-def layer_features(cache: KVCache, layer: int, theta: float, t: int | None = None) -> tuple[jax.Array, jax.Array]:
-    """(keys, values) of one layer as float32 [B, T, Hkv*hd]; keys un-rotated to their pre-RoPE content."""
+def layer_features(cache: KVCache, layer: int, rope, t: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """(keys, values) of one layer as float32 [B, T, Hkv*hd]; keys un-rotated to their pre-RoPE content with the
+    model's `rope` (its config's .rope)."""
     t = cache.capacity if t is None else t
-    return (content_features(cache.k[layer, :, :, :t], theta), content_features(cache.v[layer, :, :, :t], None))
+    return (content_features(cache.k[layer, :, :, :t], rope), content_features(cache.v[layer, :, :, :t], None))
 
 
-def paired_features(cache: KVCache, layers: tuple[int, ...], theta: float, t: int | None = None):
+def paired_features(cache: KVCache, layers: tuple[int, ...], rope, t: int | None = None):
     """Features of several source layers concatenated: (keys, values) [B, T, len(layers)*Hkv*hd]."""
-    feats = [layer_features(cache, s, theta, t) for s in layers]
+    feats = [layer_features(cache, s, rope, t) for s in layers]
     return (jnp.concatenate([f[0] for f in feats], -1), jnp.concatenate([f[1] for f in feats], -1))

@@ -24,6 +24,7 @@ from kvjax.kernels.map_insert import insert_layers, resolve_impl
 from kvjax.mapper.pairing import Pairing
 from kvjax.mapper.ridge import RidgeFit
 from kvjax.models.config import Qwen3Config
+from kvjax.models.rope import Rope
 from kvjax.sharding import tree_shardings
 
 
@@ -53,8 +54,8 @@ class MapSpec:
     pairing: Pairing
     source_fingerprint: str
     target_fingerprint: str
-    source_theta: float
-    target_theta: float
+    source_rope: Rope  # each model's RoPE (scaling included): keys are un-rotated / re-rotated with it
+    target_rope: Rope
     source_kv: tuple[int, int]  # (kv_heads, head_dim)
     target_kv: tuple[int, int]
     rank: int | None
@@ -92,7 +93,7 @@ def kvmap_shardings(kvmap: KVMap, mesh: Mesh, rules=None) -> KVMap:
 def spec_for(source: Qwen3Config, target: Qwen3Config, pairing: Pairing, rank: int | None,
              residual_rank: int) -> MapSpec:
     return MapSpec(pairing=pairing, source_fingerprint=source.fingerprint(), target_fingerprint=target.fingerprint(),
-                   source_theta=source.rope_theta, target_theta=target.rope_theta,
+                   source_rope=source.rope, target_rope=target.rope,
                    source_kv=(source.num_kv_heads, source.head_dim), target_kv=(target.num_kv_heads, target.head_dim),
                    rank=rank, residual_rank=residual_rank)
 
@@ -159,6 +160,6 @@ def apply_map(kvmap: KVMap, source_cache: KVCache, capacity: int | None = None, 
     shape = (len(kvmap.keys), source_cache.batch_size, hkv, capacity, hd)
     k, v = insert_layers(source_cache.k, source_cache.v, jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
                          kvmap.keys, kvmap.values, pairing=kvmap.spec.pairing, tgt_layers=tuple(range(len(kvmap.keys))),
-                         length=t, src_theta=kvmap.spec.source_theta, tgt_theta=kvmap.spec.target_theta, impl=impl,
+                         length=t, src_rope=kvmap.spec.source_rope, tgt_rope=kvmap.spec.target_rope, impl=impl,
                          interpret=interpret)
     return KVCache(k=k, v=v, lengths=jnp.minimum(source_cache.lengths, t), origin=f"mapped:{kvmap.map_id}")

@@ -2,7 +2,7 @@
 
 A model's RoPE is described once (`Rope`, a config's `.rope`): the forward pass rotates queries and keys with it and
 the cache map un-rotates source keys and re-rotates target keys with each model's own description, so two models
-with different RoPE (theta, and in later families frequency scaling) map onto each other exactly.
+with different RoPE (theta, Llama 3's frequency scaling) map onto each other exactly.
 """
 
 from __future__ import annotations
@@ -14,24 +14,104 @@ import jax.numpy as jnp
 import numpy as np
 
 
+KINDS = ("default", "llama3")  # HF rope_type values kvjax implements
+
+
 @dataclasses.dataclass(frozen=True)
 class Rope:
-    """A rotary embedding (HF rope_type "default"): frequency theta^(-2i/hd) per pair of lanes. Hashable, so configs
-    and map specs carry it as static data."""
+    """A rotary embedding: one frequency per pair of lanes, theta^(-2i/hd), optionally rescaled. Hashable, so configs
+    and map specs carry it as static data.
+
+    kind "default": the plain frequencies. kind "llama3" (Llama 3.1+): frequencies whose wavelength exceeds
+    original_max_positions / low_freq_factor are divided by `factor`, those shorter than
+    original_max_positions / high_freq_factor are kept, and the band between is interpolated smoothly (as
+    transformers' _compute_llama3_parameters; its attention factor is 1, so only the frequencies change)."""
 
     theta: float
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_positions: int = 8192
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"rope kind {self.kind!r} is not implemented; kvjax implements {list(KINDS)}")
+        if self.kind == "llama3" and not (self.factor > 0 and self.high_freq_factor > self.low_freq_factor > 0
+                                          and self.original_max_positions > 0):
+            raise ValueError(f"llama3 rope scaling needs factor > 0, high_freq_factor > low_freq_factor > 0 and "
+                             f"original_max_positions > 0, got {self}")
 
     def inv_freq(self, head_dim: int) -> jax.Array:
         """[hd/2] float32, computed as transformers does (float32 powers)."""
+        if self.kind == "llama3":  # a constant per (Rope, head_dim), rescaled on the host in float32 (jit-safe)
+            f32 = np.float32
+            plain = f32(1) / (f32(self.theta) ** (np.arange(0, head_dim, 2, dtype=f32) / f32(head_dim)))
+            return jnp.asarray(self._llama3(plain, f32))
         return 1.0 / (self.theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
 
     def inv_freq_host(self, head_dim: int) -> np.ndarray:
         """[hd/2] float64 on the host, for tables computed once."""
-        return 1.0 / (self.theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+        inv = 1.0 / (self.theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+        return self._llama3(inv, np.float64) if self.kind == "llama3" else inv
+
+    def _llama3(self, inv: np.ndarray, dtype) -> np.ndarray:
+        """transformers' llama3 rescaling of plain frequencies `inv`, step for step, in `dtype`."""
+        inv = inv.astype(dtype)
+        old = self.original_max_positions
+        low_wavelen, high_wavelen = old / self.low_freq_factor, old / self.high_freq_factor
+        wavelen = dtype(2 * np.pi) / inv
+        scaled = np.where(wavelen > low_wavelen, inv / dtype(self.factor), inv)
+        smooth = (dtype(old) / wavelen - dtype(self.low_freq_factor)) / dtype(self.high_freq_factor
+                                                                                - self.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / dtype(self.factor) + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return np.where(medium, smoothed, scaled).astype(dtype)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_hf(self) -> dict:
+        """config.json's `rope_parameters` (transformers 5 layout)."""
+        out = {"rope_type": self.kind, "rope_theta": self.theta}
+        if self.kind == "llama3":
+            out.update(factor=self.factor, low_freq_factor=self.low_freq_factor,
+                       high_freq_factor=self.high_freq_factor,
+                       original_max_position_embeddings=self.original_max_positions)
+        return out
+
+    @classmethod
+    def from_json(cls, d) -> "Rope":
+        """A Rope from `to_json`'s dict, or from a bare theta (what map manifests stored before scaling existed)."""
+        return cls(**d) if isinstance(d, dict) else cls(float(d))
+
+
+def rope_from_hf(d: dict, source: str = "config.json") -> Rope:
+    """The Rope of an HF config.json dict: `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (older
+    files; its rope_type may be spelled `type`). A rope_type kvjax does not implement is a ConfigError naming the ones
+    it does: a model run with the wrong frequencies would load fine and answer wrongly."""
+    from kvjax.models.config import ConfigError, _rope_settings
+    theta, scaling = _rope_settings(d, source)
+    if scaling is None:
+        return Rope(theta)
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind != "llama3":
+        raise ConfigError(f"{source}: rope_type {kind!r} is not supported; kvjax implements {list(KINDS)} "
+                          f"(rope settings: {scaling})")
+    try:
+        fields = dict(factor=float(scaling["factor"]), low_freq_factor=float(scaling["low_freq_factor"]),
+                      high_freq_factor=float(scaling["high_freq_factor"]),
+                      original_max_positions=int(scaling["original_max_position_embeddings"]))
+    except KeyError as e:
+        raise ConfigError(f"{source}: llama3 rope scaling needs {e.args[0]!r} (rope settings: {scaling})") from None
+    try:
+        return Rope(theta, "llama3", **fields)
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from None
 
 
 def as_rope(rope) -> Rope:
-    """A Rope from a Rope or a bare theta (map specs store the theta of a plain RoPE)."""
+    """A Rope from a Rope or a bare theta (a plain RoPE)."""
     return rope if isinstance(rope, Rope) else Rope(float(rope))
 
 

@@ -104,7 +104,7 @@ def bench_device(args) -> list[dict]:
           + (f" (nominal HBM {nominal:.2f} TB/s)" if nominal else ""))
     print(f"shapes: source {ls} layers x {hs} kv x {hd}, target {lt} x {ht} x {hd}, rank {rank} + residual {res}, "
           f"{jnp.dtype(dtype).name} caches, batch 1, depth pairing")
-    common = dict(pairing=pairing, tgt_layers=tuple(range(lt)), src_theta=1e6, tgt_theta=1e6)
+    common = dict(pairing=pairing, tgt_layers=tuple(range(lt)), src_rope=1e6, tgt_rope=1e6)
     rows = []
     for n in lengths:
         kk = jax.random.split(jax.random.key(n), 2)

@@ -108,8 +108,8 @@ def toy(mods, n_calib: int, n_held: int):
         src, tgt = native_cache(sp, scfg, tokens), native_cache(tp, tcfg, tokens)
         out = []
         for t, layers in enumerate(pairing):
-            xk, xv = paired_features(src, layers, scfg.rope_theta)
-            yk, yv = layer_features(tgt, t, tcfg.rope_theta)
+            xk, xv = paired_features(src, layers, scfg.rope)
+            yk, yv = layer_features(tgt, t, tcfg.rope)
             out.append([a.reshape(-1, a.shape[-1]) for a in (xk, yk, xv, yv)])
         return out
 
