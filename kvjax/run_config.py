@@ -12,14 +12,18 @@ from kvjax.eval.suite import eval_config_type
 from kvjax.eval.suite.distances import DistancesEval
 from kvjax.eval.suite.kl import KLEval
 from kvjax.eval.suite.mc import MCEval
+from kvjax.eval.suite.native_kl import NativeKLEval
 from kvjax.eval.suite.retrieval import RetrievalEval
+from kvjax.eval.suite.speculative import SpeculativeEval
 from kvjax.eval.suite.throughput import ThroughputEval
+from kvjax.eval.suite.ttft import TTFTEval
 from kvjax.eval.arm_settings import ArmSettings
 from kvjax.gate import GateConfig
 from kvjax.mapper.residual_config import ResidualConfig
 
 __all__ = ["ModelConfig", "DataConfig", "MapConfig", "EvalConfig", "MeshConfig", "RunConfig", "DistancesEval",
-           "KLEval", "MCEval", "RetrievalEval", "ThroughputEval"]
+           "KLEval", "MCEval", "RetrievalEval", "ThroughputEval", "NativeKLEval", "TTFTEval",
+           "SpeculativeEval"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +76,10 @@ class MeshConfig:
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     name: str  # config name, shown in the report
-    source: ModelConfig  # the large model that reads the prompt
-    target: ModelConfig  # the small model that answers
+    # the model that reads the prompt and the one that answers from the mapped cache: large reads / small answers
+    # (configs/toy.py), or small reads / large answers (configs/toy_reverse.py); the names are roles, not sizes
+    source: ModelConfig
+    target: ModelConfig
     output_dir: str  # run directory: stage artifacts, log, report
     data: DataConfig = DataConfig()
     map: MapConfig = MapConfig()

@@ -1,7 +1,9 @@
-"""Train the residual on top of the frozen ridge map with source-teacher KL.
+"""Train the residual on top of the frozen ridge map with teacher KL (the source's predictions by default).
 
-A training window is prefix + continuation. The source reads the whole window (the teacher's next-token
-distributions on the continuation). The target reads the continuation from the *mapped* cache of the prefix
+A training window is prefix + continuation. The teacher reads the whole window (its next-token distributions on the
+continuation): the source when it is the stronger model (large reads, small answers), or with `teacher="target"`
+the target itself having read the prefix natively (small reads, large answers: the map should make the large model
+behave as after its own prefill). The target reads the continuation from the *mapped* cache of the prefix
 (the student). Only the residual parameters (down, res_bias, up) move; the ridge part stays frozen. With
 `rollout`, the continuation is the target's own greedy rollout from the mapped cache (seed 004's rollout-aware
 correction), so the residual learns on the states it will actually decode from.
@@ -60,19 +62,24 @@ def student_logits(kvmap: KVMap, target: Model, source_cache, tokens: jax.Array,
     return forward(tparams, tcfg, tokens[:, prefix - 1 : -1], mapped)[0]
 
 
-def position_kl(kvmap: KVMap, source: Model, target: Model, tokens: jax.Array, prefix: int) -> jax.Array:
-    """KL [B, T - prefix] of the target-from-mapped-cache vs the source at each continuation position of
-    tokens[:, prefix:] (traceable)."""
+def position_kl(kvmap: KVMap, source: Model, target: Model, tokens: jax.Array, prefix: int,
+                teacher: str = "source") -> jax.Array:
+    """KL [B, T - prefix] of the target-from-mapped-cache vs the teacher at each continuation position of
+    tokens[:, prefix:] (traceable). `teacher`: "source" (the reader's predictions) or "target" (the answerer's own,
+    having read the prefix natively: the teacher when the reader is the weaker model)."""
     scfg, sparams = source
-    teacher = jax.lax.stop_gradient(forward_nocache(sparams, scfg, tokens[:, :-1])[:, prefix - 1 :])
+    tmodel = {"source": source, "target": target}[teacher]
+    teacher_logits = forward_nocache(tmodel[1], tmodel[0], tokens[:, :-1])[:, prefix - 1 :]
+    teacher = jax.lax.stop_gradient(teacher_logits)
     src_cache = jax.lax.stop_gradient(prefill_cache(sparams, scfg, tokens[:, : prefix - 1]))
     return kl(teacher, student_logits(kvmap, target, src_cache, tokens, prefix))
 
 
-def window_kl(kvmap: KVMap, source: Model, target: Model, tokens: jax.Array, prefix: int) -> jax.Array:
-    """Mean KL per window [B] of the target-from-mapped-cache vs the source, over the continuation tokens[:, prefix:]
-    (traceable)."""
-    return position_kl(kvmap, source, target, tokens, prefix).mean(-1)
+def window_kl(kvmap: KVMap, source: Model, target: Model, tokens: jax.Array, prefix: int,
+              teacher: str = "source") -> jax.Array:
+    """Mean KL per window [B] of the target-from-mapped-cache vs the teacher ("source" or "target", see
+    position_kl), over the continuation tokens[:, prefix:] (traceable)."""
+    return position_kl(kvmap, source, target, tokens, prefix, teacher).mean(-1)
 
 
 def rollout_windows(kvmap: KVMap, source: Model, target: Model, prefix_tokens: jax.Array, n: int) -> jax.Array:
@@ -85,26 +92,29 @@ def rollout_windows(kvmap: KVMap, source: Model, target: Model, prefix_tokens: j
     return jnp.concatenate([prefix_tokens, out], axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("source_cfg", "target_cfg", "prefix"))
-def heldout_window_kl(kvmap, source_params, target_params, source_cfg, target_cfg, tokens, prefix: int):
-    return window_kl(kvmap, (source_cfg, source_params), (target_cfg, target_params), tokens, prefix)
+@functools.partial(jax.jit, static_argnames=("source_cfg", "target_cfg", "prefix", "teacher"))
+def heldout_window_kl(kvmap, source_params, target_params, source_cfg, target_cfg, tokens, prefix: int,
+                      teacher: str = "source"):
+    return window_kl(kvmap, (source_cfg, source_params), (target_cfg, target_params), tokens, prefix, teacher)
 
 
-@functools.partial(jax.jit, static_argnames=("source_cfg", "target_cfg", "prefix"))
-def heldout_position_kl(kvmap, source_params, target_params, source_cfg, target_cfg, tokens, prefix: int):
-    return position_kl(kvmap, (source_cfg, source_params), (target_cfg, target_params), tokens, prefix)
+@functools.partial(jax.jit, static_argnames=("source_cfg", "target_cfg", "prefix", "teacher"))
+def heldout_position_kl(kvmap, source_params, target_params, source_cfg, target_cfg, tokens, prefix: int,
+                        teacher: str = "source"):
+    return position_kl(kvmap, (source_cfg, source_params), (target_cfg, target_params), tokens, prefix, teacher)
 
 
 def evaluate_kl(kvmap: KVMap, source: Model, target: Model, windows: np.ndarray, prefix: int,
-                batch_size: int = 8, per_position: bool = False) -> np.ndarray:
+                batch_size: int = 8, per_position: bool = False, teacher: str = "source") -> np.ndarray:
     """Per-window KL [N] (nats/token) on held-out windows int [N, prefix + cont]; with `per_position`, the KL at
-    each continuation position [N, cont] instead (e.g. how much the map helps the first generated tokens)."""
+    each continuation position [N, cont] instead (e.g. how much the map helps the first generated tokens).
+    `teacher`: see position_kl."""
     (scfg, sparams), (tcfg, tparams) = source, target
     fn = heldout_position_kl if per_position else heldout_window_kl
     out = []
     for i in range(0, len(windows), batch_size):
         batch = jnp.asarray(windows[i : i + batch_size], jnp.int32)
-        out.append(np.asarray(fn(kvmap, sparams, tparams, scfg, tcfg, batch, prefix)))
+        out.append(np.asarray(fn(kvmap, sparams, tparams, scfg, tcfg, batch, prefix, teacher)))
     return np.concatenate(out)
 
 
@@ -113,7 +123,8 @@ def _step_fn(opt: optax.GradientTransformation, rc: ResidualConfig, scfg, tcfg):
         source, target = (scfg, sparams), (tcfg, tparams)
         if rc.rollout:
             tokens = rollout_windows(kvmap, source, target, tokens[:, : rc.prefix_len], rc.cont_len)
-        loss, grads = jax.value_and_grad(lambda m: window_kl(m, source, target, tokens, rc.prefix_len).mean())(kvmap)
+        loss, grads = jax.value_and_grad(
+            lambda m: window_kl(m, source, target, tokens, rc.prefix_len, rc.teacher).mean())(kvmap)
         updates, opt_state = opt.update(grads, opt_state, kvmap)
         return optax.apply_updates(kvmap, updates), opt_state, loss
     return step
@@ -126,7 +137,7 @@ def run_identity(kvmap: KVMap, rc: ResidualConfig) -> dict:
     for lm in (*kvmap.keys, *kvmap.values):
         for name in ("mu", "scale", "w_in", "w_out", "bias"):
             frozen.update(np.ascontiguousarray(jax.device_get(getattr(lm, name)), np.float32).tobytes())
-    settings = {k: v for k, v in dataclasses.asdict(rc).items() if k != "save_every"}
+    settings = {k: v for k, v in rc.hashed().items() if k != "save_every"}
     identity = {"map": kvmap.map_id, "pairing": kvmap.spec.pairing, "residual_rank": kvmap.spec.residual_rank,
                 "ridge_sha256": frozen.hexdigest(), "settings": settings}
     return json.loads(json.dumps(identity))  # as it reads back from residual_identity.json (tuples -> lists)

@@ -16,5 +16,18 @@ class ResidualConfig:
     warmup_steps: int = 20
     grad_clip: float = 1.0
     rollout: bool = False  # continuation = the target's own greedy rollout from the mapped cache
+    # whose next-token distributions the student (the target reading the mapped cache) learns: "source" (the reader,
+    # when it is the stronger model: large reads, small answers) or "target" (the answerer's own native predictions,
+    # having read the prefix itself: small reads, large answers, where the reader is the weaker model)
+    teacher: str = "source"
     seed: int = 0  # batch order
     save_every: int = 50  # checkpoint interval (steps)
+
+    def hashed(self) -> dict:
+        """The settings as stage hashes and checkpoint identities record them: fields added later only when they
+        differ from their default, so that runs made before those fields existed keep their hashes."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ADDED_LATER or v != ADDED_LATER[k]}
+
+
+TEACHERS = ("source", "target")
+ADDED_LATER = {"teacher": "source"}  # field -> its default (see ResidualConfig.hashed)

@@ -1,0 +1,69 @@
+"""Small reads, large answers: the toy pair reversed (issue 19). The 2-layer toy model prefills the prompt, the map
+turns its cache into the 6-layer model's, and the 6-layer model answers; optionally repaired by recomputing some of
+the 6-layer model's own layers (kvjax.builders.PartialRecompute, RunConfig.arms).
+
+    python -m kvjax.launch --config=toy_reverse        # writes runs/toy_reverse/
+    python -m kvjax.launch --config=toy_reverse --config.source.path=checkpoints/toy/pruned \\
+        --config.output_dir=runs/toy_reverse_pruned   # the other candidate reader
+
+"source" / "target" are roles (reader / answerer), not sizes: here source = checkpoints/toy/target (2 layers x 64,
+one KV head of 32) and target = checkpoints/toy/source (6 layers x 256, two KV heads of 64).
+
+The reader: the 2-layer model, not the pruned one (3 of the 6-layer model's layers at its width, so its cache is
+already in nearly the right coordinates). Measured side by side (/tmp probe on this machine, shared and noisy: ridge
+maps on 64 x 512 calibration tokens, depth pairing, KL over 32 held-out windows of 256 + 64 tokens, TTFT of one 4K
+prompt, medians of 3 rounds):
+
+    reader              TTFT 4K vs the 6-layer prefill   KL to native: mapped   direct reuse   mapped - direct
+    2-layer x 64        5.70x (0.80 s vs 4.55 s)                   0.339         0.448          -0.109
+    pruned 3-layer x 256  1.48x (2.55 s vs 3.76 s)                 0.294         0.310          -0.016
+
+The direction exists for the first token: only the 2-layer reader can make it >= 5x faster (the pruned one runs half
+the 6-layer model's attention at full width, so it cannot pass 2x), and its map is clearly better than reusing its
+layers as they are. The pruned reader gives the better cache (KL 0.294) but mostly through direct reuse, which the
+map barely improves; run it with the second command above.
+
+What this run measures (docs/metrics.md): `ttft` (reader prefill + map [+ repair] vs the 6-layer model's own prefill
+at 1K/2K/4K, one run, rotating order), `native_kl` (the 6-layer model's KL to its own native predictions and
+agreement with them from the mapped cache vs direct reuse of the reader's layers vs the repaired cache, paired by
+window), `mc` (the 6-layer model answering from each cache vs natively, paired by item), `retrieval` at 1K (the
+6-layer model retrieves nothing past its 1K training length) and `distances`. The `kl` evaluation (source-teacher
+KL: the reader as teacher) and `throughput` (the forward direction's decode speed) are off; the residual learns the
+6-layer model's own predictions (residual.teacher="target"). The gate holds the answerer's multiple-choice accuracy
+from the mapped cache to >= 95% of its native accuracy.
+
+Sizes: the forward toy job's calibration (128 x 512 tokens) and residual (100 steps of 8 x (256 + 64)), 64 native-KL
+windows, 200 items per multiple-choice set, 10 retrieval items, TTFT 5 timed rounds; about 10 minutes on 2 CPU
+cores.
+"""
+
+import dataclasses
+
+from configs import toy
+from kvjax.eval.arm_settings import ArmSettings
+from kvjax.gate import GateConfig
+from kvjax.run_config import NativeKLEval, SpeculativeEval, TTFTEval
+
+def get_config():
+    base = toy.get_config()
+    return dataclasses.replace(
+        base,
+        name="toy_reverse",
+        source=dataclasses.replace(base.target, name="toy 2-layer (reader)"),
+        target=dataclasses.replace(base.source, name="toy 6-layer (answerer)"),
+        output_dir="runs/toy_reverse",
+        residual=dataclasses.replace(base.residual, teacher="target"),
+        arms=ArmSettings(partial_k=1, partial_mode="bottom"),
+        eval=dataclasses.replace(
+            base.eval,
+            kl=dataclasses.replace(base.eval.kl, enabled=False),
+            throughput=dataclasses.replace(base.eval.throughput, enabled=False),
+            retrieval=dataclasses.replace(base.eval.retrieval, lengths=(1024,), limit=10,
+                                          arms=("target", "source", "direct", "residual", "partial")),
+            native_kl=NativeKLEval(enabled=True, windows=64, prefix_len=256, cont_len=64),
+            ttft=TTFTEval(enabled=True, lengths=(1024, 2048, 4096), repeats=5),
+            speculative=SpeculativeEval(enabled=True, lengths=(1024, 4096), draft_lens=(4,), new_tokens=64, repeats=3),
+        ),
+        gate=GateConfig(min_key_cos=None, min_value_cos=None, max_kl_vs_target=None, min_kl_reduction=None,
+                        min_mc_retention=0.95),
+    )
