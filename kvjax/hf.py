@@ -112,8 +112,9 @@ def load_hf(path: str, dtype=jnp.float32, shardings=None) -> Model:
                               f"{' ...' if len(missing) > 8 else ''}. Does config.json match the weights?")
     if unexpected:
         raise CheckpointError(f"{path}: unexpected tensors ({len(unexpected)}): {unexpected[:8]}"
-                              f"{' ...' if len(unexpected) > 8 else ''}. Is this a Qwen3 checkpoint, and does "
-                              "config.json (num_hidden_layers, tie_word_embeddings) match the weights?")
+                              f"{' ...' if len(unexpected) > 8 else ''}. Is this a "
+                              f"{type(cfg).__name__.removesuffix('Config')} checkpoint, and does config.json "
+                              "(num_hidden_layers, tie_word_embeddings, biases) match the weights?")
     np_dtype = np.dtype(jnp.dtype(dtype))
     flat_shardings = to_flat(shardings) if shardings is not None else {}
     flat = {}
@@ -165,4 +166,43 @@ def load_tokenizer(path: str):
     return Tokenizer.from_file(tok_path)
 
 
-__all__ = ["CheckpointError", "ConfigError", "load_hf", "load_hf_config", "load_tokenizer", "save_hf", "resolve"]
+# the parts of tokenizer.json that decide which ids a text gets (not truncation, padding, post-processing templates
+# or decoding): two checkpoints agreeing on these tokenize every text alike
+TOKENIZING = ("normalizer", "pre_tokenizer", "model", "added_tokens")
+
+
+def tokenizer_fingerprint(path: str) -> str | None:
+    """A hash of how a checkpoint's tokenizer.json turns text into ids (its vocabulary, merges, normalizer,
+    pre-tokenizer and added tokens), or None when the directory has no tokenizer.json."""
+    import hashlib
+    tok_path = os.path.join(resolve(path), "tokenizer.json")
+    if not os.path.isfile(tok_path):
+        return None
+    with open(tok_path) as f:
+        try:
+            d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{tok_path} is not valid JSON ({e}); re-download or re-save the tokenizer") from None
+    added = sorted((t.get("id"), t.get("content")) for t in d.get("added_tokens") or [])
+    blob = json.dumps({**{k: d.get(k) for k in TOKENIZING}, "added_tokens": added}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def tokenizer_mismatch(source_path: str, target_path: str, source_cfg=None, target_cfg=None) -> str | None:
+    """Why a cache map between these two checkpoints cannot work, or None: a map aligns the two models position by
+    position on the same token ids, so they must share a tokenizer. "The same tokenizer" is checked as: equal
+    vocab_size (from the configs, when given) and, where both directories have tokenizer.json, equal
+    `tokenizer_fingerprint`s."""
+    if source_cfg is not None and target_cfg is not None and source_cfg.vocab_size != target_cfg.vocab_size:
+        return (f"source and target vocabularies differ ({source_cfg.vocab_size} vs {target_cfg.vocab_size}); a "
+                "cache map needs models that share a tokenizer")
+    fps = tokenizer_fingerprint(source_path), tokenizer_fingerprint(target_path)
+    if None not in fps and fps[0] != fps[1]:
+        return (f"the source ({source_path}) and target ({target_path}) tokenizers differ (tokenizer.json "
+                f"fingerprints {fps[0]} vs {fps[1]}): a cache map needs models that share a tokenizer; pick a pair "
+                "of the same family and tokenizer")
+    return None
+
+
+__all__ = ["CheckpointError", "ConfigError", "load_hf", "load_hf_config", "load_tokenizer", "save_hf", "resolve",
+           "tokenizer_fingerprint", "tokenizer_mismatch"]

@@ -59,8 +59,7 @@ def plan(cfg: RunConfig) -> dict[str, Stage]:
     stages = {"calibrate": calibrate, "ridge": ridge}
     final = ridge
     if cfg.residual.steps > 0:
-        final = stages["residual"] = Stage("residual", {"residual": cfg.residual.hashed()}, [ridge],
-                                           ["map", "residual"])
+        final = stages["residual"] = Stage("residual", {"residual": d["residual"]}, [ridge], ["map", "residual"])
     evals = []
     for ev in suite.EVALUATIONS:
         if getattr(cfg.eval, ev.name).enabled:
@@ -290,7 +289,9 @@ class Job:
         calib, select = np.asarray(self.data("calib")), np.asarray(self.data("select"))
         kvmap, report = kvjax.fit_map(source, target, calib, select, pairing=pairing, rank=cfg.map.rank,
                                       residual_rank=cfg.map.residual_rank, batch_size=cfg.map.batch_size,
-                                      seed=cfg.seed, mesh=self.parallel_mesh())
+                                      seed=cfg.seed, mesh=self.parallel_mesh(),
+                                      tokenizers=tuple(kvjax.hf.tokenizer_fingerprint(m.path)
+                                                       for m in (cfg.source, cfg.target)))
         data = read_json(self.run.path("data", "data.json"))
         info = {"source": cfg.source.path, "target": cfg.target.path, "config": cfg.name,
                 "calib_sha256": data["sha256"]["calib"], "calib_tokens": report["calib_tokens"],

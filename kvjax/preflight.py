@@ -39,7 +39,7 @@ def validate(cfg: RunConfig) -> None:
 
     from kvjax.corpus import CorpusError, check_source
     from kvjax.eval import suite
-    from kvjax.hf import CheckpointError, load_hf_config
+    from kvjax.hf import CheckpointError, load_hf_config, tokenizer_mismatch
     from kvjax.models.config import ConfigError
 
     problems = []
@@ -54,9 +54,12 @@ def validate(cfg: RunConfig) -> None:
             problems.append(f"{role}.dtype={mc.dtype!r}: use float32 or bfloat16")
     if not os.path.isfile(os.path.join(cfg.target.path, "tokenizer.json")):
         problems.append(f"target checkpoint {cfg.target.path} has no tokenizer.json (the pair's shared tokenizer)")
-    if len(cfgs) == 2 and cfgs["source"].vocab_size != cfgs["target"].vocab_size:
-        problems.append(f"source and target vocabularies differ ({cfgs['source'].vocab_size} vs "
-                        f"{cfgs['target'].vocab_size}); a cache map needs models that share a tokenizer")
+    if len(cfgs) == 2:  # a map needs one tokenizer: equal vocab_size and tokenizer.json fingerprints
+        try:
+            if why := tokenizer_mismatch(cfg.source.path, cfg.target.path, cfgs["source"], cfgs["target"]):
+                problems.append(why)
+        except CheckpointError as e:
+            problems.append(str(e))
     d = cfg.data
     for source in d.train_text + (d.heldout_text if not d.heldout_windows else ()):
         try:
@@ -91,9 +94,6 @@ def validate(cfg: RunConfig) -> None:
             problems.append(f"{name} must be >= 1, got {value}")
     if cfg.residual.steps < 0:
         problems.append(f"residual.steps must be >= 0, got {cfg.residual.steps}")
-    from kvjax.mapper.residual_config import TEACHERS
-    if cfg.residual.teacher not in TEACHERS:
-        problems.append(f"residual.teacher={cfg.residual.teacher!r}: use one of {', '.join(TEACHERS)}")
     problems += cfg.arms.problems(cfgs['target'].num_layers if 'target' in cfgs else None)
     problems += suite.preflight(cfg)  # each evaluation's settings and inputs (gate.cos_arm: distances)
     for f in dataclasses.fields(GateConfig):

@@ -187,7 +187,7 @@ def test_save_hf_bfloat16_round_trips(hf_checkpoints, tmp_path):
 
 @pytest.mark.parametrize("changes, message", [
     ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "model_type 'gpt2' is not supported.*qwen3"),
-    ({"architectures": ["Qwen3MoeForCausalLM"]}, "supports Qwen3 checkpoints"),
+    ({"architectures": ["Qwen3MoeForCausalLM"]}, "kvjax reads .*Qwen3ForCausalLM.*checkpoints; got"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "rope scaling .* not supported"),
     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope scaling .* not supported"),
     ({"use_sliding_window": True}, "use_sliding_window"),

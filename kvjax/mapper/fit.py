@@ -44,7 +44,8 @@ def layer_r2(source: Model, target: Model, calib: np.ndarray, heldout: np.ndarra
 
 def fit_map(source: Model, target: Model, calib: np.ndarray, heldout: np.ndarray, *,
             pairing: str | int | Pairing = "depth", rank: int | None = None, lams=LAMBDAS, residual_rank: int = 16,
-            batch_size: int = 8, seed: int = 0, mesh: Mesh | None = None) -> tuple[KVMap, dict]:
+            batch_size: int = 8, seed: int = 0, mesh: Mesh | None = None,
+            tokenizers: tuple[str | None, str | None] | None = None) -> tuple[KVMap, dict]:
     """Fit a source->target cache map on calibration windows int [N, T]; lambda per layer and kind is picked on the
     held-out windows [M, T]. `pairing`: "depth" (nearest relative depth), k (top-k source layers by held-out R^2),
     or an explicit tuple per target layer. Returns (map with zero-initialised residual, fit report).
@@ -53,11 +54,18 @@ def fit_map(source: Model, target: Model, calib: np.ndarray, heldout: np.ndarray
     with the models sharded over 'model', and summed across devices and processes before the solve (see
     collect_stats); `batch_size` is then the global batch. Windows may be arrays, memmaps or
     kvjax.distributed.TokenWindows; each process reads only its rows. The solve runs on process 0's statistics
-    and the returned map is replicated on the mesh, identical on every process."""
+    and the returned map is replicated on the mesh, identical on every process.
+
+    The two models must share a tokenizer (the map pairs their caches position by position on the same ids): equal
+    vocab_size, and with `tokenizers` (each checkpoint's kvjax.hf.tokenizer_fingerprint, None where unknown) equal
+    fingerprints; otherwise a ValueError, before any work."""
     (scfg, _), (tcfg, _) = source, target
     if scfg.vocab_size != tcfg.vocab_size:
         raise ValueError(f"source and target vocabularies differ ({scfg.vocab_size} vs {tcfg.vocab_size}); the map "
                          "needs models that share a tokenizer")
+    if tokenizers is not None and None not in tokenizers and tokenizers[0] != tokenizers[1]:
+        raise ValueError(f"source and target tokenizers differ (tokenizer.json fingerprints {tokenizers[0]} vs "
+                         f"{tokenizers[1]}); the map needs models that share a tokenizer")
     report: dict = {}
     if pairing == "depth":
         pairing = depth_pairing(scfg.num_layers, tcfg.num_layers)

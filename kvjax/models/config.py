@@ -76,8 +76,9 @@ class Qwen3Config:
         archs = d.get("architectures") or []
         model_type = d.get("model_type")
         if model_type != "qwen3" or (archs and not set(archs) & set(SUPPORTED_ARCHITECTURES)):
-            raise ConfigError(f"{source}: kvjax supports Qwen3 checkpoints (model_type 'qwen3', architectures "
-                              f"{list(SUPPORTED_ARCHITECTURES)}); got model_type={model_type!r}, architectures={archs}")
+            from kvjax.models.family import supported
+            raise ConfigError(f"{source}: kvjax reads {supported()} checkpoints; got model_type={model_type!r}, "
+                              f"architectures={archs}")
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"{source}: hidden_act={act!r} is not supported (Qwen3 uses 'silu')")

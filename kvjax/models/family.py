@@ -30,6 +30,7 @@ class Family:
     param_specs: Callable  # cfg -> {"embed": ParamSpec, "layers.0.q": ..., ...}
     qkv: Callable  # (lp, cfg, x, cos, sin) -> (q, k, v)
     finish: Callable  # (lp, cfg, x, attn) -> x
+    architectures: tuple[str, ...] = ()  # HF config.json "architectures" it reads, e.g. ("LlamaForCausalLM",)
 
 
 _BY_CONFIG: dict[type, Family] = {}
@@ -54,13 +55,29 @@ def family_of(cfg) -> Family:
                         "kvjax.load_hf_config or a family's config class") from None
 
 
+def supported() -> str:
+    """The checkpoints kvjax reads, for error messages: "Qwen3ForCausalLM (model_type 'qwen3'), ..."."""
+    return ", ".join(f"{'/'.join(f.architectures) or f.name} (model_type {'/'.join(map(repr, f.model_types))})"
+                     for f in sorted(_BY_CONFIG.values(), key=lambda f: f.name))
+
+
 def family_for_model_type(model_type, source: str = "config.json") -> Family:
     """The family that reads an HF config.json of this model_type, or a ConfigError naming the supported ones."""
     from kvjax.models.config import ConfigError
     if model_type not in _BY_MODEL_TYPE:
-        raise ConfigError(f"{source}: model_type {model_type!r} is not supported; kvjax reads "
-                          f"{sorted(_BY_MODEL_TYPE)} checkpoints")
+        raise ConfigError(f"{source}: model_type {model_type!r} is not supported; kvjax reads {supported()} "
+                          "checkpoints")
     return _BY_MODEL_TYPE[model_type]
+
+
+def check_architectures(family: Family, d: dict, source: str) -> None:
+    """A ConfigError naming the supported checkpoints when config.json's "architectures" are not this family's
+    (e.g. a LlamaForSequenceClassification head under model_type 'llama')."""
+    from kvjax.models.config import ConfigError
+    archs = d.get("architectures") or []
+    if archs and not set(archs) & set(family.architectures):
+        raise ConfigError(f"{source}: architectures {archs} are not supported (model_type "
+                          f"{d.get('model_type')!r}); kvjax reads {supported()} checkpoints")
 
 
 def families() -> tuple[Family, ...]:

@@ -70,7 +70,9 @@ def from_flat(cfg, flat: dict) -> Params:
     """Params from ``{"embed": ..., "layers.3.q": ...}`` (leaves may be arrays, specs or anything else)."""
     layer = family_of(cfg).layer
     fields = [f.name for f in dataclasses.fields(layer)]
-    layers = tuple(layer(**{n: flat[f"layers.{i}.{n}"] for n in fields}) for i in range(cfg.num_layers))
+    # a field absent from the table keeps its default (Llama's biases: None when the config has none)
+    layers = tuple(layer(**{n: flat[k] for n in fields if (k := f"layers.{i}.{n}") in flat})
+                   for i in range(cfg.num_layers))
     return Params(embed=flat["embed"], layers=layers, final_norm=flat["final_norm"],
                   lm_head=None if cfg.tie_word_embeddings else flat["lm_head"])
 

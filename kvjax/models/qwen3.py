@@ -89,4 +89,4 @@ def finish(lp: LayerParams, cfg: Qwen3Config, x, attn):
 
 
 QWEN3 = register(Family(name="qwen3", config=Qwen3Config, model_types=("qwen3",), layer=LayerParams,
-                        param_specs=param_specs, qkv=qkv, finish=finish))
+                        param_specs=param_specs, qkv=qkv, finish=finish, architectures=("Qwen3ForCausalLM",)))
