@@ -59,7 +59,8 @@ def plan(cfg: RunConfig) -> dict[str, Stage]:
     stages = {"calibrate": calibrate, "ridge": ridge}
     final = ridge
     if cfg.residual.steps > 0:
-        final = stages["residual"] = Stage("residual", {"residual": d["residual"]}, [ridge], ["map", "residual"])
+        final = stages["residual"] = Stage("residual", {"residual": cfg.residual.hashed()}, [ridge],
+                                           ["map", "residual"])
     evals = []
     for ev in suite.EVALUATIONS:
         if getattr(cfg.eval, ev.name).enabled:

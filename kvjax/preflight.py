@@ -94,6 +94,9 @@ def validate(cfg: RunConfig) -> None:
             problems.append(f"{name} must be >= 1, got {value}")
     if cfg.residual.steps < 0:
         problems.append(f"residual.steps must be >= 0, got {cfg.residual.steps}")
+    from kvjax.mapper.residual_config import TEACHERS
+    if cfg.residual.teacher not in TEACHERS:
+        problems.append(f"residual.teacher={cfg.residual.teacher!r}: use one of {', '.join(TEACHERS)}")
     problems += cfg.arms.problems(cfgs['target'].num_layers if 'target' in cfgs else None)
     problems += suite.preflight(cfg)  # each evaluation's settings and inputs (gate.cos_arm: distances)
     for f in dataclasses.fields(GateConfig):
