@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ServeError, ConfigFlagError, LaunchError, CheckpointError, ConfigError) as e:
         print(f"kvjax.serve: error: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        force=True)
     if engine_cfg.topology == "disaggregated" and "xla_force_host_platform_device_count" not in \
             os.environ.get("XLA_FLAGS", "") and os.environ.get("JAX_PLATFORMS", "cpu") in ("", "cpu"):
         # on CPU, split the host into devices so each pool has its own (before JAX starts)

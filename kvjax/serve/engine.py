@@ -224,7 +224,8 @@ class Engine:
         sizes = sorted({programs.batch_size_for(n, self.config.max_prefill_batch)
                         for n in range(1, self.config.max_prefill_batch + 1)})
         for dev, builder in self._builders.items():
-            for bucket in [b for b in self.buckets if b < limit + programs.buckets(limit)[0]]:
+            top = programs.bucket_for(min(limit, self.config.capacity), self.buckets)
+            for bucket in [b for b in self.buckets if b <= top]:
                 for bs in sizes:
                     new = programs.prefill_batch(builder, [[0, 0]], bucket, bs)
                     new = jax.device_put(new, self.decode_device)
