@@ -115,8 +115,8 @@ def main(argv=None) -> int:
     for label, *_ in arms:
         a = agree.get(label, {})
         t = "-" if tau[label] is None else f"{tau[label]:.2f}"
-        print(f"| {label} | {med[label]:.3f} | {100 * (result['vs_native'][label] - 1):+.1f}% | {t} | "
-              f"{'-' if not a else f'{100 * a['prefix']:.0f}%'} | {'-' if not a else f'{100 * a['first']:.0f}%'} |")
+        match = ("- | -" if not a else f"{100 * a['prefix']:.0f}% | {100 * a['first']:.0f}%")
+        print(f"| {label} | {med[label]:.3f} | {100 * (result['vs_native'][label] - 1):+.1f}% | {t} | {match} |")
     print(f"\nwrote {out}")
     return 0
 
