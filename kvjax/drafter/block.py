@@ -1,0 +1,108 @@
+"""The block drafter as a drafter of the shared verify loop (kvjax.speculative.loop documents the interface).
+
+Per round: `propose` drafts `draft_len` = b tokens in ONE drafter forward (kvjax.drafter.model.draft: the pending
+token plus b mask positions over the drafter's context cache); the loop verifies them in one verifier forward that
+also returns the verifier's features at [last, d_1 .. d_b]; `commit` appends the first n_new of those features
+(the pending token and the accepted drafts) to the drafter's context cache and moves its `lengths` by n_new, so a
+rejected tail is never context (its entries sit past `lengths` and are overwritten next round). Nothing in the
+drafter depends on the draft being right: the verifier decides every token, so greedy output is the verifier's own
+greedy decode whatever the drafter proposes (tests/test_drafter.py checks it token for token).
+
+    drafter = kvjax.drafter.load_block_drafter("checkpoints/toy/drafter", verifier, draft_len=16)
+    tokens, stats = kvjax.speculative_generate(verifier, drafter, prompts, 128, return_stats=True)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from kvjax.cache import KVCache
+from kvjax.drafter.config import DrafterConfig
+from kvjax.drafter.io import DrafterError, load_drafter
+from kvjax.drafter.model import DrafterParams, draft, draft_head, extend_context, init_context
+from kvjax.generation import Sampling
+from kvjax.models.model import as_model
+from kvjax.speculative.loop import draw, sampling_probs
+
+
+@struct.dataclass
+class BlockState:
+    cache: KVCache  # the drafter's context cache: keys/values of the verifier's features, one per decoded position
+
+
+@struct.dataclass
+class BlockDrafter:
+    """A trained block drafter bound to its verifier (use `block_drafter` or `load_block_drafter` to build one)."""
+
+    params: DrafterParams
+    embed: jax.Array  # [V, D]: the verifier's token embedding (shared, frozen)
+    head: jax.Array  # [Vd, D]: the verifier's LM head rows of the draft vocabulary (shared, frozen)
+    dcfg: DrafterConfig = struct.field(pytree_node=False)
+    draft_len: int = struct.field(pytree_node=False, default=16)
+    feature_layers: tuple = struct.field(pytree_node=False, default=())
+    max_len: int = struct.field(pytree_node=False, default=4096)  # the largest context cache it will make
+    refine: int = struct.field(pytree_node=False, default=0)  # extra refinement passes (kvjax.drafter.model.draft)
+
+    def start(self, tokens, lengths, capacity: int, features=None) -> BlockState:
+        """The context cache of the prompts but their last tokens, from the verifier's prefill features."""
+        if features is None:
+            raise ValueError("the block drafter reads the verifier's features of the prompt: run it through "
+                             "kvjax.speculative_generate without builder= (the verifier's own prefill computes them)")
+        if capacity > self.max_len:
+            raise ValueError(f"prompt + max_new_tokens + draft_len + 1 = {capacity} positions (rounded up) do not fit "
+                             f"the drafter's context cache of {self.max_len}; shorten the prompt, ask for fewer "
+                             "tokens, or build the drafter with a larger max_len")
+        cache = init_context(self.dcfg, features.shape[0], int(capacity), self.params.fc.dtype)
+        return BlockState(_extend_jit(self.params, self.dcfg, cache, features, jnp.asarray(lengths, jnp.int32)))
+
+    def propose(self, state: BlockState, last, key, sampling: Sampling):
+        verifier = _Embedding(self.embed)
+        greedy = sampling.temperature == 0.0
+        tokens, logits = draft(self.params, self.dcfg, verifier, state.cache, last, self.draft_len, self.head,
+                               refine=self.refine if greedy else 0)
+        if greedy:
+            return tokens, None, state
+        full = logits if self.params.vocab_ids is None else (
+            jnp.full(logits.shape[:-1] + (self.embed.shape[0],), -jnp.inf, logits.dtype)
+            .at[..., self.params.vocab_ids].set(logits))  # tokens outside the draft vocabulary: q = 0
+        q = sampling_probs(full, sampling)
+        return draw(q, key), q, state
+
+    def commit(self, state: BlockState, tokens, n_new, features=None) -> BlockState:
+        # finished rows (n_new == 0) write past their lengths only: dead entries, so their state is unchanged
+        return BlockState(extend_context(self.params, self.dcfg, state.cache, features, n_new))
+
+
+@struct.dataclass
+class _Embedding:
+    """The part of the verifier's Params the drafter reads (decoder.embed looks up `.embed`)."""
+    embed: jax.Array
+
+
+_extend_jit = jax.jit(extend_context, static_argnames=("dcfg",))
+
+
+def block_drafter(verifier, dcfg: DrafterConfig, params: DrafterParams, draft_len: int | None = None,
+                  max_len: int | None = None, refine: int = 0) -> BlockDrafter:
+    """Bind a drafter to its verifier (a Model or (cfg, params)); raises ValueError if it was built for another
+    verifier or `draft_len` (default: its largest trained block) is not a block size it was trained for."""
+    vcfg, vparams = as_model(verifier)
+    dcfg.check_target(vcfg)
+    draft_len = dcfg.max_block if draft_len is None else int(draft_len)
+    dcfg.check_block(draft_len)
+    return BlockDrafter(params=params, embed=vparams.embed, head=draft_head(vparams, params.vocab_ids), dcfg=dcfg,
+                        draft_len=draft_len, feature_layers=tuple(dcfg.feature_layers),
+                        max_len=int(max_len or vcfg.max_position_embeddings), refine=int(refine))
+
+
+def load_block_drafter(path: str, verifier, draft_len: int | None = None, max_len: int | None = None,
+                       refine: int = 0) -> BlockDrafter:
+    """`block_drafter` of the drafter saved in `path` (kvjax.drafter.io), checked against `verifier` first."""
+    vcfg = as_model(verifier).cfg
+    dcfg, params = load_drafter(path, vcfg)
+    try:
+        return block_drafter(verifier, dcfg, params, draft_len, max_len, refine)
+    except ValueError as e:
+        raise DrafterError(f"{path}: {e}") from None

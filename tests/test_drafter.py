@@ -1,0 +1,116 @@
+"""The block drafter (kvjax.drafter): its training forward equals its decode forward, speculative decoding with it is
+token-identical to greedy kvjax.generate (ragged batches, b = 4 and 16, EOS), and bad inputs are clear errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.drafter import DrafterError, block_drafter, drafter_config, init_drafter, load_block_drafter, save_drafter
+from kvjax.drafter import model as dm
+from kvjax.models.config import Qwen3Config
+from kvjax.models.params import init_params
+from kvjax.speculative import speculative_generate
+
+# a small vocabulary: a random drafter then agrees with the verifier often enough that every acceptance length
+# (0 .. b drafts) occurs, which is what the rollback paths need to be exercised
+VOCAB = 12
+
+
+def tiny(layers: int, seed: int, eos=()) -> tuple:
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=layers, num_heads=4,
+                      num_kv_heads=2, head_dim=8, rope_theta=1e4, tie_word_embeddings=True, eos_token_ids=eos,
+                      max_position_embeddings=512)
+    return cfg, jax.jit(init_params, static_argnums=(0, 2, 3))(cfg, jax.random.key(seed), jnp.float32, 0.3)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    cfg, params = tiny(3, 0)
+    dcfg = drafter_config(cfg, num_layers=1, block_sizes=(4, 16))
+    return (cfg, params), dcfg, jax.jit(init_drafter, static_argnums=(0, 2))(dcfg, jax.random.key(1), 0.3)
+
+
+def ragged_prompts(n: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, VOCAB, int(rng.integers(2, 30))).tolist() for _ in range(n)]
+
+
+def test_train_forward_equals_decode_forward(pair):
+    """Many blocks per sequence in one pass (training) give the logits each block gets at decode time, over a cache
+    built in pieces with a rollback."""
+    (cfg, params), dcfg, dp = pair
+    tokens = jax.random.randint(jax.random.key(2), (2, 40), 0, VOCAB)
+    feats = jax.jit(dm.target_features, static_argnums=(1, 3))(params, cfg, tokens, dcfg.feature_layers)
+    ref = jax.jit(lambda p, t: kvjax.models.decoder.forward_features(
+        p, cfg, t, kvjax.init_cache(cfg, 2, 128), dcfg.feature_layers, fresh=True)[2])(params, tokens)
+    np.testing.assert_allclose(feats, ref, atol=1e-5)
+    anchors, sizes = jnp.array([[10, 20], [15, 30]]), jnp.array([[16, 4], [4, 16]])
+    head = dm.draft_head(params, None)
+    train = jax.jit(dm.train_logits, static_argnums=(1, 7))(dp, dcfg, params, feats, tokens, anchors, sizes, 16,
+                                                            head)
+
+    @jax.jit
+    def decode(f, last, a):
+        """The context written in two pieces, the first with two extra positions rolled back by the second."""
+        cache = dm.init_context(dcfg, 1, 64)
+        first = jnp.where(jnp.arange(40)[None, :, None] < a - 3, f, 0.0)
+        cache = dm.extend_context(dp, dcfg, cache, first, (a - 5)[None])
+        rest = jax.lax.dynamic_slice_in_dim(f, a - 5, 5, 1)
+        cache = dm.extend_context(dp, dcfg, cache, rest, jnp.array([5]))
+        return dm.draft_logits(dp, dcfg, params, cache, last, 16, head)
+
+    for r in range(2):
+        for k in range(2):
+            a, s = anchors[r, k], int(sizes[r, k])
+            got = decode(feats[r:r + 1], tokens[r:r + 1, a], a)
+            if s == 16:  # a block trained at 16 is the decode block; a truncated one is checked on its own below
+                np.testing.assert_allclose(got[0], train[r, k], atol=2e-5)
+    cache = dm.extend_context(dp, dcfg, dm.init_context(dcfg, 1, 64), feats[1:2, :15], jnp.array([15]))
+    got = jax.jit(dm.draft_logits, static_argnums=(1, 5))(dp, dcfg, params, cache, tokens[1:2, 15], 4, head)
+    np.testing.assert_allclose(got[0], train[1, 0, :4], atol=2e-5)
+
+
+@pytest.mark.parametrize("block", [4, 16])
+def test_token_identical_to_greedy_generate(pair, block):
+    verifier, dcfg, dp = pair
+    drafter = block_drafter(verifier, dcfg, dp, draft_len=block)
+    prompts = ragged_prompts(5, block)
+    want = np.asarray(kvjax.generate(verifier[1], verifier[0], prompts, 40))
+    got, stats = speculative_generate(verifier, drafter, prompts, 40, return_stats=True)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    per_round = stats.per_round[stats.per_round >= 0]
+    assert per_round.max() >= 2 and (per_round == 0).any()  # acceptances of several lengths were rolled back
+    assert stats.rounds.min() < 40  # rounds accepted drafts
+
+
+def test_eos_and_draft_vocabulary(pair):
+    """Rows stopping at EOS mid-block, and a drafter restricted to part of the vocabulary (its head is a subset of
+    the verifier's rows), still give the greedy output."""
+    (cfg, params), dcfg, dp = pair
+    eos_cfg = Qwen3Config(**{**cfg.__dict__, "eos_token_ids": (3,)})
+    verifier = (eos_cfg, params)
+    drafter = block_drafter(verifier, dcfg, dm.with_vocab(dp, np.arange(0, VOCAB, 2)), draft_len=4)
+    prompts = ragged_prompts(6, 7)
+    want = np.asarray(kvjax.generate(params, eos_cfg, prompts, 30))
+    assert (want == 3).any()
+    np.testing.assert_array_equal(np.asarray(speculative_generate(verifier, drafter, prompts, 30)), want)
+
+
+def test_bad_inputs(pair, tmp_path):
+    verifier, dcfg, dp = pair
+    save_drafter(str(tmp_path / "d"), dcfg, dp)
+    assert load_block_drafter(str(tmp_path / "d"), verifier, draft_len=4).draft_len == 4
+    other = tiny(2, 5)
+    with pytest.raises(DrafterError, match="trained for a target with config fingerprint"):
+        load_block_drafter(str(tmp_path / "d"), other)
+    with pytest.raises(DrafterError, match="block size 8 was not trained for"):
+        load_block_drafter(str(tmp_path / "d"), verifier, draft_len=8)
+    with pytest.raises(DrafterError, match="not a drafter directory"):
+        load_block_drafter(str(tmp_path), verifier)
+    small = block_drafter(verifier, dcfg, dp, draft_len=4, max_len=128)
+    with pytest.raises(ValueError, match="do not fit the drafter's context cache of 128"):
+        speculative_generate(verifier, small, ragged_prompts(2, 1) + [[1] * 100], 40)
