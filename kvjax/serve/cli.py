@@ -48,8 +48,8 @@ def parser() -> argparse.ArgumentParser:
                    help="disaggregated: devices of the prefill pool (default all but one)")
     p.add_argument("--cpu-devices", type=int, default=2,
                    help="disaggregated on CPU: host devices to split into the pools (XLA_FLAGS)")
-    p.add_argument("--warmup", type=int, default=0, metavar="TOKENS",
-                   help="compile every prefill bucket up to TOKENS prompt tokens before serving (0: compile lazily)")
+    p.add_argument("--warmup", default="0", metavar="[MIN:]MAX",
+                   help="compile every prefill shape for prompts of MIN..MAX tokens before serving (0: lazily)")
     p.add_argument("--enable-fault-injection", action="store_true",
                    help="accept POST /admin/faults (fault tooling on localhost; never in production)")
     p.add_argument("--log-level", default="info")
@@ -94,6 +94,11 @@ def parse(argv: list[str]):
                           max_tokens_limit=args.max_tokens, request_timeout=args.request_timeout,
                           prefill_devices=args.prefill_devices)
     problems = engine.problems()
+    try:
+        lo, _, hi = args.warmup.rpartition(":")
+        args.warmup = (int(lo or 2), int(hi))
+    except ValueError:
+        problems.append(f"--warmup {args.warmup}: give MAX or MIN:MAX prompt tokens")
     if not 1 <= args.port <= 65535:
         problems.append(f"--port {args.port}: use 1..65535")
     if problems:
@@ -124,9 +129,9 @@ def build_server(cfg: RunConfig, args, engine_cfg: EngineConfig, map_dir: str, g
         log.warning("%s: serving the native target path", reason)
     engine = Engine(tuple(source), tuple(target), kvmap, kvjax.load_tokenizer(cfg.target.path), engine_cfg,
                     split=split, reason=reason)
-    if args.warmup:
-        log.info("warming up (compiling prefill up to %d tokens) ...", args.warmup)
-        log.info("warm-up done in %.1fs", engine.warmup(args.warmup))
+    if args.warmup[1]:
+        log.info("warming up (compiling prefill for %d..%d-token prompts) ...", *args.warmup)
+        log.info("warm-up done in %.1fs", engine.warmup(args.warmup[1], args.warmup[0]))
     engine.start()
     return engine, Server(engine, cfg.name, load_chat_template(cfg.target.path), args.enable_fault_injection)
 

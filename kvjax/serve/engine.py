@@ -216,16 +216,17 @@ class Engine:
             if t is not None and t is not threading.current_thread():
                 t.join(timeout)
 
-    def warmup(self, max_prompt: int | None = None) -> float:
-        """Compile every prefill (bucket x batch size) up to `max_prompt` tokens and the decode step, before
-        serving: the first requests then see serving latency, not compile time. Returns seconds."""
+    def warmup(self, max_prompt: int | None = None, min_prompt: int = 2) -> float:
+        """Compile every prefill (bucket x batch size) for prompts of min_prompt..max_prompt tokens and the decode
+        step, before serving: the first requests then see serving latency, not compile time. Returns seconds."""
         t0 = time.perf_counter()
         limit = self.config.capacity if max_prompt is None else max_prompt
+        low = programs.bucket_for(max(1, min(min_prompt, limit) - 1), self.buckets)
         sizes = sorted({programs.batch_size_for(n, self.config.max_prefill_batch)
                         for n in range(1, self.config.max_prefill_batch + 1)})
         for dev, builder in self._builders.items():
             top = programs.bucket_for(min(limit, self.config.capacity), self.buckets)
-            for bucket in [b for b in self.buckets if b <= top]:
+            for bucket in [b for b in self.buckets if low <= b <= top]:
                 for bs in sizes:
                     new = programs.prefill_batch(builder, [[0, 0]], bucket, bs)
                     new = jax.device_put(new, self.decode_device)
@@ -402,7 +403,7 @@ class Engine:
                 self._fail(r, 500, f"generation failed: {type(e).__name__}: {e}")
             if r.finished:
                 self._slot_req[s] = None
-        self.metrics.tokens.inc(produced)
+        self.metrics.produced(produced, now)
 
     def _emit(self, s: int, r: Request, tok: int, now: float) -> None:
         if r.cancelled:

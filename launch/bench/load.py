@@ -126,13 +126,14 @@ class ServerProcess:
         capacity = -(-(a.max_len + a.new_tokens) // 128) * 128
         cmd = [sys.executable, "-m", "kvjax.serve", f"--config={a.config}", "--host", HOST, "--port", str(self.port),
                "--topology", topology, "--slots", str(a.slots), "--capacity", str(capacity),
-               "--max-prefill-batch", str(a.max_prefill_batch), "--warmup", str(a.max_len),
+               "--max-prefill-batch", str(a.max_prefill_batch), "--warmup", f"{a.min_len}:{a.max_len}",
                "--request-timeout", str(a.timeout), "--max-queue", "1024", *a.server_arg]
         if a.map:
             cmd += ["--map", a.map]
         if faults:
             cmd.append("--enable-fault-injection")
-        env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=os.path.join(out_dir, "jax_cache"),
+        env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=os.environ.get("JAX_COMPILATION_CACHE_DIR",
+                                                                       os.path.join(out_dir, "jax_cache")),
                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", PYTHONPATH=REPO)
         self.log_path = os.path.join(out_dir, f"server_{topology}.log")
         self.log = open(self.log_path, "w")
