@@ -10,8 +10,9 @@ over them): one on source-teacher KL along the text's own continuation (the main
 target's own greedy rollout from the mapped cache (`ResidualConfig.rollout`). Each trains in <out>/kl/ and
 <out>/rollout/ (orbax checkpoints: an interrupted command resumes; a finished training is not repeated). Then, on
 --windows held-out windows (rows --skip.., the main job's KL windows), the target greedily generates --n tokens from
-each map's cache and the source teacher scores every step (kvjax.eval.rollout): the mean divergence per map, its
-per-step curve, each residual's paired 95% interval vs the ridge and the windows it improves. Writes
+each map's cache (and, as a reference, from its own prefill: `target`) and the source teacher scores every step
+(kvjax.eval.rollout): the mean divergence per map, its per-step curve, each one's paired 95% interval vs the ridge
+and the windows it improves. `--extra NAME=DIR` measures more maps beside them (e.g. the run's own residual map). Writes
 <out>/rollout_residual.json and prints the table. `--measure-only` refuses to train (the residuals must be finished).
 A run without a residual is enough (`--config.residual.steps=0`): only map_ridge/ is read.
 """
@@ -45,6 +46,8 @@ def parse(argv):
     p.add_argument("--prefix", type=int, default=256, help="tokens the source reads and the map translates")
     p.add_argument("--n", type=int, default=32, help="tokens the target generates from the mapped cache")
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--extra", nargs="*", default=[],
+                   help="more maps to measure beside them, NAME=MAP_DIR (e.g. the run's own map: main=RUN/map)")
     p.add_argument("--measure-only", action="store_true")
     p.add_argument("--train-only", action="store_true")
     return p.parse_args(argv)
@@ -123,6 +126,11 @@ def main(argv=None) -> int:
         print(f"rollout_residual: the run has {len(heldout)} held-out rows; --skip {skip} + --windows "
               f"{args.windows} need more", file=sys.stderr)
         return 2
+    from kvjax.builders import NativePrefill
+    for pair in args.extra:
+        name, _, where = pair.partition("=")
+        maps[name] = kvjax.load_map(where, source[0], target[0])
+    maps["target"] = NativePrefill(target, name="target")  # the target decoding from its own prefill: a reference
     t0 = time.perf_counter()
     per_step = rollout_table(maps, source, target, windows, args.n, args.batch_size)
     print(f"divergence of {len(maps)} maps on {len(windows)} windows: {time.perf_counter() - t0:.0f} s", flush=True)
@@ -133,8 +141,9 @@ def main(argv=None) -> int:
             ci = paired_bootstrap_ci(d.mean(1), per_step["ridge"].mean(1))
             row.update(minus_ridge=ci.mean, minus_ridge_ci95=[ci.lo, ci.hi],
                        change=row["divergence"] / rows["ridge"]["divergence"] - 1.0,
-                       windows_improved=int(np.sum(d.mean(1) < per_step["ridge"].mean(1))),
-                       train_seconds=clocks[name]["seconds"], train_steps=clocks[name]["steps"])
+                       windows_improved=int(np.sum(d.mean(1) < per_step["ridge"].mean(1))))
+            if name in clocks:
+                row.update(train_seconds=clocks[name]["seconds"], train_steps=clocks[name]["steps"])
         rows[name] = row
     result = {"run": args.run, "source": run_cfg["source"]["path"], "target": run_cfg["target"]["path"],
               "windows": len(windows), "skip": skip, "prefix": args.prefix, "n": args.n,
@@ -150,9 +159,11 @@ def main(argv=None) -> int:
             print(f"| ridge | {r['divergence']:.4f} | | | | |")
         else:
             lo, hi = r["minus_ridge_ci95"]
-            print(f"| ridge + {name} residual | {r['divergence']:.4f} | {100 * r['change']:+.1f}% | "
+            label = f"ridge + {name} residual" if name in clocks else name
+            trained = f"{r['train_seconds'] / 60:.1f} min ({r['train_steps']} steps)" if name in clocks else ""
+            print(f"| {label} | {r['divergence']:.4f} | {100 * r['change']:+.1f}% | "
                   f"{r['minus_ridge']:+.4f} [{lo:+.4f}, {hi:+.4f}] | {r['windows_improved']} / {len(windows)} | "
-                  f"{r['train_seconds'] / 60:.1f} min ({r['train_steps']} steps) |")
+                  f"{trained} |")
     print(f"wrote {os.path.join(out, 'rollout_residual.json')}")
     return 0
 
