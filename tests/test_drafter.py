@@ -3,6 +3,8 @@ token-identical to greedy kvjax.generate (ragged batches, b = 4 and 16, EOS), an
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -114,3 +116,22 @@ def test_bad_inputs(pair, tmp_path):
     small = block_drafter(verifier, dcfg, dp, draft_len=4, max_len=128)
     with pytest.raises(ValueError, match="do not fit the drafter's context cache of 128"):
         speculative_generate(verifier, small, ragged_prompts(2, 1) + [[1] * 100], 40)
+
+
+def test_dflash_evaluation(pair, tmp_path):
+    """The main job's `dflash` evaluation: a record, its metrics (every output identical), report and preflight."""
+    from kvjax.eval.suite import dflash
+    from kvjax.eval.suite.evaluation import EvalContext
+    verifier, dcfg, dp = pair
+    save_drafter(str(tmp_path / "d"), dcfg, dp)
+    ec = dflash.DflashEval(enabled=True, drafter=str(tmp_path / "d"), blocks=(4,), prompts=3, prompt_len=12,
+                           new_tokens=10)
+    heldout = np.random.default_rng(0).integers(0, VOCAB, (3, 12))
+    ctx = EvalContext(cfg=None, source=verifier, target=None, map=None, fitted=("ridge",), heldout=heldout,
+                      tokenizer=None)
+    m = dflash.metrics(dflash.run(ec, ctx), None)
+    assert m["methods"]["dflash-4"]["identical"] == 3 and m["methods"]["dflash-4"]["tau"] >= 1
+    assert "| dflash-4 |" in "\n".join(dflash.report(m, None))
+    assert dflash.preflight(ec, None) == []
+    assert "trained for block sizes" in dflash.preflight(dataclasses.replace(ec, blocks=(8,)), None)[0]
+    assert "not a drafter directory" in dflash.preflight(dataclasses.replace(ec, drafter=str(tmp_path)), None)[0]

@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from kvjax.eval.suite import distances, kl, mc, native_kl, retrieval, rollout, speculative, throughput, ttft
+from kvjax.eval.suite import dflash, distances, kl, mc, native_kl, retrieval, rollout, speculative, throughput, ttft
 from kvjax.eval.suite.evaluation import (Chart, ChartContext, EvalContext, Evaluation, MetricsContext,
                                          ReportContext)
 
@@ -51,6 +51,7 @@ EVALUATIONS: tuple[Evaluation, ...] = (
     native_kl.EVALUATION,  # small reads, large answers (off by default): the answerer's KL to its own predictions
     ttft.EVALUATION,  # ... and its time to first token from the reader's prefill
     speculative.EVALUATION,  # ... and speculative decoding, the reader drafting (plain, and from a transferred cache)
+    dflash.EVALUATION,  # off by default: lossless block drafting (kvjax.drafter) for one model, vs its greedy decode
 )
 BY_NAME = {e.name: e for e in EVALUATIONS}
 NAMES = tuple(BY_NAME)
