@@ -17,7 +17,8 @@ import numpy as np
 
 from kvjax.models.config import ConfigError, Qwen3Config, load_config
 from kvjax.models.model import Model
-from kvjax.models.params import Params, from_flat, hf_shape, param_specs, to_flat
+from kvjax.models.params import (Params, from_flat, from_hf_tensors, hf_names, hf_shape, param_specs, to_flat,
+                                 to_hf_tensors)
 from kvjax.tensorfile import SafetensorsFile, save_file
 
 CONFIG = "config.json"
@@ -103,7 +104,7 @@ def load_hf(path: str, dtype=jnp.float32, shardings=None) -> Model:
     cfg = load_hf_config(path)
     tensors = _open_weights(path)
     specs = param_specs(cfg)
-    expected = {s.hf_name for s in specs.values()}
+    expected = {n for s in specs.values() for n in hf_names(s)}
     allowed_extra = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     missing = sorted(expected - set(tensors))
     unexpected = sorted(n for n in set(tensors) - expected - allowed_extra if not n.endswith(IGNORED))
@@ -119,12 +120,12 @@ def load_hf(path: str, dtype=jnp.float32, shardings=None) -> Model:
     flat_shardings = to_flat(shardings) if shardings is not None else {}
     flat = {}
     for name, spec in specs.items():
-        f = tensors[spec.hf_name]
         want = hf_shape(spec)
-        if f.shape(spec.hf_name) != want:
-            raise CheckpointError(f"{path}: tensor {spec.hf_name!r} has shape {list(f.shape(spec.hf_name))}, "
-                                  f"config.json implies {list(want)}; the config does not match the weights")
-        host = np.array(spec.from_hf(f.get(spec.hf_name)), dtype=np_dtype, order="C")
+        for hf_name in hf_names(spec):
+            if tensors[hf_name].shape(hf_name) != want:
+                raise CheckpointError(f"{path}: tensor {hf_name!r} has shape {list(tensors[hf_name].shape(hf_name))}, "
+                                      f"config.json implies {list(want)}; the config does not match the weights")
+        host = from_hf_tensors(spec, lambda n: tensors[n].get(n), np_dtype)
         flat[name] = jax.device_put(host, flat_shardings.get(name))
         del host
     return Model(cfg, from_flat(cfg, flat))
@@ -141,7 +142,7 @@ def save_hf(path: str, cfg: Qwen3Config, params: Params, tokenizer_dir: str | No
         a = np.asarray(jax.device_get(flat[name]))
         if dtype is not None:
             a = a.astype(np.dtype(jnp.dtype(dtype)))
-        tensors[spec.hf_name] = spec.to_hf(a)
+        tensors.update(to_hf_tensors(spec, a))
     save_file(tensors, os.path.join(path, SINGLE), metadata={"format": "pt"})
     hf_cfg = cfg.to_hf_dict()
     hf_cfg["torch_dtype"] = str(np.dtype(next(iter(tensors.values())).dtype).name)

@@ -29,6 +29,10 @@ RULES: dict[str, str | None] = {
     "heads": "model",
     "kv_heads": "model",
     "ffn": "model",
+    # Qwen3-MoE experts [E, D, F]: each expert's FFN width splits over 'model' as a dense MLP's does and the expert
+    # axis is replicated, so a routed token's chosen experts are on every device (no all-to-all; see
+    # kvjax.models.qwen3_moe). Name 'model' here for expert parallelism (the width then replicates).
+    "experts": None,
     "head_dim": None,
     "layers": None,
     "cache_seq": None,

@@ -31,6 +31,9 @@ class Family:
     qkv: Callable  # (lp, cfg, x, cos, sin) -> (q, k, v)
     finish: Callable  # (lp, cfg, x, attn) -> x
     architectures: tuple[str, ...] = ()  # HF config.json "architectures" it reads, e.g. ("LlamaForCausalLM",)
+    # (cfg, i) -> the layer pytree type of layer i, for families whose layers differ (Qwen3-MoE: dense and sparse
+    # MLPs); None: every layer is `layer`
+    layer_for: Callable | None = None
 
 
 _BY_CONFIG: dict[type, Family] = {}

@@ -37,12 +37,15 @@ class ParamSpec:
     hf_name: str  # HF tensor name
     to_hf: Callable[[np.ndarray], np.ndarray]  # our layout -> HF layout
     from_hf: Callable[[np.ndarray], np.ndarray]  # HF layout -> ours
+    # a tensor HF stores in pieces (Qwen3-MoE: one tensor per expert): our axis 0 stacks these HF tensors, each
+    # converted by to_hf/from_hf; empty: the one tensor `hf_name`
+    hf_parts: tuple[str, ...] = ()
 
 
-def spec(shape, axes, init, name, **conv) -> ParamSpec:
+def spec(shape, axes, init, name, hf_parts=(), **conv) -> ParamSpec:
     """A ParamSpec whose HF layout equals ours unless `conv` gives to_hf/from_hf."""
     conv = conv or dict(to_hf=np.asarray, from_hf=np.asarray)
-    return ParamSpec(shape, axes, init, name, **conv)
+    return ParamSpec(shape, axes, init, name, hf_parts=tuple(hf_parts), **conv)
 
 
 def transpose() -> dict:
@@ -62,17 +65,42 @@ def param_specs(cfg) -> dict[str, ParamSpec]:
 
 
 def hf_shape(spec: ParamSpec) -> tuple[int, ...]:
-    """Shape of the HF tensor for this spec."""
-    return tuple(spec.to_hf(np.zeros(spec.shape, np.float32)).shape)
+    """Shape of the HF tensor for this spec (of each of its parts, for a stacked spec)."""
+    return tuple(spec.to_hf(np.zeros(spec.shape[1:] if spec.hf_parts else spec.shape, np.float32)).shape)
+
+
+def hf_names(spec: ParamSpec) -> tuple[str, ...]:
+    """The HF tensors that hold this spec's tensor."""
+    return spec.hf_parts or (spec.hf_name,)
+
+
+def to_hf_tensors(spec: ParamSpec, a: np.ndarray) -> dict[str, np.ndarray]:
+    """Our array as its HF tensors, name -> array."""
+    if spec.hf_parts:
+        return {name: spec.to_hf(a[i]) for i, name in enumerate(spec.hf_parts)}
+    return {spec.hf_name: spec.to_hf(a)}
+
+
+def from_hf_tensors(spec: ParamSpec, get: Callable[[str], np.ndarray], dtype) -> np.ndarray:
+    """Our array (C order, `dtype`) from its HF tensors, read one at a time by `get(name)`."""
+    if not spec.hf_parts:
+        return np.array(spec.from_hf(get(spec.hf_name)), dtype=dtype, order="C")
+    out = np.empty(spec.shape, dtype)
+    for i, name in enumerate(spec.hf_parts):
+        out[i] = spec.from_hf(get(name))
+    return out
 
 
 def from_flat(cfg, flat: dict) -> Params:
     """Params from ``{"embed": ..., "layers.3.q": ...}`` (leaves may be arrays, specs or anything else)."""
-    layer = family_of(cfg).layer
-    fields = [f.name for f in dataclasses.fields(layer)]
-    # a field absent from the table keeps its default (Llama's biases: None when the config has none)
-    layers = tuple(layer(**{n: flat[k] for n in fields if (k := f"layers.{i}.{n}") in flat})
-                   for i in range(cfg.num_layers))
+    family = family_of(cfg)
+
+    def layer(i):
+        kind = family.layer if family.layer_for is None else family.layer_for(cfg, i)
+        # a field absent from the table keeps its default (Llama's biases: None when the config has none)
+        return kind(**{f.name: flat[k] for f in dataclasses.fields(kind) if (k := f"layers.{i}.{f.name}") in flat})
+
+    layers = tuple(layer(i) for i in range(cfg.num_layers))
     return Params(embed=flat["embed"], layers=layers, final_norm=flat["final_norm"],
                   lm_head=None if cfg.tie_word_embeddings else flat["lm_head"])
 
