@@ -191,6 +191,9 @@ def verify_loop(verifier, drafter, cache: KVCache, state, last: jax.Array, key: 
         logits, cache, feats = forward_features(vparams, vcfg, block, c["cache"], layers)
         if greedy:
             n_acc, toks = accept_greedy(logits, drafts)
+        elif q is None:
+            raise ValueError(f"{type(drafter).__name__}.propose returned no draft distribution q; sampling "
+                             "(temperature > 0) needs it for the rejection rule")
         else:
             n_acc, toks = accept_sampled(logits, drafts, q, ka, sampling)
         active = ~c["done"]
