@@ -300,19 +300,28 @@ class Engine:
 
     # ---- prefill -----------------------------------------------------------------------------------------------
 
+    LOOKAHEAD = 64  # queued requests scanned for prompts of the head's prefill bucket
+
     def _take(self, free: int) -> list[Request]:
-        """Up to min(free, max_prefill_batch) live requests from the queue (lock held); expired or cancelled ones
-        are answered on the way."""
-        out = []
+        """Up to min(free, max_prefill_batch) live requests from the queue (lock held): the head of the queue and
+        those of the next LOOKAHEAD whose prompts fall in its prefill bucket (a batch padded to one length wastes
+        nothing on shorter rows); the others keep their places. Expired or cancelled ones are answered on the way."""
+        out, skipped, bucket = [], [], None
         now = time.perf_counter()
-        while self._waiting and len(out) < min(free, self.config.max_prefill_batch):
+        limit = min(free, self.config.max_prefill_batch)
+        scanned = 0
+        while self._waiting and len(out) < limit and scanned < self.LOOKAHEAD:
             r = self._waiting.popleft()
+            scanned += 1
             if r.cancelled:
                 self._fail(r, 499, "cancelled by the client")
             elif now > r.deadline:
                 self._fail(r, 504, f"timed out after {r.deadline - r.submitted:.0f} s waiting in the queue")
             else:
-                out.append(r)
+                b = programs.bucket_for(len(r.prompt) - 1, self.buckets)
+                bucket = b if bucket is None else bucket
+                (out if b == bucket else skipped).append(r)
+        self._waiting.extendleft(reversed(skipped))
         self.metrics.queue_depth.set(len(self._waiting))
         return out
 
