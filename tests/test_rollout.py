@@ -79,13 +79,14 @@ def test_rollout_training_scores_the_rollout(setup, tmp_path):
 
 
 def test_rollout_evaluation_metrics_report_and_chart(tmp_path):
-    from kvjax.eval.suite import MetricsContext, ReportContext, rollout
+    from kvjax.eval.suite import BY_NAME, MetricsContext, ReportContext, rollout
     from kvjax.eval.suite.rollout import RolloutEval
     rng = np.random.RandomState(0)
     ridge = rng.uniform(0.5, 1.5, (10, 4))
     residual = ridge - 0.1  # every window improves
     residual[0] += 0.3  # ... but the first
-    record = {"per_step": {"ridge": ridge.tolist(), "residual": residual.tolist(), "target": ridge.tolist()},
+    record = {"per_step": {"ridge": ridge.tolist(), "residual": residual.tolist(), "target": ridge.tolist(),
+                            "other": ridge.tolist()},  # a map outside the arm table is listed by its name
               "windows": 10, "prefix_len": 16, "steps": 4, "residual_training": "rollout"}
     ro = rollout.metrics(record, MetricsContext(1000, "residual"))
     np.testing.assert_allclose(ro["change"], residual.mean() / ridge.mean() - 1)
@@ -95,9 +96,9 @@ def test_rollout_evaluation_metrics_report_and_chart(tmp_path):
     rollout.step_chart(ro, str(tmp_path / "rollout_steps.png"), None)
     assert (tmp_path / "rollout_steps.png").stat().st_size > 0
     text = "\n".join(rollout.report(ro, ReportContext({}, charts, "residual", "s", "t")))
-    assert "ridge + rollout-trained residual" in text and "9 of 10 windows improve" in text
+    assert "ridge + rollout-trained residual" in text and "9 of 10 windows improve" in text and "| other |" in text
     assert "rollout_steps.png" in text and rollout.summary(ro, None)[0].startswith("- Rollout: 4-step divergence")
-    assert RolloutEval().enabled is False  # the default job does not pay for it
+    assert BY_NAME["rollout"].settings().enabled is False  # registered; the default job does not pay for it
     assert rollout.preflight(RolloutEval(steps=0, prefix_len=1), None) == [
         "eval.rollout.steps must be >= 1, got 0", "eval.rollout.prefix_len must be >= 2 (a mapped prefix and a last "
         "token), got 1"]

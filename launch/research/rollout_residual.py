@@ -96,8 +96,10 @@ def main(argv=None) -> int:
     ridge = kvjax.load_map(ridge_dir, source[0], target[0])
     base = ResidualConfig(**{k: v for k, v in run_cfg["residual"].items() if k in
                              {f.name for f in dataclasses.fields(ResidualConfig)}})
+    # fresh windows every step for both (a rollout's continuation changes with the map: it cannot be pooled)
+    fresh = {"pool_windows": 0} if "pool_windows" in {f.name for f in dataclasses.fields(ResidualConfig)} else {}
     rc = dataclasses.replace(base, steps=args.steps, lr=args.lr or base.lr, cont_len=args.cont or base.cont_len,
-                             rollout=False,
+                             rollout=False, **fresh,
                              save_every=min(base.save_every, args.steps))
     maps, clocks = {"ridge": ridge}, {}
     tokens = np.asarray(np.load(os.path.join(args.run, "data", "train_tokens.npy"), mmap_mode="r"))

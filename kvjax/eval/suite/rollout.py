@@ -64,6 +64,20 @@ def _residual_label(ro: dict) -> str:
     return f"ridge + {ro['residual_training']}-trained residual"
 
 
+def _arms(ro: dict) -> list[str]:
+    """The measured caches: the arm table's order, then any other fitted map."""
+    from kvjax.eval.arms import in_table_order
+    known = in_table_order(ro["per_step"])
+    return known + sorted(set(ro["per_step"]) - set(known))
+
+
+def _label(ro: dict, arm: str) -> str:
+    from kvjax.eval.arms import ARMS, RESIDUAL, TARGET
+    if arm == RESIDUAL:
+        return _residual_label(ro)
+    return "native target (its own prefill)" if arm == TARGET else ARMS[arm].label if arm in ARMS else arm
+
+
 def summary(ro: dict, ctx) -> list[str]:
     from kvjax.eval.arms import RESIDUAL, RIDGE
     if "change" not in ro:
@@ -75,16 +89,13 @@ def summary(ro: dict, ctx) -> list[str]:
 
 
 def report(ro: dict, ctx) -> list[str]:
-    from kvjax.eval.arms import RESIDUAL, RIDGE, TARGET
     out = ["## Rollout divergence: the target decoding from the mapped cache", "",
            f"{ro['windows']} held-out windows: the source reads {ro['prefix_len']} tokens, the target greedily "
            f"generates {ro['steps']} from the cache of the first {ro['prefix_len'] - 1} and its last token; at every "
            "step KL(source having read the same tokens || target), nats, averaged over steps and windows.", "",
            "| cache | mean divergence |", "|---|---:|"]
-    for arm, label in ((TARGET, "native target (its own prefill)"), (RIDGE, "ridge"),
-                       (RESIDUAL, _residual_label(ro))):
-        if arm in ro:
-            out.append(f"| {label} | {ro[arm]:.4f} |")
+    for arm in _arms(ro):
+        out.append(f"| {_label(ro, arm)} | {ro[arm]:.4f} |")
     out.append("")
     if "change" in ro:
         lo, hi = ro["residual_minus_ridge_ci95"]
@@ -98,13 +109,12 @@ def report(ro: dict, ctx) -> list[str]:
 def step_chart(ro: dict, path: str, ctx) -> str:
     """Mean divergence at each generated step, one line per cache."""
     from kvjax.eval import charts
-    from kvjax.eval.arms import ARMS, RESIDUAL
+    from kvjax.eval.arms import ARMS
     plt = charts.plt()
     fig, ax = plt.subplots(figsize=(6, 4))
-    for arm in ARMS:
-        if arm in ro["per_step"]:
-            label = _residual_label(ro) if arm == RESIDUAL else ARMS[arm].label
-            ax.plot(np.arange(1, ro["steps"] + 1), ro["per_step"][arm], "-", color=ARMS[arm].colour, label=label)
+    for arm in _arms(ro):
+        colour = ARMS[arm].colour if arm in ARMS else None
+        ax.plot(np.arange(1, ro["steps"] + 1), ro["per_step"][arm], "-", color=colour, label=_label(ro, arm))
     ax.set(xlabel="generated token", ylabel="KL(source || target), nats",
            title=f"Rollout divergence ({ro['windows']} frozen windows, greedy target)")
     ax.grid(alpha=0.3)
