@@ -45,9 +45,10 @@ def test_greedy_equals_the_verifiers_greedy_decode(models):
     eos = int(free[0, 4])  # row 0 stops by its 5th token
     want = native(big, ps, 19, eos_token_ids=(eos,), pad_token_id=0)
     stop = np.minimum([int(np.flatnonzero(np.r_[r == eos, True])[0]) + 1 for r in free], 19)
-    for drafter, g in ((noisy, 3), (small, 1), (big, 5)):
-        got, stats = speculative_generate(big, drafter, ps, 19, draft_len=g, eos_token_ids=(eos,), pad_token_id=0,
-                                          return_stats=True)
+    unsure = ModelDrafter(noisy, draft_len=4, min_confidence=0.05)  # about half its tokens are below 0.05
+    for drafter, g in ((noisy, 3), (small, 1), (big, 5), (unsure, 4)):
+        got, stats = speculative_generate(big, drafter, ps, 19, draft_len=None if drafter is unsure else g,
+                                          eos_token_ids=(eos,), pad_token_id=0, return_stats=True)
         np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"draft_len {g}")
         np.testing.assert_array_equal(stats.emitted, stop)
         # per-round counts add up; accepted drafts + one verifier token per round cover the emitted tokens
@@ -97,14 +98,16 @@ def test_sampling_follows_the_verifiers_distribution():
         return np.asarray(sampling_probs(forward_nocache(model.params, cfg, jnp.asarray([toks]))[0, -1], s),
                           np.float64)
 
-    out = np.asarray(speculative_generate(verifier, drafter, [prompt] * rows, 2, draft_len=2, temperature=s.temperature,
-                                          top_p=s.top_p, key=jax.random.key(42)))
-    counts = np.bincount(out[:, 0], minlength=12)
-    assert _chi2_pvalue(counts, dist(verifier, prompt)) > 1e-3
-    assert _chi2_pvalue(counts, dist(drafter, prompt)) < 1e-6  # the test can tell the two apart
-    x1 = int(np.argmax(counts))
-    second = np.bincount(out[out[:, 0] == x1, 1], minlength=12)
-    assert _chi2_pvalue(second, dist(verifier, prompt + [x1])) > 1e-3
+    for d in (drafter, ModelDrafter(drafter, draft_len=2, min_confidence=0.2)):  # fixed and variable-length drafts
+        out = np.asarray(speculative_generate(verifier, d, [prompt] * rows, 2, temperature=s.temperature,
+                                              top_p=s.top_p, key=jax.random.key(42),
+                                              draft_len=2 if d is drafter else None))
+        counts = np.bincount(out[:, 0], minlength=12)
+        assert _chi2_pvalue(counts, dist(verifier, prompt)) > 1e-3
+        assert _chi2_pvalue(counts, dist(drafter, prompt)) < 1e-6  # the test can tell the two apart
+        x1 = int(np.argmax(counts))
+        second = np.bincount(out[out[:, 0] == x1, 1], minlength=12)
+        assert _chi2_pvalue(second, dist(verifier, prompt + [x1])) > 1e-3
 
 
 def test_transfer_decodes_from_the_mapped_cache(models):

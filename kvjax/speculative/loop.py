@@ -41,6 +41,10 @@ passed into the compiled loop as an argument, so it must not hold Python state t
         Traceable. `last` is the pending token. q: the drafter's sampling distribution of each draft, [B, gamma, V]
         f32 (`sampling_probs` of its logits), drafts drawn from it; None is allowed only when sampling.temperature
         is 0 (greedy drafts).
+        Optional: `variable_length = True` (static attribute) lets a row stop drafting early: its drafts past the
+        last real one are -1 (and its q there anything). The verify forward then runs only 1 + the longest real
+        draft of the batch (lax.switch over gamma + 1 compiled lengths): on CPU a (t)-token verify costs more as t
+        grows, so rounds where the drafter is unsure cost about one plain decode step.
     commit(state, tokens [B, gamma + 1] int32, n_new [B] int32, features [B, gamma + 1, F] | None) -> state
         Traceable. tokens[:, :n_new] are the tokens this round emitted: the n_new - 1 accepted drafts, then the
         verifier's token (which is the next pending token); entries past n_new are junk. features are the verifier's
@@ -105,10 +109,12 @@ def accept_sampled(logits: jax.Array, drafts: jax.Array, q: jax.Array, key: jax.
     b, g = drafts.shape
     p = sampling_probs(logits, sampling)  # [B, g+1, V]
     ku, kr = jax.random.split(key)
-    p_d = jnp.take_along_axis(p[:, :g], drafts[..., None], axis=-1)[..., 0]
-    q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    real = drafts >= 0  # a variable-length drafter marks positions past its last draft with -1
+    safe = jnp.where(real, drafts, 0)
+    p_d = jnp.take_along_axis(p[:, :g], safe[..., None], axis=-1)[..., 0]
+    q_d = jnp.take_along_axis(q, safe[..., None], axis=-1)[..., 0]
     u = jax.random.uniform(ku, (b, g))
-    ok = u * q_d < p_d  # u < p/q without dividing; q_d > 0 for a drawn token
+    ok = real & (u * q_d < p_d)  # u < p/q without dividing; q_d > 0 for a drawn token
     n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=-1), axis=-1)
     rows = jnp.arange(b)
     p_n = p[rows, n_acc]  # [B, V]
@@ -178,6 +184,15 @@ def verify_loop(verifier, drafter, cache: KVCache, state, last: jax.Array, key: 
     greedy = sampling.temperature == 0.0
     width = n + g + 1  # room for a full round written at any count < n
 
+    variable = bool(getattr(drafter, "variable_length", False))
+
+    def verify(t, block, cache):  # the verify forward over the first t tokens, padded back to g + 1 positions
+        logits, cache, feats = forward_features(vparams, vcfg, block[:, :t], cache, layers)
+        pad = ((0, 0), (0, g + 1 - t), (0, 0))
+        return jnp.pad(logits, pad), cache, None if feats is None else jnp.pad(feats, pad)
+
+    verifies = [functools.partial(verify, t) for t in range(1, g + 2)]
+
     def write(row, toks, at):
         return jax.lax.dynamic_update_slice(row, toks, (at,))
 
@@ -188,7 +203,13 @@ def verify_loop(verifier, drafter, cache: KVCache, state, last: jax.Array, key: 
         key, kd, ka = jax.random.split(c["key"], 3)
         drafts, q, state = drafter.propose(c["state"], c["last"], kd, sampling)
         block = jnp.concatenate([c["last"][:, None], drafts], axis=1)  # [B, g+1]
-        logits, cache, feats = forward_features(vparams, vcfg, block, c["cache"], layers)
+        if variable:
+            drafted = jnp.cumprod((drafts >= 0).astype(jnp.int32), axis=-1)  # [B, g]: leading real drafts
+            block = jnp.where(block >= 0, block, 0)  # a -1 is never accepted: any id may stand in for it
+            q = None if q is None else q * drafted[..., None]  # nothing drafted there: q = 0, the verifier's p rules
+            logits, cache, feats = jax.lax.switch(jnp.max(jnp.sum(drafted, -1)), verifies, block, c["cache"])
+        else:
+            logits, cache, feats = forward_features(vparams, vcfg, block, c["cache"], layers)
         if greedy:
             n_acc, toks = accept_greedy(logits, drafts)
         elif q is None:

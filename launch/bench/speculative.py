@@ -3,6 +3,7 @@
     taskset -c 1 python -m launch.bench.speculative                     # both parts, drafters target and pruned
     taskset -c 1 python -m launch.bench.speculative --part exact --prompts 200
     taskset -c 1 python -m launch.bench.speculative --part speed --draft-lens 1 2 3 4 6 --repeats 5
+    taskset -c 1 python -m launch.bench.speculative --part cost      # where a round's time goes
 
 Verifier: TOY_DIR/source (6 layers); drafters: TOY_DIR/target (2 layers x 64) and TOY_DIR/pruned (3 layers x 256).
 Prompts are prefixes of the held-out windows (checkpoints/toy/eval/heldout_windows.npy), window i for prompt i.
@@ -16,6 +17,9 @@ speed: batch 1, --speed-prompts prompts of --prompt-len tokens, --new-tokens tok
   order (interleaved, so machine drift hits all arms alike), medians per prompt; speed-up = native median / arm
   median per prompt, geometric mean over prompts. Times are end to end (prefill + decode), compile excluded. tau:
   mean tokens per verify round (accepted drafts + the verifier's token).
+cost: a round's parts in ms against one native decode step: the verify forward of draft_len + 1 tokens with the
+  loop's bookkeeping (a drafter that costs nothing and is never accepted) and each drafter's time per drafted token
+  (the difference to that round). The speed-up a drafter can reach is tau / (verify/step + draft_len * draft/step).
 """
 
 from __future__ import annotations
@@ -71,7 +75,8 @@ def speed(args, verifier, drafters, windows) -> dict:
     import jax
 
     import kvjax
-    from kvjax.speculative import speculative_generate
+    from kvjax.models.model import as_model
+    from kvjax.speculative import ModelDrafter, speculative_generate
     cfg, params = verifier
     prompts = [windows[len(windows) - 1 - i, : args.prompt_len][None] for i in range(args.speed_prompts)]
     n = args.new_tokens
@@ -79,21 +84,21 @@ def speed(args, verifier, drafters, windows) -> dict:
     def native(p):
         return kvjax.generate(params, cfg, p, n, eos_token_ids=())
 
-    arms = {"native": native}
+    arms, made = {"native": native}, {}
     for name, drafter in drafters.items():
         for g in args.draft_lens:
-            arms[f"{name}/g{g}"] = (lambda p, d=drafter, g=g:
-                                    speculative_generate(verifier, d, p, n, draft_len=g, eos_token_ids=()))
+            for c in args.min_confidence:
+                arm = f"{name}/g{g}" + (f"/c{c}" if c else "")
+                made[arm] = ModelDrafter(as_model(drafter), draft_len=g, min_confidence=c)
+                arms[arm] = lambda p, d=made[arm]: speculative_generate(verifier, d, p, n, eos_token_ids=())
     taus = {}
     ref = [np.asarray(native(p)) for p in prompts]
     for arm, fn in arms.items():  # compile, and check the outputs while at it
         if arm == "native":
             continue
-        name, g = arm.split("/g")
         rounds = accepted = 0
         for p, want in zip(prompts, ref):
-            out, stats = speculative_generate(verifier, drafters[name], p, n, draft_len=int(g), eos_token_ids=(),
-                                              return_stats=True)
+            out, stats = speculative_generate(verifier, made[arm], p, n, eos_token_ids=(), return_stats=True)
             if not np.array_equal(np.asarray(out), want):
                 print(f"WARNING {arm}: output differs from the native greedy decode", flush=True)
             rounds, accepted = rounds + int(stats.rounds.sum()), accepted + int(stats.accepted.sum())
@@ -116,18 +121,82 @@ def speed(args, verifier, drafters, windows) -> dict:
                      "speedup_per_prompt": ratio.round(3).tolist(), "tau": taus.get(arm, 1.0)}
     print(f"\nbatch 1, {args.prompt_len}-token prompts, {n} new tokens, {args.speed_prompts} prompts x "
           f"{args.repeats} interleaved repeats (medians; end to end, compile excluded)")
-    print("| arm | draft_len | tau (tokens/round) | tokens/s | speed-up vs native (geo-mean) |")
-    print("|---|---:|---:|---:|---:|")
+    print("| arm | draft_len | min_confidence | tau (tokens/round) | tokens/s | speed-up vs native (geo-mean) |")
+    print("|---|---:|---:|---:|---:|---:|")
     for arm, row in rows.items():
-        g = arm.split("/g")[1] if "/g" in arm else "-"
-        print(f"| {arm.split('/g')[0]} | {g} | {row['tau']:.2f} | {row['tokens_per_s']:.1f} | "
+        parts = arm.split("/") + ["", ""]
+        g, c = parts[1][1:] or "-", parts[2][1:] or "-"
+        print(f"| {parts[0]} | {g} | {c} | {row['tau']:.2f} | {row['tokens_per_s']:.1f} | "
               f"{row['speedup_geomean']:.2f}x |")
+    return rows
+
+
+def cost(args, verifier, drafters, windows) -> dict:
+    """Where a round's time goes: one verify forward of g + 1 tokens (a null drafter) vs one native decode step, and
+    each drafter's cost per drafted token; medians of interleaved repeats, batch 1, EOS off."""
+    import jax
+    import jax.numpy as jnp
+    from flax import struct
+
+    import kvjax
+    from kvjax.speculative import speculative_generate
+    cfg, params = verifier
+    vocab = cfg.vocab_size
+
+    @struct.dataclass
+    class Null:  # costs nothing and proposes the last id, which the verifier (almost) never picks
+        draft_len: int = struct.field(pytree_node=False, default=1)
+        feature_layers: tuple = struct.field(pytree_node=False, default=())
+
+        def start(self, tokens, lengths, capacity, features=None):
+            return jnp.zeros((), jnp.int32)
+
+        def propose(self, state, last, key, sampling):
+            return jnp.full((last.shape[0], self.draft_len), vocab - 1, jnp.int32), None, state
+
+        def commit(self, state, tokens, n_new, features):
+            return state
+
+    p, n = windows[-1:, : args.prompt_len], args.new_tokens
+    arms = {"native": lambda: kvjax.generate(params, cfg, p, n, eos_token_ids=())}
+    for g in args.draft_lens:
+        arms[f"null/g{g}"] = lambda g=g: speculative_generate(verifier, Null(draft_len=g), p, n, eos_token_ids=(),
+                                                              return_stats=True)
+        for name, drafter in drafters.items():
+            arms[f"{name}/g{g}"] = lambda g=g, d=drafter: speculative_generate(verifier, d, p, n, draft_len=g,
+                                                                               eos_token_ids=(), return_stats=True)
+    rounds = {}
+    for arm, fn in arms.items():
+        out = fn()
+        rounds[arm] = n if arm == "native" else int(out[1].rounds.sum())
+    times = {arm: [] for arm in arms}
+    names = list(arms)
+    for r in range(args.repeats):
+        for arm in (names if r % 2 == 0 else names[::-1]):
+            t0 = time.perf_counter()
+            jax.block_until_ready(arms[arm]())
+            times[arm].append(time.perf_counter() - t0)
+    ms = {arm: 1e3 * float(np.median(t)) / rounds[arm] for arm, t in times.items()}  # per step / per round
+    step = ms["native"]
+    print(f"\nwhere the time goes (batch 1, {args.prompt_len}-token prompt, {n} tokens, {args.repeats} interleaved "
+          f"repeats): native decode {step:.2f} ms/token")
+    print("| draft_len | verify round (null drafter) ms | / native step | drafter | drafter ms per drafted token | "
+          "/ native step |")
+    print("|---:|---:|---:|---|---:|---:|")
+    rows = {"native_ms_per_token": step}
+    for g in args.draft_lens:
+        verify = ms[f"null/g{g}"]
+        rows[f"verify_g{g}_ms"] = verify
+        for name in drafters:
+            per = (ms[f"{name}/g{g}"] - verify) / g
+            rows[f"{name}_g{g}_ms_per_draft"] = per
+            print(f"| {g} | {verify:.2f} | {verify / step:.2f} | {name} | {per:.2f} | {per / step:.2f} |")
     return rows
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=["exact", "speed", "all"], default="all")
+    p.add_argument("--part", choices=["exact", "speed", "cost", "all"], default="all")
     p.add_argument("--toy-dir", default="checkpoints/toy")
     p.add_argument("--drafters", nargs="+", default=["target", "pruned"], help="checkpoint names under TOY_DIR")
     p.add_argument("--prompts", type=int, default=200, help="exact: held-out prompts")
@@ -139,6 +208,8 @@ def main(argv=None) -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--draft-lens", type=int, nargs="+", default=[1, 2, 3, 4, 6])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--min-confidence", type=float, nargs="+", default=[0.0],
+                   help="speed: ModelDrafter(min_confidence=...) values (0: fixed draft length)")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
     verifier, drafters, windows = load(args)
@@ -147,6 +218,8 @@ def main(argv=None) -> None:
         result["exact"] = exact(args, verifier, drafters, windows)
     if args.part in ("speed", "all"):
         result["speed"] = speed(args, verifier, drafters, windows)
+    if args.part in ("cost", "all"):
+        result["cost"] = cost(args, verifier, drafters, windows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
