@@ -359,7 +359,6 @@ class Engine:
     def _insert(self, reqs: list[Request], cache) -> None:
         """Write a prefilled batch into free slots (decode thread)."""
         free = [i for i, r in enumerate(self._slot_req) if r is None]
-        live = [r for r in reqs if not r.finished]
         slots = np.full((cache.batch_size,), self.config.slots, np.int32)  # padding and dropped rows: nowhere
         for row, r in enumerate(reqs):
             if r.finished:
@@ -374,7 +373,6 @@ class Engine:
             self._temp[s], self._top_p[s], self._seed[s], self._count[s] = r.temperature, r.top_p, r.seed, 0
         if any(slots < self.config.slots):
             self.cache = programs.insert(self.cache, cache, jnp.asarray(slots))
-        del live
 
     # ---- decode ------------------------------------------------------------------------------------------------
 

@@ -75,7 +75,7 @@ def offline_reference(a, prompts, out_dir) -> tuple[list[list[int]], str]:
     """Greedy split_generate of each prompt alone (with the run's gate: the path the server takes), cut after the
     first EOS; cached by prompt pool, map and settings."""
     sys.path.insert(0, REPO)
-    from kvjax.serve.cli import final_map_dir, locate
+    from kvjax.serve.cli import locate
     from kvjax.config_flags import build
     from kvjax.preflight import resolve_models
     from kvjax.run_config import RunConfig
