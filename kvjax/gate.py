@@ -17,6 +17,9 @@ class GateConfig:
 
     min_key_cos: float | None = 0.8  # mean key cosine to the native target cache (pre-RoPE)
     min_value_cos: float | None = 0.5  # mean value cosine
+    # mean cosine of the target's attention outputs from the mapped vs its native cache, same queries (distances
+    # evaluation, kvjax.eval.attention_fidelity); what the target reads, where key/value cosines score entries
+    min_attn_cos: float | None = None
     max_kl: float | None = None  # source-teacher KL of the final map, nats/token
     # KL of the final map / KL of the native target (the target having read the prompt itself): above 1, the mapped
     # cache leaves the target further from the source than its own prefill would, so the split path only costs
@@ -31,6 +34,14 @@ class GateConfig:
     # the arm whose cache distances min_key_cos / min_value_cos check (None: the gated map). A KL-trained residual
     # moves the cache away from the native target's on purpose, so a gate may hold the ridge to the cosine bounds
     cos_arm: str | None = None
+
+    def hashed(self) -> dict:
+        """The thresholds as the report stage's hash records them: checks added later only when set, so that runs
+        made before they existed keep their report."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if not (k in ADDED_LATER and v is None)}
+
+
+ADDED_LATER = ("min_attn_cos",)  # checks that did not exist in earlier runs (see GateConfig.hashed)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,8 +10,8 @@ measures what the seed paper reports. Stages, each skipped when its artifact alr
   evaluate    distances, kl, mc, retrieval, throughput (each its own stage, each selectable)          eval/*.json
   report      metrics.json, report.md, charts, gate.json                                              (run dir)
 
-NAME is configs/NAME.py (default: toy, the shipped pair on CPU). --redo recomputes the named stages and every
-stage after them. `--help` lists every config field with its value.
+NAME is configs/NAME.py (default: toy_pruned_quick, the shipped source and pruned target on CPU). --redo
+recomputes the named stages and every stage after them. `--help` lists every config field with its value.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from kvjax.run_config import RunConfig
 from kvjax.stages import RunDir, Stage, StageConflict, model_identity, read_json, write_json
 
 log = logging.getLogger("kvjax.launch")
-DEFAULT_CONFIG = "toy"
+DEFAULT_CONFIG = "toy_pruned_quick"  # the shipped pair on which the map helps, in minutes on 2 cores
 EVALS = suite.NAMES  # the evaluation registry (kvjax.eval.suite), one stage each
-STAGES = ("calibrate", "ridge", "residual", *EVALS, "report")
+STAGES = ("calibrate", "ridge", "residual", "perhead", *EVALS, "report")
 
 
 # ---- stages ------------------------------------------------------------------------------------------------------
@@ -39,7 +39,8 @@ STAGES = ("calibrate", "ridge", "residual", *EVALS, "report")
 def fitted_maps(cfg: RunConfig) -> tuple[str, ...]:
     """The maps this run fits, each named after the stage that fits it (and its arm in kvjax.eval.arms), the final
     map last: the one the gate judges and throughput times."""
-    return ("ridge", "residual") if cfg.residual.steps > 0 else ("ridge",)
+    peers = ("perhead",) if cfg.peers.perhead_topk > 0 else ()  # before the run's own maps: the final one is last
+    return (*peers, "ridge", "residual") if cfg.residual.steps > 0 else (*peers, "ridge")
 
 
 def final_arm(cfg: RunConfig) -> str:
@@ -61,13 +62,18 @@ def plan(cfg: RunConfig) -> dict[str, Stage]:
     if cfg.residual.steps > 0:
         final = stages["residual"] = Stage("residual", {"residual": cfg.residual.hashed()}, [ridge],
                                            ["map", "residual"])
+    peers = []
+    if cfg.peers.perhead_topk > 0:  # the per-head ridge peer (kvjax.mapper.perhead), on the same calibration windows
+        peers.append(Stage("perhead", {"models": models, "peers": d["peers"], "batch_size": cfg.map.batch_size},
+                           [calibrate], ["map_perhead"]))
+        stages["perhead"] = peers[-1]
     evals = []
     for ev in suite.EVALUATIONS:
         if getattr(cfg.eval, ev.name).enabled:
-            stages[ev.name] = Stage(ev.name, suite.stage_settings(ev, cfg, fitted_maps(cfg)), [calibrate, ridge, final],
-                                    [f"eval/{ev.name}.json"])
+            stages[ev.name] = Stage(ev.name, suite.stage_settings(ev, cfg, fitted_maps(cfg)),
+                                    [calibrate, ridge, final, *peers], [f"eval/{ev.name}.json"])
             evals.append(stages[ev.name])
-    stages["report"] = Stage("report", {"gate": d["gate"], "bootstrap": cfg.eval.bootstrap,
+    stages["report"] = Stage("report", {"gate": cfg.gate.hashed(), "bootstrap": cfg.eval.bootstrap,
                                         "names": [cfg.source.name, cfg.target.name]},
                              evals + [final], ["report.md", "metrics.json", "gate.json"])
     return stages
@@ -166,7 +172,8 @@ class Job:
                 kvmap = self.replicated(injection_map(source[0], target[0]))
             else:
                 from jax.sharding import NamedSharding, PartitionSpec
-                kvmap = kvjax.load_map(self.run.path("map_ridge" if name == "ridge" else "map"), source[0], target[0],
+                where = {"ridge": "map_ridge", "perhead": "map_perhead"}.get(name, "map")
+                kvmap = kvjax.load_map(self.run.path(where), source[0], target[0],
                                        sharding=NamedSharding(self.mesh(), PartitionSpec()))
             self._maps[name] = kvmap
         return self._maps[name]
@@ -323,6 +330,35 @@ class Job:
             log.info("residual: training KL %.4f -> %.4f over steps %d..%d", history[0]["kl"], history[-1]["kl"],
                      history[0]["step"], history[-1]["step"])
 
+    def stage_perhead(self, stage: Stage) -> None:
+        import numpy as np
+
+        import kvjax
+        from kvjax.mapper.perhead import fit_perhead
+        source, target = self.models()
+        peers = self.cfg.peers
+        kvmap, report = fit_perhead(source, target, np.asarray(self.data("calib")), k=peers.perhead_topk,
+                                    lam=peers.perhead_lambda, batch_size=self.cfg.map.batch_size)
+        info = {"source": self.cfg.source.path, "target": self.cfg.target.path, "config": self.cfg.name,
+                "peer": "per-head ridge (Heo et al.)", **report}
+        kvjax.save_map(self.run.path("map_perhead"), kvmap, info=info)
+        log.info("perhead: top-%d source layers per head, lambda %g, pairing (union per layer) %s, %d bytes, fit "
+                 "%.1fs", peers.perhead_topk, peers.perhead_lambda, report["pairing"], report["size_bytes"],
+                 report["fit_seconds"])
+
+    def map_costs(self, stage_seconds: dict) -> dict:
+        """Per fitted map: its size in bytes and the wall seconds of the stages that fitted it (the residual's
+        include the ridge it starts from)."""
+        from kvjax.mapper.artifact import read_manifest
+        out = {}
+        for name in fitted_maps(self.cfg):
+            seconds = stage_seconds.get(name) or 0.0
+            if name == "residual":
+                seconds += stage_seconds.get("ridge") or 0.0
+            out[name] = {"size_bytes": map_size_bytes(read_manifest(self.run.path(MAP_DIRS[name])), self.map(name),
+                                                      name), "fit_seconds": seconds}
+        return out
+
     def stage_eval(self, stage: Stage) -> None:
         """One evaluation of the registry: its record to eval/NAME.json."""
         import numpy as np
@@ -376,8 +412,21 @@ class Job:
         info["versions"] = {"kvjax": kvjax.__version__, "jax": jax.__version__}
         info["stage_seconds"] = {name: self.run.seconds(s) or self.seconds.get(name, 0.0)
                                  for name, s in self.stages.items() if name != "report"}
+        info["maps"] = self.map_costs(info["stage_seconds"])
         info["finished_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
         return info
+
+
+MAP_DIRS = {"ridge": "map_ridge", "residual": "map", "perhead": "map_perhead"}
+
+
+def map_size_bytes(manifest: dict, kvmap, name: str) -> int:
+    """Bytes of a fitted map's float32 parameters as the method stores them: the ridge's mu, w_in, w_out, bias per
+    target layer and kind; the residual adds its network; the per-head peer its per-head blocks (its manifest)."""
+    if "size_bytes" in manifest["info"]:
+        return int(manifest["info"]["size_bytes"])
+    parts = ("mu", "w_in", "w_out", "bias") + (("down", "res_bias", "up") if name == "residual" else ())
+    return int(sum(4 * getattr(m, p).size for m in (*kvmap.keys, *kvmap.values) for p in parts))
 
 
 def _replace_dir(tmp: str, out: str) -> None:
@@ -391,7 +440,7 @@ def _replace_dir(tmp: str, out: str) -> None:
 
 USAGE = """usage: python -m kvjax.launch [--config=NAME] [--config.FIELD=VALUE ...] [--redo=STAGE[,STAGE]]
 
-  --config=NAME          configs/NAME.py (default: toy); available: {configs}
+  --config=NAME          configs/NAME.py (default: toy_pruned_quick); available: {configs}
   --config.a.b=VALUE     override a field (typed; tuples as comma-separated lists, None for optional fields)
   --redo=STAGE,...       recompute these stages and every stage after them; stages: {stages}
 

@@ -97,6 +97,14 @@ def validate(cfg: RunConfig) -> None:
     from kvjax.mapper.residual_config import TEACHERS
     if cfg.residual.teacher not in TEACHERS:
         problems.append(f"residual.teacher={cfg.residual.teacher!r}: use one of {', '.join(TEACHERS)}")
+    if cfg.residual.pool_windows < 0 or (cfg.residual.pool_windows and cfg.residual.rollout):
+        problems.append(f"residual.pool_windows={cfg.residual.pool_windows}: must be >= 0, and 0 with "
+                        "residual.rollout (a rollout's continuation changes with the map, so it cannot be pooled)")
+    peers = cfg.peers
+    if peers.perhead_topk < 0 or ("source" in cfgs and peers.perhead_topk > cfgs["source"].num_layers):
+        problems.append(f"peers.perhead_topk={peers.perhead_topk}: use 0 (off) or 1..the source's layers")
+    if peers.perhead_lambda <= 0:
+        problems.append(f"peers.perhead_lambda={peers.perhead_lambda} must be > 0")
     problems += cfg.arms.problems(cfgs['target'].num_layers if 'target' in cfgs else None)
     problems += suite.preflight(cfg)  # each evaluation's settings and inputs (gate.cos_arm: distances)
     for f in dataclasses.fields(GateConfig):

@@ -21,8 +21,8 @@ from kvjax.eval.arm_settings import ArmSettings
 from kvjax.gate import GateConfig
 from kvjax.mapper.residual_config import ResidualConfig
 
-__all__ = ["ModelConfig", "DataConfig", "MapConfig", "EvalConfig", "MeshConfig", "RunConfig", "DistancesEval",
-           "KLEval", "MCEval", "RetrievalEval", "ThroughputEval", "NativeKLEval", "TTFTEval",
+__all__ = ["ModelConfig", "DataConfig", "MapConfig", "PeerConfig", "EvalConfig", "MeshConfig", "RunConfig",
+           "DistancesEval", "KLEval", "MCEval", "RetrievalEval", "ThroughputEval", "NativeKLEval", "TTFTEval",
            "SpeculativeEval"]
 
 
@@ -62,6 +62,15 @@ class MapConfig:
     residual_rank: int = 16  # hidden width of the residual network
 
 
+@dataclasses.dataclass(frozen=True)
+class PeerConfig:
+    # > 0: also fit the per-head ridge peer (kvjax.mapper.perhead: Heo et al.; each target KV head on its top-k
+    # source layers, fixed lambda, no residual) on the same calibration windows, as stage `perhead` and arm
+    # "perhead" (score it with --config.eval.mc.arms=...,perhead); 0: not fitted
+    perhead_topk: int = 0
+    perhead_lambda: float = 1e-3  # relative to the mean eigenvalue of cov(x)
+
+
 # one field per evaluation of the job's registry (its settings: --config.eval.NAME.FIELD), then `bootstrap` (the
 # resamples of every 95% interval, default 10,000)
 EvalConfig = eval_config_type()
@@ -85,6 +94,7 @@ class RunConfig:
     map: MapConfig = MapConfig()
     residual: ResidualConfig = ResidualConfig()  # residual training (steps=0: ridge only)
     eval: EvalConfig = EvalConfig()
+    peers: PeerConfig = PeerConfig()  # peer maps fitted beside the run's own (arms in kvjax.eval.arms)
     arms: ArmSettings = ArmSettings()  # settings of the arms that take any (the partial-recomputation arm)
     gate: GateConfig = GateConfig()
     mesh: MeshConfig = MeshConfig()

@@ -428,9 +428,9 @@ def test_arm_table():
     from kvjax import config_flags
     from kvjax.eval import arms
     from kvjax.run_config import RunConfig
-    assert [a.name for a in arms.TABLE] == ["target", "direct", "ridge", "residual", "partial", "source"]
+    assert [a.name for a in arms.TABLE] == ["target", "direct", "perhead", "ridge", "residual", "partial", "source"]
     assert len({a.colour for a in arms.TABLE}) == len(arms.TABLE)
-    for name in ("toy", "toy_pruned", "qwen32_8"):  # every arm a shipped config names is in the table
+    for name in ("toy", "toy_pruned", "toy_pruned_quick", "qwen32_8"):  # every arm a shipped config names: in the table
         cfg = config_flags.build(name, [], RunConfig)
         assert set(cfg.eval.mc.arms) | set(cfg.eval.retrieval.arms) <= set(arms.ARMS)
     assert arms.available(("target", "residual", "direct", "ridge"), ("ridge",)) == ("target", "direct", "ridge")

@@ -120,8 +120,8 @@ def test_default_config_is_toy_and_overrides_are_typed():
     assert config_flags.build("toy", [("map.rank", "None")], RunConfig).map.rank is None
     name, overrides, rest = config_flags.parse_argv(["--config.seed", "3", "--redo=report", "--config.eval.mc.limit=2"])
     assert name is None and overrides == [("seed", "3"), ("eval.mc.limit", "2")] and rest == ["--redo=report"]
-    cfg, redo, _ = launch.parse(["--config.eval.mc.limit=7", "--redo=mc,report"])  # default config: toy
-    assert cfg.name == "toy" and cfg.eval.mc.limit == 7 and redo == ("mc", "report")
+    cfg, redo, _ = launch.parse(["--config.eval.mc.limit=7", "--redo=mc,report"])  # default: toy_pruned_quick
+    assert cfg.name == "toy_pruned_quick" and cfg.eval.mc.limit == 7 and redo == ("mc", "report")
 
 
 def test_toy_pruned_config_runs_the_shipped_pruned_target_and_gates_on_the_map_goals():
@@ -133,6 +133,26 @@ def test_toy_pruned_config_runs_the_shipped_pruned_target_and_gates_on_the_map_g
     assert (g.min_key_cos, g.min_value_cos, g.min_kl_reduction, g.min_mc_gap_recovered) == (0.9, 0.6, 0.2, 0.6)
     assert g.min_mc_gain_ci_lo == 0.0 and g.cos_arm == "ridge"
     preflight.validate(cfg)  # every file it names exists and every setting is in range
+
+
+
+def test_default_config_is_the_pruned_pair_with_the_method_goals_in_its_gate():
+    """The default run shows the map working (issue 22): the pruned target, the full-size config's pairing and
+    residual width, a teacher pool, the per-head peer, and a gate on cosines, attention fidelity, KL and MC gain."""
+    cfg = config_flags.build(launch.DEFAULT_CONFIG, [], RunConfig)
+    full = config_flags.build("toy_pruned", [], RunConfig)
+    assert (cfg.source, cfg.target) == (full.source, full.target) and cfg.output_dir != full.output_dir
+    assert (cfg.map.pairing, cfg.map.residual_rank) == ("top3", 64) and cfg.residual.pool_windows > 0
+    assert cfg.peers.perhead_topk == 3 and "perhead" in cfg.eval.mc.arms
+    g = cfg.gate
+    assert g.min_attn_cos is not None and g.min_kl_reduction > 0 and g.min_mc_gap_recovered == 0.6
+    assert g.min_mc_gain_ci_lo == 0.0 and g.cos_arm == "ridge"
+    assert list(launch.plan(cfg))[:4] == ["calibrate", "ridge", "residual", "perhead"]
+    preflight.validate(cfg)
+    old = config_flags.build("toy", [], RunConfig)  # the from-scratch pair stays shipped, its gate as before
+    assert old.target.path.endswith("toy/target") and old.gate.min_attn_cos is None and old.peers.perhead_topk == 0
+    assert "perhead" not in launch.plan(old) and launch.plan(old)["report"].settings["gate"] == \
+        {k: v for k, v in dataclasses.asdict(old.gate).items() if k != "min_attn_cos"}  # old runs keep their hash
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -170,7 +190,7 @@ def test_cli_errors_exit_nonzero_and_write_nothing(tmp_path, capsys):
     assert launch.main([f"--config.output_dir={out}", f"--config.eval.mc.hellaswag={wrong}"]) == 2
     assert "lacks field 'ctx' of the 'hellaswag' schema" in capsys.readouterr().err
     assert launch.main([f"--config.output_dir={out}", "--config.gate.cos_arm=ridg"]) == 2
-    assert "gate.cos_arm='ridg': use ridge, residual, raw or None" in capsys.readouterr().err
+    assert "gate.cos_arm='ridg': use ridge, residual, perhead, raw or None" in capsys.readouterr().err
     assert not out.exists()
 
 
@@ -431,7 +451,11 @@ def test_toy_config_resumes_residual_training(pair, tmp_path):
     assert "resumed from step 2" in log_text and "stage calibrate  reused" in log_text
     metrics = json.load(open(os.path.join(out, "metrics.json")))
     assert set(metrics) >= {"distances", "kl", "gate"} and "mc" not in metrics and "throughput" not in metrics
-    assert metrics["run"]["config"] == "toy" and metrics["run"]["map"]["residual_steps"] == 4
+    assert metrics["run"]["config"] == launch.DEFAULT_CONFIG and metrics["run"]["map"]["residual_steps"] == 4
+    # the default's peer and fidelity measures: per-head map fitted, sized and scored; attention cosine gated
+    assert set(metrics["run"]["maps"]) == {"perhead", "ridge", "residual"}
+    assert all(m["size_bytes"] > 0 for m in metrics["run"]["maps"].values())
+    assert "perhead" in metrics["distances"]["attn_cos"] and "attn_cos" in metrics["gate"]["checks"]
 
 
 def test_truncated_checkpoint_ends_the_job_with_its_message_only(pair, tmp_path, capsys):

@@ -3,6 +3,8 @@
   target    the target reads the prompt itself (native small model)
   direct    the target answers from the source's nearest-depth layers copied as they are (no map); when the KV
             widths differ, each layer's features are cut or zero-padded to the target's width (the "raw" baseline)
+  perhead   the per-head ridge peer (kvjax.mapper.perhead, Heo et al.: each target KV head on its top-k source
+            layers, fixed lambda, no residual); fitted when RunConfig.peers.perhead_topk > 0
   ridge     the target answers from the source cache mapped by the ridge map
   residual  the same with the ridge + residual map
   partial   the final map's cache with k target layers recomputed natively (kvjax.builders.PartialRecompute; k and
@@ -66,11 +68,14 @@ class ArmSpec:
 
 
 TARGET, DIRECT, RIDGE, RESIDUAL, PARTIAL, SOURCE = "target", "direct", "ridge", "residual", "partial", "source"
+PERHEAD = "perhead"
 
 TABLE = (
     ArmSpec(TARGET, "native target", "#4C72B0", lambda c: NativePrefill(c.target, name=TARGET)),
     ArmSpec(DIRECT, "direct injection", "#937860",
             lambda c: Mapped(c.source, c.target, c.map(DIRECT), name=DIRECT, shared=c.shared)),
+    ArmSpec(PERHEAD, "per-head ridge (peer)", "#DA8BC3",
+            lambda c: Mapped(c.source, c.target, c.map(PERHEAD), name=PERHEAD, shared=c.shared), needs=PERHEAD),
     ArmSpec(RIDGE, "ridge", "#8172B3", lambda c: Mapped(c.source, c.target, c.map(RIDGE), name=RIDGE, shared=c.shared),
             needs=RIDGE),
     ArmSpec(RESIDUAL, "ridge + residual", "#55A868",

@@ -8,6 +8,7 @@ import numpy as np
 from kvjax.cache import KVCache
 from kvjax.builders.mapped import map_jit
 from kvjax.builders.native import prefill_cache_jit
+from kvjax.eval.attention_fidelity import cache_attention, native_attention
 from kvjax.mapper.features import layer_features
 
 
@@ -72,14 +73,19 @@ def map_distances(maps: dict, source, target, windows: np.ndarray, batch_size: i
     """Distances of mapped caches to the target's native cache on token windows int [N, T] (all positions valid).
 
     `maps`: name -> KVMap (e.g. {"raw": kvjax.eval.arms.injection_map(...), "ridge": ..., "residual": ...}).
-    Returns {name: {"mean": {key_cos, key_nrmse, value_cos, value_nrmse} (mean over target layers), "per_layer":
-    [...]}}; keys are compared before RoPE, values as they are."""
+    Returns {name: {"mean": {key_cos, key_nrmse, value_cos, value_nrmse, attn_cos, attn_nrmse} (mean over target
+    layers), "per_layer": [...]}}; keys are compared before RoPE, values as they are; attn_* compare the target's
+    attention outputs from the mapped and the native cache under the same (native) queries
+    (kvjax.eval.attention_fidelity)."""
     (scfg, sparams), (tcfg, tparams) = source, target
     acc = {name: [(_Accumulator(), _Accumulator()) for _ in range(tcfg.num_layers)] for name in maps}
+    # the target's attention outputs, mapped vs native cache (kvjax.eval.attention_fidelity)
+    attn_acc = {name: [_Accumulator() for _ in range(tcfg.num_layers)] for name in maps}
     for i in range(0, len(windows), batch_size):
         tokens = jnp.asarray(windows[i : i + batch_size], jnp.int32)
         src, tgt = prefill_cache_jit(sparams, scfg, tokens), prefill_cache_jit(tparams, tcfg, tokens)
         native = [layer_features(tgt, t, tcfg.rope) for t in range(tcfg.num_layers)]
+        queries, native_out = native_attention(tparams, tcfg, tokens)
         for name, kvmap in maps.items():
             mapped = map_jit(kvmap, src)
             for t, (nk, nv) in enumerate(native):
@@ -87,13 +93,17 @@ def map_distances(maps: dict, source, target, windows: np.ndarray, batch_size: i
                 flat = lambda a: np.asarray(a).reshape(-1, a.shape[-1])  # noqa: E731
                 acc[name][t][0].add(flat(mk), flat(nk))
                 acc[name][t][1].add(flat(mv), flat(nv))
+            mapped_out = cache_attention(queries, mapped.k, mapped.v)
+            for t in range(tcfg.num_layers):
+                heads = lambda a: np.asarray(a).reshape(-1, a.shape[-2] * a.shape[-1])  # noqa: E731
+                attn_acc[name][t].add(heads(mapped_out[t]), heads(native_out[t]))
     out = {}
     for name, layers in acc.items():
         per_layer = []
-        for k, v in layers:
-            kr, vr = k.result(), v.result()
+        for (k, v), a in zip(layers, attn_acc[name]):
+            kr, vr, ar = k.result(), v.result(), a.result()
             per_layer.append({"key_cos": kr["cos"], "key_nrmse": kr["nrmse"], "value_cos": vr["cos"],
-                              "value_nrmse": vr["nrmse"]})
+                              "value_nrmse": vr["nrmse"], "attn_cos": ar["cos"], "attn_nrmse": ar["nrmse"]})
         out[name] = {"mean": {m: float(np.mean([r[m] for r in per_layer])) for m in per_layer[0]},
                      "per_layer": per_layer}
     return out

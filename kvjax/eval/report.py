@@ -66,4 +66,9 @@ def setup_section(run: dict) -> list[str]:
            "- Stage wall times (measured when each stage ran): "
            + ", ".join(f"{k} {v:.1f}s" for k, v in run["stage_seconds"].items()) + ".",
            "- Timings depend on the machine and its load; compare arms within one run."]
+    if run.get("maps"):  # older metrics lack it
+        out.insert(-1, "- Fitted maps (size of the float32 parameters as the method stores them; wall seconds of the "
+                   "stages that fitted them): " + ", ".join(f"{name} {m['size_bytes'] / 1e6:.2f} MB in "
+                                                         f"{m['fit_seconds']:.1f}s" for name, m in run["maps"].items())
+                   + ".")
     return out + [""]

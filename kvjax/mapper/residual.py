@@ -36,6 +36,7 @@ from kvjax.models.model import Model
 from kvjax.mapper.kl import kl
 from kvjax.mapper.kvmap import KVMap, apply_map, kvmap_shardings
 from kvjax.mapper.residual_config import ResidualConfig
+from kvjax.mapper.teacher_pool import Pool, build_pool, teacher_logits
 from kvjax.models.decoder import forward, forward_nocache
 from kvjax.windows import step_batch, step_starts
 
@@ -130,6 +131,18 @@ def _step_fn(opt: optax.GradientTransformation, rc: ResidualConfig, scfg, tcfg):
     return step
 
 
+def _pooled_step_fn(opt: optax.GradientTransformation, rc: ResidualConfig, scfg, tcfg):
+    """The step on a batch of a Pool (kvjax.mapper.teacher_pool): the frozen models' outputs are read, not run."""
+    def step(kvmap, opt_state, sparams, tparams, batch):
+        tokens, src_cache, hidden = batch
+        teacher = teacher_logits((scfg, sparams) if rc.teacher == "source" else (tcfg, tparams), hidden)
+        loss, grads = jax.value_and_grad(lambda m: kl(teacher, student_logits(
+            m, (tcfg, tparams), src_cache, tokens, rc.prefix_len)).mean())(kvmap)
+        updates, opt_state = opt.update(grads, opt_state, kvmap)
+        return optax.apply_updates(kvmap, updates), opt_state, loss
+    return step
+
+
 def run_identity(kvmap: KVMap, rc: ResidualConfig) -> dict:
     """What a residual checkpoint belongs to: the map's models and pairing, a hash of its frozen (ridge) part and the
     training settings. Resuming from a checkpoint of another identity would silently continue another run."""
@@ -187,10 +200,23 @@ def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarra
     opt = make_optimizer(rc, kvmap)
     window = rc.prefix_len + rc.cont_len
     (scfg, sparams), (tcfg, tparams) = source, target
-    step_fn = _step_fn(opt, rc, scfg, tcfg)
+    pool = None
+    if rc.pool_windows:
+        if rc.rollout or jax.process_count() > 1:
+            raise ValueError("residual.pool_windows needs rollout=False (a rollout's continuation changes with the "
+                             "map) and one process; set residual.pool_windows=0")
+        # one process: the pooled step runs where the models and the map are placed (computation follows the data)
+        mesh = None
+        pool = build_pool(source, target, tokens, rc.pool_windows, rc.prefix_len, rc.cont_len, rc.seed, rc.teacher)
+    step_fn = (_step_fn if pool is None else _pooled_step_fn)(opt, rc, scfg, tcfg)
     if mesh is None:
         step = jax.jit(step_fn)
         opt_state = opt.init(kvmap)
+        first = jax.tree.leaves(kvmap)[0]
+        if getattr(first, "committed", False):
+            # placed as the map is, as the step's outputs will be: an uncommitted state next to a committed (loaded)
+            # map makes the step compile a second time at step 2 (~100 s on a loaded 2-core machine)
+            opt_state = jax.device_put(opt_state, first.sharding)
     else:
         (_, sparams), (_, tparams) = model_on_mesh(source, mesh), model_on_mesh(target, mesh)
         map_sh = kvmap_shardings(kvmap, mesh)
@@ -217,7 +243,9 @@ def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarra
                disable=not distributed.is_primary())
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
         for i in bar:
-            if mesh is None:
+            if pool is not None:
+                batch = pool.batch(i, rc.batch_size, rc.seed)
+            elif mesh is None:
                 batch = jnp.asarray(step_batch(tokens, i, rc.batch_size, window, rc.seed))
             else:
                 rows = TokenWindows(tokens, step_starts(len(tokens), i, rc.batch_size, window, rc.seed), window)

@@ -20,6 +20,10 @@ class ResidualConfig:
     # when it is the stronger model: large reads, small answers) or "target" (the answerer's own native predictions,
     # having read the prefix itself: small reads, large answers, where the reader is the weaker model)
     teacher: str = "source"
+    # > 0: draw this many windows once and run the frozen models on them once (kvjax.mapper.teacher_pool); each step
+    # then reads a batch of them (epochs in a seeded order) and runs only the map and the target: ~4x cheaper steps on
+    # the toy pair, fewer distinct windows. 0: fresh windows every step, both models run per step
+    pool_windows: int = 0
     seed: int = 0  # batch order
     save_every: int = 50  # checkpoint interval (steps)
 
@@ -30,4 +34,4 @@ class ResidualConfig:
 
 
 TEACHERS = ("source", "target")
-ADDED_LATER = {"teacher": "source"}  # field -> its default (see ResidualConfig.hashed)
+ADDED_LATER = {"teacher": "source", "pool_windows": 0}  # field -> its default (see ResidualConfig.hashed)

@@ -13,7 +13,9 @@ from kvjax.eval.suite.evaluation import Chart, Evaluation, at_least_one
 from kvjax.gate import check
 
 log = logging.getLogger(__name__)
-METRICS = ("key_cos", "value_cos", "key_nrmse", "value_nrmse")
+# attn_*: the target's attention outputs from the mapped vs its native cache, same queries
+# (kvjax.eval.attention_fidelity); records made before it existed lack them
+METRICS = ("key_cos", "value_cos", "key_nrmse", "value_nrmse", "attn_cos", "attn_nrmse")
 RAW = "raw"  # the nearest-depth source layer unmapped (the direct arm's map); its key in the record and metrics
 RAW_STYLE = ("unmapped source", "#8C8C8C")  # chart label, colour
 
@@ -44,7 +46,7 @@ def run(ec: DistancesEval, ctx) -> dict:
 
 def metrics(ev: dict, ctx) -> dict:
     maps = ev["maps"]
-    out = {m: {arm: maps[arm]["mean"][m] for arm in maps} for m in METRICS}
+    out = {m: {arm: maps[arm]["mean"][m] for arm in maps} for m in METRICS if all(m in maps[a]["mean"] for a in maps)}
     out.update(per_layer={arm: maps[arm]["per_layer"] for arm in maps}, windows=ev["windows"],
                tokens=ev["windows"] * ev["window_len"], raw_kind=ev["raw_kind"])
     return out
@@ -54,9 +56,10 @@ def report(d: dict, ctx) -> list[str]:
     arms = list(d["key_cos"])
     out = ["## What the map learned: tensor distances", "",
            f"{d['windows']} held-out windows ({d['tokens']} tokens), means over target layers; keys compared "
-           f"before RoPE. 'raw' = the nearest-depth source layer unmapped ({d['raw_kind']}).", "",
+           f"before RoPE; attn = the target's attention outputs (its own queries) from the mapped vs its native cache. "
+           f"'raw' = the nearest-depth source layer unmapped ({d['raw_kind']}).", "",
            "| | " + " | ".join(arms) + " |", "|---|" + "---|" * len(arms)]
-    for metric in METRICS:
+    for metric in (m for m in METRICS if m in d):
         out.append(f"| {metric} | " + " | ".join(f"{d[metric][a]:.3f}" for a in arms) + " |")
     out.append("")
     if "distances" in ctx.charts:
@@ -89,18 +92,21 @@ def chart(d: dict, path: str, ctx) -> str:
 
 
 def preflight(ec: DistancesEval, cfg) -> list[str]:
-    from kvjax.eval.arms import RESIDUAL, RIDGE
+    from kvjax.eval.arms import PERHEAD, RESIDUAL, RIDGE
     problems = at_least_one("eval.distances", ec, "batch_size", "windows")
     # the gate's cosine checks read this evaluation's maps
-    if cfg.gate.cos_arm not in (None, RAW, RIDGE, RESIDUAL):
-        problems.append(f"gate.cos_arm={cfg.gate.cos_arm!r}: use {RIDGE}, {RESIDUAL}, {RAW} or None (the gated map)")
+    if cfg.gate.cos_arm not in (None, RAW, RIDGE, RESIDUAL, PERHEAD):
+        problems.append(f"gate.cos_arm={cfg.gate.cos_arm!r}: use {RIDGE}, {RESIDUAL}, {PERHEAD}, {RAW} or None (the "
+                        "gated map)")
     return problems
 
 
 def gate(d: dict, config, map_arm: str) -> list:
     cos_arm = config.cos_arm or map_arm
     return (check("key_cos", d.get("key_cos", {}).get(cos_arm), config.min_key_cos, "min", cos_arm)
-            + check("value_cos", d.get("value_cos", {}).get(cos_arm), config.min_value_cos, "min", cos_arm))
+            + check("value_cos", d.get("value_cos", {}).get(cos_arm), config.min_value_cos, "min", cos_arm)
+            + check("attn_cos", d.get("attn_cos", {}).get(cos_arm), getattr(config, "min_attn_cos", None), "min",
+                    cos_arm))
 
 
 EVALUATION = Evaluation(

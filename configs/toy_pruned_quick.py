@@ -1,0 +1,54 @@
+"""The default run: the shipped source and the pruned target (checkpoints/toy/pruned), sized to show the cache map
+working in under 10 minutes on 2 CPU cores.
+
+    python -m kvjax.launch                        # = --config=toy_pruned_quick, writes runs/toy_pruned_quick/
+    python -m kvjax.launch --config=toy_pruned    # the same pair at full size (MC 1000 items, 3000 steps; ~50 min)
+    python -m kvjax.launch --config=toy           # the from-scratch 2-layer target, which reads nothing (gate FAIL)
+
+The pruned target keeps three of the source's layers (0, 3, 5) and was fine-tuned on text (`python -m
+launch.toy.pruned`): it cannot read its context by itself, yet reads a cache in the source's coordinates, so a map
+moves its answers — the regime the method is for (WORKSPACE.md, "Cache map"). The gate states the method's goals:
+the ridge's key / value cosines to the native cache, the residual below the ridge in source-teacher KL, and on every
+multiple-choice set the mapped target ahead of the native one (paired 95% interval above zero) by >= 60% of the
+target-to-source gap.
+
+Where the minutes go and why these sizes (the full-size config spends 35 of its 50 minutes training the residual):
+  - residual: a pool of 512 windows (kvjax.mapper.teacher_pool): the frozen source runs once per window instead of
+    twice per window per step, so a step costs the target's pass alone (~3x cheaper); 400 steps at lr 1e-2 (the
+    KL curve flattens there; see README) reach most of the full run's 3000-step KL cut.
+  - calibration: 128 x 512 tokens, lambda on 16 x 512, top-3 pairing by held-out R^2 (the full run's 256 / 32).
+  - evaluations: 64 KL windows; 300 items per multiple-choice set (paired intervals about +-4 points; the mapped
+    target gains ~15); the per-head ridge peer as an arm; retrieval at 1K only; throughput at 256 / 1K / 4K.
+"""
+
+import dataclasses
+
+from configs import toy_pruned
+from kvjax.gate import GateConfig
+from kvjax.run_config import PeerConfig
+
+TOY = "checkpoints/toy"
+
+
+def get_config():
+    base = toy_pruned.get_config()
+    ev = base.eval
+    return dataclasses.replace(
+        base,
+        name="toy_pruned_quick",
+        output_dir="runs/toy_pruned_quick",
+        map=dataclasses.replace(base.map, calib_windows=128, select_windows=16),
+        data=dataclasses.replace(base.data, max_train_tokens=1_000_000),
+        residual=dataclasses.replace(base.residual, steps=400, lr=3e-3, warmup_steps=20, pool_windows=1536,
+                                     save_every=100),
+        peers=PeerConfig(perhead_topk=3),
+        eval=dataclasses.replace(
+            ev, kl=dataclasses.replace(ev.kl, windows=64),
+            mc=dataclasses.replace(ev.mc, limit=300, arms=("target", "source", "perhead", "ridge", "residual")),
+            retrieval=dataclasses.replace(ev.retrieval, lengths=(1024,), arms=("target", "source", "ridge",
+                                                                               "residual")),
+            throughput=dataclasses.replace(ev.throughput, lengths=(256, 1024, 4096), repeats=2)),
+        gate=GateConfig(min_key_cos=0.9, min_value_cos=0.6, min_attn_cos=0.9, max_kl_vs_target=1.0,
+                        min_kl_reduction=0.1, min_mc_retention=1.0, min_mc_gap_recovered=0.6, min_mc_gain_ci_lo=0.0,
+                        cos_arm="ridge"),
+    )
