@@ -14,13 +14,16 @@ sizes (256 x 512 calibration tokens, 128 KL windows) and 1000 multiple-choice it
 cache-map issue's quality goals: the ridge's key / value cosine >= 0.90 / 0.60 (the residual moves the cache away from
 the native target's on purpose), the residual >= 20% below the ridge in source-teacher KL, and on every
 multiple-choice set the mapped target ahead of the native one (paired interval above zero) by >= 60% of the
-target-to-source gap.
+target-to-source gap. The per-head ridge peer (kvjax.mapper.perhead, top-3 source layers per target head) is fitted
+on the same calibration windows and scored on the same items (arm "perhead"). The default run
+(configs/toy_pruned_quick.py) is this pair in minutes.
 """
 
 import dataclasses
 
 from configs import toy
 from kvjax.gate import GateConfig
+from kvjax.run_config import PeerConfig
 
 
 def get_config():
@@ -34,7 +37,9 @@ def get_config():
         data=dataclasses.replace(base.data, max_train_tokens=4_000_000),
         residual=dataclasses.replace(base.residual, steps=3000, warmup_steps=20, save_every=100),
         eval=dataclasses.replace(base.eval, kl=dataclasses.replace(base.eval.kl, windows=128),
-                                 mc=dataclasses.replace(base.eval.mc, limit=1000)),
+                                 mc=dataclasses.replace(base.eval.mc, limit=1000,
+                                                        arms=(*base.eval.mc.arms, "perhead"))),
+        peers=PeerConfig(perhead_topk=3),  # the per-head ridge peer (Heo et al.) as an arm: issue 22's peer table
         gate=GateConfig(min_key_cos=0.9, min_value_cos=0.6, max_kl_vs_target=1.0, min_kl_reduction=0.2,
                         min_mc_retention=1.0, min_mc_gap_recovered=0.6, min_mc_gain_ci_lo=0.0, cos_arm="ridge"),
     )
