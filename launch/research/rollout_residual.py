@@ -48,6 +48,10 @@ def parse(argv):
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--extra", nargs="*", default=[],
                    help="more maps to measure beside them, NAME=MAP_DIR (e.g. the run's own map: main=RUN/map)")
+    p.add_argument("--cache-metrics", action="store_true",
+                   help="also each map's key / value cosine to the native target's cache (the run's distance windows) "
+                        "and teacher-forced source KL over --kl-cont tokens (the same windows as the rollouts)")
+    p.add_argument("--kl-cont", type=int, default=64)
     p.add_argument("--measure-only", action="store_true")
     p.add_argument("--train-only", action="store_true")
     return p.parse_args(argv)
@@ -73,6 +77,30 @@ def train(name: str, ridge, source, target, tokens, rc, workdir: str):
     if spent["steps"] >= rc.steps:
         kvjax.save_map(map_dir, kvmap, info={"residual": dataclasses.asdict(rc), "train_seconds": spent["seconds"]})
     return kvmap, spent
+
+
+def cache_metrics(maps: dict, source, target, heldout, skip: int, windows: int, prefix: int, cont: int,
+                  batch_size: int) -> dict:
+    """Per map: key / value cosine to the native target's cache (mean over target layers; heldout rows 0..skip, the
+    main job's distance windows) and teacher-forced source KL over `cont` tokens after `prefix` (rows skip..)."""
+    from kvjax.builders import Mapped, NativePrefill, SourcePrefill
+    from kvjax.eval.distances import cache_distances
+    from kvjax.mapper.residual import evaluate_kl
+    dist = np.asarray(heldout[:skip, :512])
+    kl_rows = np.asarray(heldout[skip : skip + windows, : prefix + cont])
+    native, shared = NativePrefill(target), SourcePrefill(source)
+    out = {}
+    for name, kvmap in maps.items():
+        mapped, layers = Mapped(source, target, kvmap, shared=shared), []
+        for i in range(0, len(dist), batch_size):
+            batch = dist[i : i + batch_size]
+            layers.append(cache_distances(mapped(batch), native(batch), target[0].rope))
+        out[name] = {f"{kind}_cos": float(np.mean([row[f"{kind}_cos"] for b in layers for row in b]))
+                     for kind in ("key", "value")}
+        out[name]["kl"] = float(evaluate_kl(kvmap, source, target, kl_rows, prefix, batch_size).mean())
+        print(f"{name}: key cos {out[name]['key_cos']:.3f}, value cos {out[name]['value_cos']:.3f}, KL "
+              f"{out[name]['kl']:.4f}", flush=True)
+    return out
 
 
 def main(argv=None) -> int:
@@ -136,9 +164,13 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     per_step = rollout_table(maps, source, target, windows, args.n, args.batch_size)
     print(f"divergence of {len(maps)} maps on {len(windows)} windows: {time.perf_counter() - t0:.0f} s", flush=True)
-    rows = {}
+    rows, fit = {}, {}
+    if args.cache_metrics:
+        fit = cache_metrics({k: m for k, m in maps.items() if k != "target"}, source, target, heldout, skip,
+                             args.windows, args.prefix, args.kl_cont, args.batch_size)
     for name, d in per_step.items():
-        row = {"divergence": float(d.mean()), "per_step": d.mean(0).tolist(), "per_window": d.mean(1).tolist()}
+        row = {**fit.get(name, {}), "divergence": float(d.mean()), "per_step": d.mean(0).tolist(),
+               "per_window": d.mean(1).tolist()}
         if name != "ridge":
             ci = paired_bootstrap_ci(d.mean(1), per_step["ridge"].mean(1))
             row.update(minus_ridge=ci.mean, minus_ridge_ci95=[ci.lo, ci.hi],
@@ -154,18 +186,21 @@ def main(argv=None) -> int:
     with open(os.path.join(out, "rollout_residual.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(f"\n{len(windows)} windows, prefix {args.prefix}, {args.n} steps; residuals {rc.steps} steps at lr {rc.lr:g}")
-    print("| map | mean divergence | vs ridge | paired 95% CI (map - ridge) | windows improved | training |")
-    print("|---|---:|---:|---|---:|---:|")
+    extra = lambda r: (f" {r['key_cos']:.3f} | {r['value_cos']:.3f} | {r['kl']:.4f} |"  # noqa: E731
+                       if "kl" in r else "")
+    more = " key cos | value cos | KL |" if args.cache_metrics else ""
+    print("| map | mean divergence | vs ridge | paired 95% CI (map - ridge) | windows improved | training |" + more)
+    print("|---|---:|---:|---|---:|---:|" + "---:|" * (3 if args.cache_metrics else 0))
     for name, r in rows.items():
         if name == "ridge":
-            print(f"| ridge | {r['divergence']:.4f} | | | | |")
+            print(f"| ridge | {r['divergence']:.4f} | | | | |" + extra(r))
         else:
             lo, hi = r["minus_ridge_ci95"]
             label = f"ridge + {name} residual" if name in clocks else name
             trained = f"{r['train_seconds'] / 60:.1f} min ({r['train_steps']} steps)" if name in clocks else ""
             print(f"| {label} | {r['divergence']:.4f} | {100 * r['change']:+.1f}% | "
                   f"{r['minus_ridge']:+.4f} [{lo:+.4f}, {hi:+.4f}] | {r['windows_improved']} / {len(windows)} | "
-                  f"{trained} |")
+                  f"{trained} |" + extra(r))
     print(f"wrote {os.path.join(out, 'rollout_residual.json')}")
     return 0
 
