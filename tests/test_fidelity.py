@@ -118,7 +118,10 @@ def test_perhead_picks_each_heads_own_source_layers(pair):
                 w = np.asarray(lm.w_in @ lm.w_out)[:, h * 16 : (h + 1) * 16].reshape(len(union), 32, 16)
                 for i, s in enumerate(union):
                     assert (np.abs(w[i]).max() > 0) == (s in head["source_layers"])
-        assert tuple(sorted(chosen)) == tuple(report["pairing"][t])
+        assert chosen <= set(report["pairing"][t])
+    assert len({len(p) for p in report["pairing"]}) == 1  # padded to one width: the map kernels need it
+    src = native_cache(source[1], source[0], jnp.asarray(windows(2, 40, seed=7)))
+    assert np.isfinite(np.asarray(apply_map(peer, src).k)).all()
 
 
 def test_attention_fidelity_is_one_on_the_native_cache_and_drops_with_a_worse_map(pair, ridge):

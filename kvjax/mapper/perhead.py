@@ -7,8 +7,9 @@ tokens, and nothing is trained on top. One calibration pass collects statistics 
 target layer (x = all source layers' features concatenated); each (target layer, key/value, head) then ranks the
 source layers by the R^2 of a single-layer fit on those statistics, keeps the top k and solves on their
 concatenation. The result is an ordinary KVMap (so every builder, evaluation and the map kernel apply it): a target
-layer's input is the union of the layers its heads chose, and each head's weights are zero on the layers it did not
-choose; its residual is a zero rank-1 network, as the direct-injection map's. `size_bytes` in the report is the
+layer's input is the union of the layers its heads chose (padded with unchosen layers to the widest union: the map
+kernels take the same number of source layers per target layer), and each head's weights are zero on the layers it
+did not choose; its residual is a zero rank-1 network, as the direct-injection map's. `size_bytes` in the report is the
 per-head weights and biases as the peer stores them (float32), not that dense embedding.
 """
 
@@ -64,10 +65,15 @@ def fit_perhead(source: Model, target: Model, calib: np.ndarray, *, k: int = 3, 
     f_src, hd = scfg.num_kv_heads * scfg.head_dim, tcfg.head_dim
     fits = [(_head_fits(ks, scfg.num_layers, f_src, hd, k, lam), _head_fits(vs, scfg.num_layers, f_src, hd, k, lam))
             for ks, vs in zip(k_stats, v_stats)]
+    unions = [sorted({s for kind in (kf, vf) for layers, _, _ in kind for s in layers}) for kf, vf in fits]
+    width = max(len(u) for u in unions)
     pairing, keys, values, layers_report = [], [], [], []
     size = 0
     for t, (kf, vf) in enumerate(fits):
-        union = tuple(sorted({s for kind in (kf, vf) for layers, _, _ in kind for s in layers}))
+        # every target layer reads the same number of source layers (the map kernels take a rectangular pairing):
+        # a layer whose heads chose fewer is padded with unchosen layers, whose weight rows stay zero
+        union = tuple(sorted(unions[t] + [s for s in range(scfg.num_layers) if s not in unions[t]][: width
+                                                                                                  - len(unions[t])]))
         pairing.append(union)
         row = {}
         for kind, heads, st, out in (("key", kf, k_stats[t], keys), ("value", vf, v_stats[t], values)):
