@@ -11,7 +11,7 @@ Dispatch (`Qwen3MoeConfig.moe_dispatch`, static, not part of the checkpoint):
   "dense"  every expert runs on every token and the unchosen ones get weight zero: one big matmul, exact, the
            reference the tests compare against, and the training step (24-28 s vs 32-41 s for "routed" at
            8 x 1024 tokens on the toy MoE, launch/toy/config.py).
-  "routed" only the chosen experts' work: with few routed tokens (decode: tokens x top-k <= experts) each token
+  "routed" only the chosen experts' work: with few routed tokens (decode: tokens x top-k <= experts / 2) each token
            gathers its k experts' weights and multiplies by them alone, reading k/E of the expert weights; with
            many tokens (prefill) the (token, expert) pairs are sorted by expert and run as one grouped matmul
            (jax.lax.ragged_dot), which does top-k/E of the dense FLOPs.
@@ -231,7 +231,9 @@ def moe(lp: SparseLayerParams, cfg: Qwen3MoeConfig, h):
     b, t, d = h.shape
     flat = h.reshape(b * t, d)
     weights, ids = route(lp, cfg, flat)
-    few = b * t * cfg.num_experts_per_tok <= cfg.num_experts  # static: decode-sized batches
+    # static: decode-sized batches, whose gathered weights (tokens x k expert slices, copied) are at most half of
+    # all experts; at tokens x k == E the gathers were slower than dense on the toy MoE (batch 4: 80 vs 52 ms/step)
+    few = 2 * b * t * cfg.num_experts_per_tok <= cfg.num_experts
     if cfg.moe_dispatch == "dense" or (cfg.moe_dispatch == "auto" and not few):
         out = experts_dense(lp, flat, weights, ids)
     elif few:
