@@ -1,6 +1,6 @@
 """`python -m kvjax.serve --config=NAME [--map PATH] [--host H] [--port P] [--topology T] ...`: serve a run's map.
 
-The same run configs as the main job (configs/NAME.py, --config.FIELD=VALUE overrides). The map is the config's
+The same run configs as the main job (configs/NAME.py, --config.FIELD=VALUE overrides; default: the main job's). The map is the config's
 finished run (its final map in output_dir, judged by output_dir/gate.json) or --map PATH (a kvjax.save_map
 directory; its gate is PATH/../gate.json when there is one, or --gate FILE). When the gate failed, requests are served
 by the target alone ("native_target"). Problems the user can fix are one message and exit status 2, before any
@@ -20,7 +20,6 @@ from kvjax.run_config import RunConfig
 from kvjax.serve.engine import TOPOLOGIES, EngineConfig
 
 log = logging.getLogger("kvjax.serve")
-DEFAULT_CONFIG = "toy"
 
 
 class ServeError(Exception):
@@ -28,6 +27,7 @@ class ServeError(Exception):
 
 
 def parser() -> argparse.ArgumentParser:
+    from kvjax.launch import DEFAULT_CONFIG
     d = EngineConfig()
     p = argparse.ArgumentParser(
         prog="python -m kvjax.serve", description="OpenAI-compatible server for a fitted map "
@@ -86,6 +86,7 @@ def locate(cfg: RunConfig, name: str, map_arg: str, gate_arg: str) -> tuple[str,
 
 
 def parse(argv: list[str]):
+    from kvjax.launch import DEFAULT_CONFIG  # the main job's default run is the served one
     name, overrides, rest = parse_argv(argv)
     args = parser().parse_args(rest)
     cfg = resolve_models(build(name or DEFAULT_CONFIG, overrides, RunConfig))
