@@ -61,6 +61,10 @@ def test_greedy_equals_the_verifiers_greedy_decode(models):
             assert 0 < stats.acceptance_rate < 1
         if drafter is big:  # the verifier drafting for itself: every draft accepted, g + 1 tokens per round
             assert stats.mean_acceptance_length == g + 1
+    tokens, lengths = kvjax.pad_prompts(ps)  # the same batch as a padded array with prompt_lengths
+    got = speculative_generate(big, small, np.pad(tokens, ((0, 0), (0, 3)), constant_values=95), 19, draft_len=1,
+                               eos_token_ids=(eos,), pad_token_id=0, prompt_lengths=lengths)
+    np.testing.assert_array_equal(np.asarray(got), want)
 
 
 def test_sampling_probs_truncates_like_sample():

@@ -88,7 +88,7 @@ def _check_draft_len(g) -> None:
 
 
 def _batch(prompts, max_new_tokens: int, draft_len: int, cfgs, temperature: float, top_p: float, key,
-           eos_token_ids, pad_token_id) -> _Batch:
+           eos_token_ids, pad_token_id, prompt_lengths=None) -> _Batch:
     """Checked host arrays, the cache capacity and the decoding settings (the one place inputs are validated)."""
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -106,6 +106,11 @@ def _batch(prompts, max_new_tokens: int, draft_len: int, cfgs, temperature: floa
                              f"{tokens.shape}")
         tokens = tokens.astype(np.int32)
         lengths = np.full((tokens.shape[0],), tokens.shape[1], np.int32)
+    if prompt_lengths is not None:  # a right-padded array whose rows are shorter: one compile for many lengths
+        lengths = np.asarray(prompt_lengths, np.int32)
+        if lengths.shape != (tokens.shape[0],) or lengths.min() < 1 or lengths.max() > tokens.shape[1]:
+            raise ValueError(f"prompt_lengths must be [B] in 1..{tokens.shape[1]}, got {lengths}")
+        tokens = np.where(np.arange(tokens.shape[1])[None] < lengths[:, None], tokens, 0).astype(np.int32)
     vcfg = cfgs[0]
     if tokens.min() < 0 or tokens.max() >= vcfg.vocab_size:
         raise ValueError(f"prompt token ids must be in [0, {vcfg.vocab_size}), got range [{tokens.min()}, "
@@ -152,13 +157,15 @@ def _check_layers(layers, cfg) -> tuple[int, ...]:
 
 def speculative_generate(verifier, drafter, prompts, max_new_tokens: int, *, draft_len: int | None = None,
                          builder: CacheBuilder | None = None, temperature: float = 0.0, top_p: float = 1.0,
-                         key=None, return_stats: bool = False, eos_token_ids=None, pad_token_id: int | None = None):
+                         key=None, return_stats: bool = False, eos_token_ids=None, pad_token_id: int | None = None,
+                         prompt_lengths=None):
     """Speculative decoding: `drafter` proposes `draft_len` tokens per round, `verifier` checks them in one forward.
 
     verifier: a model as kvjax.load_hf returns it (Model or (cfg, params)). drafter: a model sharing the verifier's
     vocabulary (it drafts from its own cache, one forward per token; draft_len default 4) or a drafter object
     (kvjax.speculative.loop: e.g. a block drafter reading the verifier's features; its draft_len is its own).
-    prompts: token lists of any lengths or an int array [B, T] (as kvjax.generate takes them). builder: the
+    prompts: token lists of any lengths or an int array [B, T] (as kvjax.generate takes them; with
+    `prompt_lengths` [B] its rows are right-padded, so many lengths share one compiled program). builder: the
     CacheBuilder that makes the VERIFIER's cache of each prompt but its last token (default NativePrefill of the
     verifier; e.g. kvjax.Mapped(drafter, verifier, kvmap) for a transferred cache, though then the drafter prefills
     separately; speculative_split_generate shares one prefill).
@@ -175,7 +182,7 @@ def speculative_generate(verifier, drafter, prompts, max_new_tokens: int, *, dra
     layers = _check_layers(drafter.feature_layers, vcfg)
     cfgs = (vcfg,) + ((drafter.model.cfg,) if isinstance(drafter, ModelDrafter) else ())
     b = _batch(prompts, max_new_tokens, drafter.draft_len, cfgs, temperature, top_p, key, eos_token_ids,
-               pad_token_id)
+               pad_token_id, prompt_lengths)
     features = None
     if builder is not None:
         if builder.model[0] != vcfg:

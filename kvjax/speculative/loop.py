@@ -159,7 +159,8 @@ class Stats:
 
     @property
     def acceptance_rate(self) -> float:
-        """Fraction of drafted tokens accepted, over all rounds of all rows."""
+        """Accepted drafts / (rounds x draft_len), over all rows (a variable-length drafter that stopped early counts
+        its undrafted positions as not accepted)."""
         import numpy as np
         return float(np.sum(self.accepted) / max(int(np.sum(self.rounds)) * self.draft_len, 1))
 
