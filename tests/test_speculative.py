@@ -62,8 +62,9 @@ def test_greedy_equals_the_verifiers_greedy_decode(models):
         if drafter is big:  # the verifier drafting for itself: every draft accepted, g + 1 tokens per round
             assert stats.mean_acceptance_length == g + 1
     tokens, lengths = kvjax.pad_prompts(ps)  # the same batch as a padded array with prompt_lengths
-    got = speculative_generate(big, small, np.pad(tokens, ((0, 0), (0, 3)), constant_values=95), 19, draft_len=1,
-                               eos_token_ids=(eos,), pad_token_id=0, prompt_lengths=lengths)
+    tokens[np.arange(tokens.shape[1])[None] >= lengths[:, None]] = 95  # padding is never read
+    got = speculative_generate(big, small, tokens, 19, draft_len=1, eos_token_ids=(eos,), pad_token_id=0,
+                               prompt_lengths=lengths)
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
