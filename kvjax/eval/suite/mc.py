@@ -95,7 +95,8 @@ def summary(mc: dict, ctx) -> list[str]:
                  + (f", source {pct(acc[SOURCE])}" if SOURCE in acc else ""))
             if m.get("delta_vs_target_ci95"):
                 s += f"; mapped - target paired 95% CI {pts(m['delta_vs_target_ci95'])}"
-            if m.get("gap_recovered") is not None:
+            # a gap to recover only when the reader is the better model (small reads, large answers: it is not)
+            if m.get("gap_recovered") is not None and acc.get(SOURCE, 0.0) > acc[TARGET]:
                 s += f"; {pct(m['gap_recovered'])} of the target-to-source gap recovered"
             out.append(s + ".")
     return out

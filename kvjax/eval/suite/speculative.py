@@ -148,6 +148,19 @@ def preflight(ec: SpeculativeEval, cfg) -> list[str]:
         problems.append("eval.speculative.lengths must be prompt lengths >= 2 tokens")
     if not ec.draft_lens or min(ec.draft_lens) < 1:
         problems.append("eval.speculative.draft_lens must be draft lengths >= 1")
+    elif ec.enabled and ec.lengths:
+        from kvjax.hf import CheckpointError, load_hf_config
+        from kvjax.models.config import ConfigError
+        try:  # a verify round writes draft_len + 1 positions past the last token
+            limit = min(load_hf_config(getattr(cfg, r).path).max_position_embeddings for r in ("source", "target"))
+        except (CheckpointError, ConfigError, OSError):
+            return problems  # preflight reports the checkpoint itself
+        need = max(ec.lengths) + ec.new_tokens + max(ec.draft_lens) + 1
+        if need > limit:
+            problems.append(f"eval.speculative: the longest prompt ({max(ec.lengths)}) + new_tokens ({ec.new_tokens}) "
+                            f"+ draft length ({max(ec.draft_lens)}) + 1 = {need} positions exceed the models' "
+                            f"max_position_embeddings ({limit}); use prompts of at most "
+                            f"{limit - ec.new_tokens - max(ec.draft_lens) - 1} tokens")
     return problems
 
 
