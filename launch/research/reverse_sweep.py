@@ -34,6 +34,7 @@ def parse(argv):
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--agree-prompts", type=int, default=16, help="prompts of the accuracy measurement (0: skip)")
     p.add_argument("--agree-length", type=int, default=1024)
+    p.add_argument("--vary", default="map,repair,draft", help="which pieces to vary (each a compile or more)")
     p.add_argument("--out", default="")
     return p.parse_args(argv)
 
@@ -73,7 +74,9 @@ def main(argv=None) -> int:
     prompts = flat[: args.length][None].astype(np.int32)
 
     # latency: native, plain@4 and every variant, in rotating order per round
-    arms = [("native", None, 0, 4), ("plain: g=4", None, 0, 4)] + VARIANTS
+    vary = set(args.vary.split(","))
+    variants = [v for v in VARIANTS if v[0].split(":")[0] in vary or v is VARIANTS[0]]
+    arms = [("native", None, 0, 4), ("plain: g=4", None, 0, 4)] + variants
     seconds = {a[0]: [] for a in arms}
     tau = {}
     t_start = time.perf_counter()
@@ -93,7 +96,7 @@ def main(argv=None) -> int:
     if args.agree_prompts:
         rows = flat[: args.agree_prompts * args.agree_length].reshape(args.agree_prompts, args.agree_length)
         native = np.asarray(kvjax.native_generate(large, rows, args.new_tokens, eos_token_ids=()))
-        for label, m, k, g in VARIANTS:
+        for label, m, k, g in variants:
             if label.startswith("draft"):  # greedy output does not depend on the draft length
                 continue
             out = speculative_split_generate(small, large, maps[m], rows, args.new_tokens, draft_len=g,
