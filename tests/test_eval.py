@@ -447,14 +447,14 @@ def test_every_arm_builds_its_cache(params):
     target = (CFG, other)
     ridge = arms.injection_map(CFG, CFG)
     built = arms.make_arms([a.name for a in arms.TABLE], source, target,
-                           {"direct": ridge, "ridge": ridge, "residual": ridge})
+                           {"direct": ridge, "perhead": ridge, "ridge": ridge, "residual": ridge})
     tokens, lengths = np.asarray([[5, 6, 7, 8], [9, 10, 0, 0]], np.int32), np.asarray([4, 2], np.int32)
     caches = {a.name: a.batch_fn(tokens, lengths) for a in built}
     assert [a.name for a in built] == [a.name for a in arms.TABLE]
     assert {a.name for a in built if a.model is source} == {"source"}
     np.testing.assert_array_equal(np.asarray(caches["target"].lengths), lengths)
     mapped = apply_map(ridge, caches["source"])  # the mapped arms translate the source's cache
-    for name in ("direct", "ridge", "residual"):
+    for name in ("direct", "perhead", "ridge", "residual"):
         np.testing.assert_allclose(np.asarray(caches[name].k), np.asarray(mapped.k), atol=1e-6)
         np.testing.assert_allclose(np.asarray(caches[name].v), np.asarray(mapped.v), atol=1e-6)
     assert not np.allclose(np.asarray(caches["target"].k), np.asarray(caches["source"].k))
