@@ -32,8 +32,10 @@ from kvjax.models.decoder import decode_jit
 DISPATCHES = ("routed", "dense", "auto")
 
 
-def time_round(params, cfg, prompt: np.ndarray, steps: int) -> tuple[float, float]:
-    """(prefill seconds, median decode-step seconds) for one fresh cache."""
+def time_round(params, cfg, prompt: np.ndarray, steps: int) -> tuple[float, float, float]:
+    """(prefill seconds, median decode-step seconds, median decode-step CPU seconds of this process) for one fresh
+    cache. CPU time counts the work of every XLA thread and not the time other processes hold the cores, so on a
+    shared machine it is the steadier measure of the work a step does."""
     b, t = prompt.shape
     cache = kvjax.init_cache(cfg, b, t + steps + 1)
     t0 = time.perf_counter()
@@ -41,14 +43,15 @@ def time_round(params, cfg, prompt: np.ndarray, steps: int) -> tuple[float, floa
     logits.block_until_ready()
     prefill = time.perf_counter() - t0
     token = jnp.argmax(logits, -1).astype(jnp.int32)
-    times = []
+    times, cpu = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         logits, cache = decode_jit(params, cfg, token, cache)
         logits.block_until_ready()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         token = jnp.argmax(logits, -1).astype(jnp.int32)
-    return prefill, statistics.median(times)
+    return prefill, statistics.median(times), statistics.median(cpu)
 
 
 def bench(args) -> dict:
@@ -71,10 +74,12 @@ def bench(args) -> dict:
                 rounds[d].append(time_round(params, cfgs[d], prompt, args.steps))
         row = {"batch": b}
         for d in DISPATCHES:
-            row[d] = {"prefill_ms": 1e3 * statistics.median(p for p, _ in rounds[d]),
-                      "decode_ms_per_step": 1e3 * statistics.median(s for _, s in rounds[d])}
+            row[d] = {"prefill_ms": 1e3 * statistics.median(p for p, _, _ in rounds[d]),
+                      "decode_ms_per_step": 1e3 * statistics.median(s for _, s, _ in rounds[d]),
+                      "decode_cpu_ms_per_step": 1e3 * statistics.median(c for _, _, c in rounds[d])}
             row[d]["decode_tok_s"] = b * 1e3 / row[d]["decode_ms_per_step"]
         row["decode_speedup_routed"] = row["dense"]["decode_ms_per_step"] / row["routed"]["decode_ms_per_step"]
+        row["decode_cpu_ratio_routed"] = row["dense"]["decode_cpu_ms_per_step"] / row["routed"]["decode_cpu_ms_per_step"]
         row["prefill_speedup_routed"] = row["dense"]["prefill_ms"] / row["routed"]["prefill_ms"]
         gen = {d: np.asarray(kvjax.generate(params, cfgs[d], prompt, max_new_tokens=args.new_tokens,
                                             eos_token_ids=())) for d in DISPATCHES}
@@ -90,11 +95,13 @@ def table(out: dict) -> str:
     lines = [f"{out['model']} ({out['experts']} experts, top {out['top_k']}, {out['params_M']:.2f}M params, "
              f"{out['active_params_M']:.2f}M active, {out['dtype']}), context {out['context']}, "
              f"load {out['load_before']:.1f} -> {out['load_after']:.1f}",
-             "| batch | decode ms/step routed | dense | auto | routed speedup | prefill ms routed | dense | auto | "
-             "identical tokens |", "|---|---|---|---|---|---|---|---|---|"]
+             "| batch | decode ms/step routed | dense | auto | routed speedup | decode CPU ms/step routed | dense | "
+             "ratio | prefill ms routed | dense | auto | identical tokens |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in out["batches"]:
         lines.append(f"| {r['batch']} | {r['routed']['decode_ms_per_step']:.2f} | {r['dense']['decode_ms_per_step']:.2f}"
                      f" | {r['auto']['decode_ms_per_step']:.2f} | {r['decode_speedup_routed']:.2f}x | "
+                     f"{r['routed']['decode_cpu_ms_per_step']:.2f} | {r['dense']['decode_cpu_ms_per_step']:.2f} | "
+                     f"{r['decode_cpu_ratio_routed']:.2f}x | "
                      f"{r['routed']['prefill_ms']:.1f} | {r['dense']['prefill_ms']:.1f} | {r['auto']['prefill_ms']:.1f} | "
                      f"{r['identical_tokens']} ({r['new_tokens']}) |")
     return "\n".join(lines)
