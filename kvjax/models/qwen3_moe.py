@@ -16,9 +16,11 @@ Dispatch (`Qwen3MoeConfig.moe_dispatch`, static, not part of the checkpoint):
            many tokens (prefill) the (token, expert) pairs are sorted by expert and run as one grouped matmul
            (jax.lax.ragged_dot), which does top-k/E of the dense FLOPs.
   "auto"   (default) the faster of the two where measured: routed at decode-sized token counts, dense above.
-           On the toy MoE (8 experts, top 2; `python -m launch.bench.moe`, 2 CPU cores) routed decode at batch 1
-           is ~3-10x faster than dense (it reads a quarter of the expert weights), while the grouped prefill of
-           256 tokens is slower than dense (297 vs 191 ms): XLA:CPU has no grouped-matmul kernel for ragged_dot.
+           On the toy MoE (8 experts, top 2; `taskset -c 1 python -m launch.bench.moe --rounds 5`, cores shared
+           with ~7 jobs) routed decode at batch 1 takes 2.18 vs 3.27 CPU ms per step (1.5x; wall 24 vs 39 ms,
+           64 greedy tokens identical): it reads a quarter of the expert weights, and the tied 8192 x 256 head it
+           shares with dense bounds the gain. The grouped prefill of 256 tokens is slower than dense (626 vs
+           409 ms): XLA:CPU has no grouped-matmul kernel for ragged_dot.
            On an accelerator with one (GPU, TPU) "routed" is the candidate for prefill too: measure there.
 
 Sharding: the expert weights [E, D, F] carry logical axes ("experts", "embed", "ffn"); under kvjax.sharding.RULES
