@@ -40,6 +40,13 @@ KL to the 6-layer model's own predictions (64 windows) 0.413 from the residual m
 HellaSwag 29.0% from the mapped cache vs 58.5% native (paired CI [-36.0, -23.0] pts), PIQA 61.0% vs 80.5%; the 2-layer
 reader's cache does not carry what the 6-layer model needs to read a context. The pruned reader (runs/
 toy_reverse_pruned): KL 0.321 (residual) vs 0.421 direct, HellaSwag 35.0%, PIQA 66.5%: better, still far from native.
+Speculative KV transfer at 4000 tokens (64 new): end-to-end 1.64 s vs 5.71 s native (-71%; -79% repaired), acceptance
+1.78 tokens per round, but its output differs from native greedy from the first token; plain drafting is +22% (the
+2-layer drafter's acceptance is 1.10). Repair depth (`python -m launch.research.partial_recompute --run
+runs/toy_reverse --modes bottom --mc 100 --windows 32 --cost-len 4096 --repeats 3`; 100 items per set): recomputing
+the 6-layer model's bottom 0 / 1 / 2 / 3 / 4 / 5 layers gives HellaSwag 29 / 29 / 29 / 29 / 55 / 58% (native 61%),
+PIQA 65 / 65 / 65 / 66 / 80 / 81% (native 81%), at a first-token cost of ~0.11 / 0.14 / 0.32 / 0.50 / 0.70 / 0.92 of
+the native prefill: task accuracy comes back only once 4 of its 6 layers are its own, when TTFT is ~1.4x.
 
 Sizes: the forward toy job's calibration (128 x 512 tokens) and residual (100 steps of 8 x (256 + 64)), 64 native-KL
 windows, 200 items per multiple-choice set, 10 retrieval items, TTFT 5 timed rounds; about 10 minutes on 2 CPU
