@@ -290,12 +290,12 @@ def test_next_token_agreement(pair):
     held = windows(6, 40, seed=4)
     same = next_token_agreement(self_map, m, m, held, prefix=24, batch_size=4)
     assert set(same) == {"with_source", "with_target", "target_with_source", "first_with_source",
-                         "first_with_target", "kl_mapped", "kl_native"}
+                         "first_with_target", "kl_mapped", "kl_native", "kl_to_target"}
     assert same["with_source"].shape == (6,)
     np.testing.assert_allclose(same["with_source"], 1.0)  # a model mapped onto itself reproduces itself
     np.testing.assert_allclose(same["first_with_target"], 1.0)
     np.testing.assert_allclose(same["kl_native"], 0.0, atol=1e-5)
-    assert same["kl_mapped"].max() < 1e-2
+    assert same["kl_mapped"].max() < 1e-2 and same["kl_to_target"].max() < 1e-2  # the map moves nothing
     kvmap, _ = kvjax.fit_map(m, target, windows(16, 64), windows(8, 64, seed=1), batch_size=8)
     cross = next_token_agreement(kvmap, m, target, held, prefix=24)
     assert np.all((cross["with_target"] >= 0) & (cross["with_target"] <= 1)) and cross["kl_native"].min() > 0
