@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
@@ -40,14 +39,11 @@ def tiny_sibling_pair(root):
 def test_without_checkpoints_fails_fast_naming_what_to_pass(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("KVJAX_SOURCE", "KVJAX_TARGET")}
     out = tmp_path / "run"
-    start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "kvjax.launch", "--config=qwen30a3_sibling",
                            f"--config.output_dir={out}"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=120)
-    elapsed = time.perf_counter() - start
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and not out.exists()
     assert "KVJAX_SOURCE" in proc.stderr and "--config.source.path" in proc.stderr and "Qwen3-30B-A3B" in proc.stderr
-    assert elapsed < 20, f"{elapsed:.1f} s (the goal is < 5 s on an idle machine; the CI cores are shared)"
 
 
 @pytest.mark.slow  # a whole main job (every stage of qwen32_8's plan, tiny sizes)
