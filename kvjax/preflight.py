@@ -100,6 +100,11 @@ def validate(cfg: RunConfig) -> None:
     if cfg.residual.pool_windows < 0 or (cfg.residual.pool_windows and cfg.residual.rollout):
         problems.append(f"residual.pool_windows={cfg.residual.pool_windows}: must be >= 0, and 0 with "
                         "residual.rollout (a rollout's continuation changes with the map, so it cannot be pooled)")
+    if cfg.residual.init_from and not os.path.isfile(os.path.join(cfg.residual.init_from, "manifest.json")):
+        problems.append(f"residual.init_from={cfg.residual.init_from!r} is not a saved map (no manifest.json): pass a "
+                        "map directory fitted on this run's ridge (e.g. an earlier run's map/), or '' for a fresh one")
+    if not 0.0 <= cfg.residual.ema < 1.0:
+        problems.append(f"residual.ema={cfg.residual.ema}: must be in [0, 1) (e.g. 0.995; 0: the last iterate)")
     peers = cfg.peers
     if peers.perhead_topk < 0 or ("source" in cfgs and peers.perhead_topk > cfgs["source"].num_layers):
         problems.append(f"peers.perhead_topk={peers.perhead_topk}: use 0 (off) or 1..the source's layers")

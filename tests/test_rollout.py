@@ -102,3 +102,73 @@ def test_rollout_evaluation_metrics_report_and_chart(tmp_path):
     assert rollout.preflight(RolloutEval(steps=0, prefix_len=1), None) == [
         "eval.rollout.steps must be >= 1, got 0", "eval.rollout.prefix_len must be >= 2 (a mapped prefix and a last "
         "token), got 1"]
+
+
+def test_warm_start_continues_a_saved_residual_of_the_same_ridge(setup, tmp_path, capsys):
+    source, target, ridge, _ = setup
+    tokens = np.random.RandomState(3).randint(1, VOCAB, 4000).astype(np.uint16)
+    rc = ResidualConfig(steps=3, batch_size=2, prefix_len=P, cont_len=N, lr=1e-2, warmup_steps=1, save_every=3)
+    kl_map, _ = kvjax.train_residual(ridge, source, target, tokens, rc)  # a KL residual, saved as a run saves it
+    kvjax.save_map(str(tmp_path / "kl"), kl_map)
+    warm = dataclasses.replace(rc, rollout=True, init_from=str(tmp_path / "kl"), seed=1)
+    rolled, hist = kvjax.train_residual(ridge, source, target, tokens, warm, workdir=str(tmp_path / "w"))
+    # step 1 scores the saved residual (not the ridge's fresh one) on step 1's windows
+    first = step_batch(tokens, 0, rc.batch_size, rc.prefix_len + rc.cont_len, warm.seed)[:, :P]
+    start = rollout_divergence(kl_map, source, target, first, N).mean()
+    np.testing.assert_allclose(hist[0]["kl"], start, rtol=1e-4)
+    assert abs(start - rollout_divergence(ridge, source, target, first, N).mean()) > 1e-4
+    np.testing.assert_array_equal(rolled.keys[0].w_in, ridge.keys[0].w_in)  # the ridge stays frozen
+    assert np.abs(np.asarray(rolled.values[0].up) - np.asarray(kl_map.values[0].up)).max() > 0
+    # a fresh run's checkpoint is not resumed as a warm one, nor a warm one from another starting residual
+    with pytest.raises(ValueError, match="differs in settings"):
+        kvjax.train_residual(ridge, source, target, tokens, dataclasses.replace(warm, init_from=""),
+                             workdir=str(tmp_path / "w"))
+    kvjax.save_map(str(tmp_path / "kl2"), ridge_only(kl_map))
+    with pytest.raises(ValueError, match="init_sha256"):
+        kvjax.train_residual(ridge, source, target, tokens, dataclasses.replace(warm, init_from=str(tmp_path / "kl2")),
+                             workdir=str(tmp_path / "w"))
+    # a residual of another ridge fit, or a directory that holds no map, is refused
+    other, _ = kvjax.fit_map(source, target, windows(16, 40, seed=5), windows(8, 40, seed=1), batch_size=8,
+                             residual_rank=4)
+    kvjax.save_map(str(tmp_path / "other"), other)
+    with pytest.raises(ValueError, match="another ridge fit"):
+        kvjax.train_residual(ridge, source, target, tokens,
+                             dataclasses.replace(warm, init_from=str(tmp_path / "other")))
+    with pytest.raises(ValueError, match="not a saved map"):
+        kvjax.train_residual(ridge, source, target, tokens, dataclasses.replace(warm, init_from=str(tmp_path)))
+    # the research script says so before loading anything
+    from launch.research import rollout_residual
+    run = tmp_path / "run"
+    (run / "map_ridge").mkdir(parents=True)
+    (run / "data").mkdir()
+    (run / "config.json").write_text("{}")
+    np.save(run / "data" / "heldout.npy", np.zeros((1, 2), np.int32))
+    assert rollout_residual.main(["--run", str(run), "--init-from", str(tmp_path / "nothing")]) == 2
+    assert "--init-from" in capsys.readouterr().err
+
+
+def test_ema_is_the_moving_average_of_the_iterates_and_resumes_exactly(setup, tmp_path):
+    source, target, ridge, _ = setup
+    tokens = np.random.RandomState(3).randint(1, VOCAB, 4000).astype(np.uint16)
+    rc = ResidualConfig(steps=3, batch_size=2, prefix_len=P, cont_len=N, lr=1e-2, warmup_steps=1, save_every=1)
+    live = [kvjax.train_residual(ridge, source, target, tokens, rc, workdir=str(tmp_path / "live"), stop_at=k)[0]
+            for k in (1, 2, 3)]
+    averaged = dataclasses.replace(rc, ema=0.6)
+    got, hist = kvjax.train_residual(ridge, source, target, tokens, averaged, workdir=str(tmp_path / "a"))
+    assert len(hist) == 3
+    for kind in ("keys", "values"):
+        for i, layer in enumerate(getattr(got, kind)):
+            for name in ("down", "res_bias", "up"):
+                want = np.asarray(getattr(getattr(ridge, kind)[i], name))
+                for m in live:
+                    want = 0.6 * want + 0.4 * np.asarray(getattr(getattr(m, kind)[i], name))
+                np.testing.assert_allclose(getattr(layer, name), want, rtol=1e-5, atol=1e-7, err_msg=(kind, i, name))
+            for name in ("mu", "scale", "w_in", "w_out", "bias"):  # the frozen part, bit-exact
+                np.testing.assert_array_equal(getattr(layer, name), getattr(getattr(ridge, kind)[i], name))
+    assert np.abs(np.asarray(got.values[0].up) - np.asarray(live[-1].values[0].up)).max() > 1e-6  # not the last one
+    kvjax.train_residual(ridge, source, target, tokens, averaged, workdir=str(tmp_path / "b"), stop_at=2)
+    resumed, _ = kvjax.train_residual(ridge, source, target, tokens, averaged, workdir=str(tmp_path / "b"))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(resumed)):  # the average rides along in the checkpoint
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="differs in settings"):  # a last-iterate run is not resumed as an average
+        kvjax.train_residual(ridge, source, target, tokens, averaged, workdir=str(tmp_path / "live"))

@@ -31,6 +31,7 @@ from kvjax import distributed, sharding
 from kvjax.distributed import TokenWindows
 from kvjax.generation import Sampling, decode_loop
 from kvjax.builders.native import prefill_cache
+from kvjax.mapper.artifact import load_map, read_manifest
 from kvjax.mapper.calibrate import model_on_mesh
 from kvjax.models.model import Model
 from kvjax.mapper.kl import kl
@@ -42,6 +43,7 @@ from kvjax.windows import step_batch, step_starts
 
 log = logging.getLogger(__name__)
 TRAINABLE = ("down", "res_bias", "up")
+FROZEN = ("mu", "scale", "w_in", "w_out", "bias")
 
 
 def _labels(kvmap: KVMap):
@@ -143,16 +145,63 @@ def _pooled_step_fn(opt: optax.GradientTransformation, rc: ResidualConfig, scfg,
     return step
 
 
+def _sha256(kvmap: KVMap, names: tuple[str, ...]) -> str:
+    digest = hashlib.sha256()
+    for lm in (*kvmap.keys, *kvmap.values):
+        for name in names:
+            digest.update(np.ascontiguousarray(jax.device_get(getattr(lm, name)), np.float32).tobytes())
+    return digest.hexdigest()
+
+
+def warm_start(kvmap: KVMap, path: str) -> KVMap:
+    """`kvmap` with the residual (down, res_bias, up) of the map saved at `path` (ResidualConfig.init_from), each
+    array placed as `kvmap`'s. Refuses a map of other models, pairing or residual rank, or of another frozen ridge
+    part: its residual was trained on top of that ridge and means nothing on this one."""
+    if not os.path.isfile(os.path.join(path, "manifest.json")):
+        raise ValueError(f"residual.init_from={path!r} is not a saved map (no manifest.json); pass the directory of a "
+                         "map saved by kvjax.save_map (e.g. a run's map/) or '' for a fresh residual")
+    spec = read_manifest(path)["spec"]
+    mine = (kvmap.spec.source_fingerprint, kvmap.spec.target_fingerprint, kvmap.spec.residual_rank,
+            [list(p) for p in kvmap.spec.pairing])
+    theirs = (spec["source_fingerprint"], spec["target_fingerprint"], spec["residual_rank"],
+              [list(p) for p in spec["pairing"]])
+    if mine != theirs:
+        raise ValueError(f"residual.init_from={path!r} is a map of other models, pairing or residual rank (source, "
+                         f"target, rank, pairing {theirs[:3]} vs this map's {mine[:3]}); start from a map fitted on "
+                         "this run's ridge, or '' for a fresh residual")
+    init = load_map(path)
+    if _sha256(init, FROZEN) != _sha256(kvmap, FROZEN):
+        raise ValueError(f"residual.init_from={path!r} was trained on another ridge fit (its frozen part differs from "
+                         "this map's); start from a residual of this run's ridge, or '' for a fresh residual")
+
+    def take(mine, theirs):
+        place = lambda new, old: jax.device_put(new, old.sharding) if isinstance(old, jax.Array) else new  # noqa
+        return mine.replace(**{n: place(getattr(theirs, n), getattr(mine, n)) for n in TRAINABLE})
+    return kvmap.replace(keys=tuple(map(take, kvmap.keys, init.keys)),
+                         values=tuple(map(take, kvmap.values, init.values)))
+
+
+def ema_update(decay: float):
+    """(average, live map) -> the average moved towards the live map by 1 - decay in the residual parameters; the
+    frozen part is kept as it is (bit-exact: decay * x + (1 - decay) * x need not round to x)."""
+    def mix(avg, live):
+        return avg.replace(**{n: decay * getattr(avg, n) + (1.0 - decay) * getattr(live, n) for n in TRAINABLE})
+
+    @jax.jit
+    def update(avg: KVMap, live: KVMap) -> KVMap:
+        return avg.replace(keys=tuple(map(mix, avg.keys, live.keys)), values=tuple(map(mix, avg.values, live.values)))
+    return update
+
+
 def run_identity(kvmap: KVMap, rc: ResidualConfig) -> dict:
     """What a residual checkpoint belongs to: the map's models and pairing, a hash of its frozen (ridge) part and the
-    training settings. Resuming from a checkpoint of another identity would silently continue another run."""
-    frozen = hashlib.sha256()
-    for lm in (*kvmap.keys, *kvmap.values):
-        for name in ("mu", "scale", "w_in", "w_out", "bias"):
-            frozen.update(np.ascontiguousarray(jax.device_get(getattr(lm, name)), np.float32).tobytes())
+    training settings (with `init_from`, a hash of the residual it starts from too: the path alone may be rewritten).
+    Resuming from a checkpoint of another identity would silently continue another run."""
     settings = {k: v for k, v in rc.hashed().items() if k != "save_every"}
     identity = {"map": kvmap.map_id, "pairing": kvmap.spec.pairing, "residual_rank": kvmap.spec.residual_rank,
-                "ridge_sha256": frozen.hexdigest(), "settings": settings}
+                "ridge_sha256": _sha256(kvmap, FROZEN), "settings": settings}
+    if rc.init_from:
+        identity["init_sha256"] = _sha256(kvmap, TRAINABLE)
     return json.loads(json.dumps(identity))  # as it reads back from residual_identity.json (tuples -> lists)
 
 
@@ -188,7 +237,8 @@ def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarra
                    workdir: str | None = None, stop_at: int | None = None,
                    mesh: Mesh | None = None) -> tuple[KVMap, list[dict]]:
     """Train the residual on windows cut from a token array (uniformly, a pure function of (seed, step)); resumes
-    from `workdir` checkpoints; `stop_at` ends this run early after that step. Returns (map, this run's log).
+    from `workdir` checkpoints; `stop_at` ends this run early after that step. Returns (map, this run's log): the
+    last iterate, or with `rc.ema` the moving average of the iterates.
 
     With `mesh`, training is data-parallel: each step's global batch of `rc.batch_size` windows is split over the
     'data' axis (each process reads only its own windows), the models are sharded over 'model', the map and the
@@ -196,6 +246,8 @@ def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarra
     compiled once; the result equals single-device training up to float rounding. In a multi-process run every
     process calls this (checkpoints are written jointly through orbax, `workdir` must be on a shared filesystem);
     only process 0 writes the log file."""
+    if rc.init_from:
+        kvmap = warm_start(kvmap, rc.init_from)
     identity = None if workdir is None else run_identity(kvmap, rc)  # before any placement on a mesh
     opt = make_optimizer(rc, kvmap)
     window = rc.prefix_len + rc.cont_len
@@ -228,6 +280,9 @@ def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarra
         step = jax.jit(step_fn, in_shardings=(map_sh, opt_sh, params_sh(sparams), params_sh(tparams), batch_sh),
                        out_shardings=(map_sh, opt_sh, sharding.replicated(mesh)))
 
+    # with rc.ema the average rides along in the checkpoint (a resumed run continues the same average)
+    average, averaged = (kvmap, ema_update(rc.ema)) if rc.ema > 0 else (None, None)
+    state = lambda: (kvmap, opt_state) if average is None else (kvmap, opt_state, average)  # noqa: E731
     start, manager = 0, None
     if workdir is not None:
         manager = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "residual_ckpt")),
@@ -235,7 +290,8 @@ def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarra
         _check_identity(workdir, identity, manager.latest_step() is not None)
         if manager.latest_step() is not None:
             start = manager.latest_step()
-            kvmap, opt_state = manager.restore(start, args=ocp.args.StandardRestore(restore_target((kvmap, opt_state))))
+            restored = manager.restore(start, args=ocp.args.StandardRestore(restore_target(state())))
+            kvmap, opt_state, average = restored if average is not None else (*restored, None)
             log.info("residual: resumed from step %d", start)
     history = []
     end = rc.steps if stop_at is None else min(stop_at, rc.steps)
@@ -251,13 +307,15 @@ def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarra
                 rows = TokenWindows(tokens, step_starts(len(tokens), i, rc.batch_size, window, rc.seed), window)
                 batch = distributed.global_batch(rows, batch_sh, (rc.batch_size, window))
             kvmap, opt_state, loss = step(kvmap, opt_state, sparams, tparams, batch)
+            if average is not None:
+                average = averaged(average, kvmap)
             history.append({"step": i + 1, "kl": float(loss)})
             distributed.heartbeat()
             if manager is not None and ((i + 1) % rc.save_every == 0 or i + 1 == end):
-                manager.save(i + 1, args=ocp.args.StandardSave((kvmap, opt_state)))
+                manager.save(i + 1, args=ocp.args.StandardSave(state()))
     if manager is not None:
         manager.wait_until_finished()
         if distributed.is_primary():
             with open(os.path.join(workdir, "residual_log.jsonl"), "a") as f:
                 f.writelines(json.dumps(h) + "\n" for h in history)
-    return kvmap, history
+    return (kvmap if average is None else average), history

@@ -25,6 +25,15 @@ class ResidualConfig:
     # the toy pair, fewer distinct windows. 0: fresh windows every step, both models run per step
     pool_windows: int = 0
     seed: int = 0  # batch order
+    # a saved map (its directory) whose residual (down, res_bias, up) training starts from instead of the ridge's fresh
+    # one (up = 0: the ridge itself): a finished residual continued under a new schedule and seed (a warm restart), or
+    # the rollout residual started from the KL residual. Its frozen ridge part must be this run's; "": a fresh start
+    init_from: str = ""
+    # > 0: the trained map is the exponential moving average of the residual's iterates, this decay per step (0.995:
+    # a ~200-step horizon). A rollout-trained residual's held-out rollout divergence moves by points from one checkpoint
+    # to the next (a small change of the map flips greedy tokens and the rollouts with them); the average of nearby
+    # iterates is steadier. 0: the last iterate
+    ema: float = 0.0
     save_every: int = 50  # checkpoint interval (steps)
 
     def hashed(self) -> dict:
@@ -34,4 +43,5 @@ class ResidualConfig:
 
 
 TEACHERS = ("source", "target")
-ADDED_LATER = {"teacher": "source", "pool_windows": 0}  # field -> its default (see ResidualConfig.hashed)
+# field -> its default (see ResidualConfig.hashed)
+ADDED_LATER = {"teacher": "source", "pool_windows": 0, "init_from": "", "ema": 0.0}

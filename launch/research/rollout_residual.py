@@ -39,6 +39,15 @@ def parse(argv):
     p.add_argument("--lr", type=float, default=0.0, help="peak learning rate (default: the run's residual.lr)")
     p.add_argument("--cont", type=int, default=0,
                    help="continuation tokens per training window (default: the run's residual.cont_len)")
+    p.add_argument("--train-batch", type=int, default=0,
+                   help="windows per training step (default: the run's residual.batch_size)")
+    p.add_argument("--seed", type=int, default=-1, help="training batch order (default: the run's residual.seed)")
+    p.add_argument("--init-from", default="",
+                   help="a saved map of this run's ridge whose residual training starts from (ResidualConfig."
+                        "init_from): e.g. a finished residual continued under a new schedule (with another --seed)")
+    p.add_argument("--ema", type=float, default=0.0,
+                   help="> 0: each residual is the moving average of its iterates with this decay per step "
+                        "(ResidualConfig.ema, e.g. 0.995); 0: the last iterate")
     p.add_argument("--only", choices=ARMS[1:], help="train this residual alone (two commands train both at once)")
     p.add_argument("--windows", type=int, default=64, help="frozen held-out windows measured")
     p.add_argument("--skip", type=int, default=-1,
@@ -111,6 +120,14 @@ def main(argv=None) -> int:
             print(f"rollout_residual: {path} does not exist; run `python -m kvjax.launch` (--config.residual.steps=0 "
                   "is enough) and pass its directory as --run", file=sys.stderr)
             return 2
+    if not 0.0 <= args.ema < 1.0:
+        print(f"rollout_residual: --ema {args.ema} must be in [0, 1) (e.g. 0.995; 0: the last iterate)",
+              file=sys.stderr)
+        return 2
+    if args.init_from and not os.path.isfile(os.path.join(args.init_from, "manifest.json")):
+        print(f"rollout_residual: --init-from {args.init_from} is not a saved map (no manifest.json); pass a map "
+              "directory such as <out>/rollout/map", file=sys.stderr)
+        return 2
     import jax.numpy as jnp
 
     import kvjax
@@ -126,8 +143,12 @@ def main(argv=None) -> int:
                              {f.name for f in dataclasses.fields(ResidualConfig)}})
     # fresh windows every step for both (a rollout's continuation changes with the map: it cannot be pooled)
     fresh = {"pool_windows": 0} if "pool_windows" in {f.name for f in dataclasses.fields(ResidualConfig)} else {}
+    warm = {"init_from": os.path.abspath(args.init_from)} if args.init_from else {}
+    if args.ema:  # only when asked: a run without it keeps its checkpoints' identity
+        warm["ema"] = args.ema
     rc = dataclasses.replace(base, steps=args.steps, lr=args.lr or base.lr, cont_len=args.cont or base.cont_len,
-                             rollout=False, **fresh,
+                             batch_size=args.train_batch or base.batch_size,
+                             seed=base.seed if args.seed < 0 else args.seed, rollout=False, **fresh, **warm,
                              save_every=min(base.save_every, args.steps))
     maps, clocks = {"ridge": ridge}, {}
     tokens = np.asarray(np.load(os.path.join(args.run, "data", "train_tokens.npy"), mmap_mode="r"))
@@ -139,8 +160,12 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             return 2
         # a finished training resumes at its last step: nothing more is trained, its map is restored
-        maps[name], clocks[name] = train(name, ridge, source, target, tokens,
-                                         dataclasses.replace(rc, rollout=name == "rollout"), workdir)
+        try:
+            maps[name], clocks[name] = train(name, ridge, source, target, tokens,
+                                             dataclasses.replace(rc, rollout=name == "rollout"), workdir)
+        except ValueError as e:  # another run's checkpoint in workdir, an --init-from of another ridge
+            print(f"rollout_residual: {e}", file=sys.stderr)
+            return 2
         if clocks[name]["steps"] < rc.steps:
             print(f"rollout_residual: {name} residual has {clocks[name]['steps']} of {rc.steps} steps",
                   file=sys.stderr)
