@@ -22,6 +22,7 @@ import os
 import sys
 import time
 
+from kvjax import allocator as kvjax_allocator
 from kvjax.config_flags import ConfigFlagError, build, describe_config, parse_argv, to_dict
 from kvjax.eval import suite
 from kvjax.preflight import LaunchError, make_mesh, resolve_models, validate
@@ -541,6 +542,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvjax.launch: error: {e}", file=sys.stderr)
         return 2
     setup_logging(cfg.output_dir)
+    allocator = kvjax_allocator.tune()  # before XLA starts its threads (kvjax.allocator says why)
     import jax
     if jax.process_index() > 0:  # run.log is process 0's; the others log beside it
         root = logging.getLogger()
@@ -553,6 +555,7 @@ def main(argv: list[str] | None = None) -> int:
             root.addHandler(mine)
     log.info("kvjax.launch --config=%s -> %s (process %d of %d, %d devices: %s)", cfg.name, cfg.output_dir,
              jax.process_index(), jax.process_count(), jax.device_count(), jax.devices()[0].device_kind)
+    log.info("host allocator: %s", allocator)
     log.info("settings:\n%s", describe_config(cfg))
     try:
         summary = job.execute()

@@ -7,6 +7,10 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the programs kvjax runs tune glibc's allocator to keep freed memory (kvjax.allocator); the test process runs
+# hundreds of programs, so it keeps the C library's defaults (tests/test_allocator.py checks the tuning in a fresh
+# process)
+os.environ.setdefault("KVJAX_MALLOC", "system")
 
 import dataclasses  # noqa: E402
 

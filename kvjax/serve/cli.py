@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 
+from kvjax import allocator
 from kvjax.config_flags import ConfigFlagError, available_configs, build, parse_argv
 from kvjax.preflight import LaunchError, resolve_models
 from kvjax.run_config import RunConfig
@@ -153,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         # on CPU, split the host into devices so each pool has its own (before JAX starts)
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={args.cpu_devices}").strip()
+    log.info("host allocator: %s", allocator.tune())  # before XLA starts its threads (kvjax.allocator)
     import uvicorn
     try:
         engine, server = build_server(cfg, args, engine_cfg, map_dir, gate)

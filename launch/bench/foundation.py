@@ -15,7 +15,9 @@ process of this script pinned with `taskset -c CPUS`, one thread per CPU (XLA si
 mask), that loads and compiles once and then runs one round per request while the others sit idle. Rounds
 alternate the order of the sides; the report is the median over rounds of per-round medians. Decode holds the
 context fixed (kvjax resets the cache lengths, transformers crops its cache). OpenMP waits passively: spinning makes
-torch decode ~13x slower whenever another process takes a pinned CPU, and is no faster on an idle one. Each round
+torch decode ~13x slower whenever another process takes a pinned CPU, and is no faster on an idle one. Every side runs
+under kvjax.allocator's host allocator settings (what the main job and the server use; KVJAX_MALLOC=system for the
+C library's defaults): at batch 64 they make kvjax's decode step ~3x faster. Each round
 records the share of the pinned CPUs that other processes used ("other load"): trust numbers taken with little.
 """
 
@@ -233,8 +235,10 @@ SIDES = {"kvjax": KvjaxBench, "torch": TorchBench, "bandwidth": BandwidthBench}
 
 def serve(args) -> None:
     """Worker loop: set up, then per line on stdin one JSON line on stdout (a round, with the CPU time it used)."""
+    from kvjax import allocator
+    applied = allocator.tune()  # every side alike, before any library starts its threads
     bench = SIDES[args.side](args)
-    print(json.dumps({"setup": bench.setup}), flush=True)
+    print(json.dumps({"setup": {**bench.setup, "allocator": applied}}), flush=True)
     for _ in sys.stdin:
         cpu0 = time.process_time()
         print(json.dumps({**bench.round(), "cpu_s": time.process_time() - cpu0}), flush=True)
@@ -330,6 +334,7 @@ def run(args) -> dict:
     settings = {k: v for k, v in vars(args).items() if k not in ("side", "workdir", "out", "ckpt")}
     result = {"model": MODEL, "settings": settings,
               "read_bandwidth_gb_s": bandwidth, "kvjax_first_call_s": workers["kvjax"].setup["first_call_s"],
+              "allocator": workers["kvjax"].setup["allocator"],
               "last_logits_max_abs_diff": float(np.abs(kvjax_logits - torch_logits).max()),
               "other_load": {s: median_over(rounds[s], "other_load") for s in SIDES},
               "prefill_tok_s": {s: median_over(rounds[s], "prefill") for s in ("kvjax", "torch")}, "decode": {},
@@ -355,7 +360,8 @@ def run(args) -> dict:
 
 def print_report(r: dict, args) -> None:
     print(f"\nQwen3 {MODEL['hidden_size']}d x {MODEL['num_hidden_layers']} layers, vocab {MODEL['vocab_size']}, "
-          f"float32, batch 1; {args.threads} threads on CPUs {args.cpus}; median of {args.rounds} round(s)")
+          f"float32, batch 1; {args.threads} threads on CPUs {args.cpus}; median of {args.rounds} round(s); every side's "
+          f"host allocator: {r['allocator']}")
     row = "{:<33}{:>9}{:>14}{:>8}{:>10}{:>12}{:>9}"
     print(row.format("tokens/s", "kvjax", "transformers", "ratio", "roofline", "% roofline", "MB/tok"))
     p = r["prefill_tok_s"]

@@ -1,0 +1,59 @@
+"""kvjax.allocator: the host allocator settings of kvjax's programs, checked in fresh processes (the test process
+itself keeps the C library's defaults, tests/conftest.py)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+PROBE = ("from kvjax import allocator; print(allocator.tune()); print(allocator.tune())")
+
+
+def run(env_value):
+    env = {**os.environ}
+    env.pop("KVJAX_MALLOC", None)
+    env.pop("LD_PRELOAD", None)
+    if env_value is not None:
+        env["KVJAX_MALLOC"] = env_value
+    return subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the settings are glibc's")
+def test_tuned_by_default_and_once():
+    out = run(None)
+    assert out.returncode == 0, out.stderr
+    first, second = out.stdout.splitlines()
+    assert first == second  # applied once, the same answer after
+    if "not glibc" not in first:  # musl and other C libraries keep their defaults
+        assert first.startswith("glibc ") and "one arena, no mmap'd blocks, no trimming" in first
+
+
+def test_system_leaves_the_defaults():
+    out = run("system")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0] == "system allocator defaults (KVJAX_MALLOC=system)"
+
+
+def test_unknown_value_names_the_choices():
+    out = run("fast")
+    assert out.returncode != 0
+    assert "KVJAX_MALLOC='fast': use 'tuned' (the default) or 'system'" in out.stderr
+
+
+def test_tuned_decode_matches_system():
+    """The settings change where memory comes from, never a result: one decode step, both ways, same logits."""
+    code = ("import numpy as np, jax, jax.numpy as jnp; from kvjax import allocator; allocator.tune();"
+            "import kvjax; from kvjax.models.config import Qwen3Config;"
+            "cfg = Qwen3Config.from_hf_dict(dict(model_type='qwen3', vocab_size=64, hidden_size=32,"
+            " intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8));"
+            "p = kvjax.init_params(cfg, jax.random.PRNGKey(0)); c = kvjax.init_cache(cfg, 2, 64);"
+            "_, c = kvjax.prefill(p, cfg, jnp.ones((2, 5), jnp.int32), c);"
+            "l, c = kvjax.decode_step(p, cfg, jnp.array([3, 4], jnp.int32), c); print(np.asarray(l).tobytes().hex())")
+    outs = []
+    for value in ("tuned", "system"):
+        env = {**os.environ, "KVJAX_MALLOC": value, "JAX_PLATFORMS": "cpu"}
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        outs.append(r.stdout.strip().splitlines()[-1])
+    assert outs[0] == outs[1]
