@@ -35,17 +35,29 @@ from kvjax.mapper.residual import make_optimizer
 from kvjax.mapper.residual_config import ResidualConfig
 from kvjax.models.decoder import forward, forward_features, rms_norm, unembed
 from kvjax.windows import sample
+from launch.toy.config import DIGITS, EQUALS_SPACE
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def copy_windows(tokens: np.ndarray, n: int, prefix: int, span: int, rng: np.random.Generator) -> np.ndarray:
-    """int32 [n, prefix + span]: `prefix` tokens of text, then a repeat of the span that starts 10-20% into it."""
+def copy_windows(tokens: np.ndarray, n: int, prefix: int, span: int, rng: np.random.Generator,
+                 facts: bool = False) -> np.ndarray:
+    """int32 [n, prefix + span]: `prefix` tokens of text, then a repeat of the span that starts 10-20% into it.
+    `facts`: the span is first overwritten by a fact as the source's last training phase wrote them
+    (launch/toy/config.py, phase 7): 2-5 tokens drawn from the window as the key, " =", " ", then digits to the
+    span's end, and it starts anywhere 64-960 tokens back (the phase's copy gaps)."""
     starts = rng.integers(0, len(tokens) - prefix, n)
     out = np.zeros((n, prefix + span), np.int32)
     for i, s in enumerate(starts):
-        w = np.asarray(tokens[s : s + prefix], np.int32)
-        a = int(rng.integers(int(0.1 * prefix), int(0.2 * prefix)))
+        w = np.array(tokens[s : s + prefix], np.int32)
+        if facts:
+            a = prefix - int(rng.integers(64, min(960, prefix - span) + 1))
+            cue = int(rng.integers(2, 6))
+            w[a : a + cue] = w[rng.integers(0, prefix, cue)]
+            w[a + cue : a + cue + len(EQUALS_SPACE)] = EQUALS_SPACE
+            w[a + cue + len(EQUALS_SPACE) : a + span] = rng.choice(DIGITS, span - cue - len(EQUALS_SPACE))
+        else:
+            a = int(rng.integers(int(0.1 * prefix), int(0.2 * prefix)))
         out[i] = np.concatenate([w, w[a : a + span]])
     return out
 
@@ -68,8 +80,17 @@ def build_pool(source, windows: np.ndarray, prefix: int, batch: int = 4):
     return np.concatenate(ks, 1), np.concatenate(vs, 1), np.concatenate(hs)
 
 
-def make_step(opt, source, target, copy_prefix: int, text_prefix: int, skip: int, copy_weight: float):
+def make_step(opt, source, target, copy_prefix: int, text_prefix: int, skip: int, copy_weight: float,
+              only: tuple[str, ...] = ()):
+    """`only`: train just these residuals ("k1" = target layer 1's keys, "v0", ...); the others keep --map's."""
     (scfg, sparams), (tcfg, tparams) = source, target
+
+    def keep(grads):
+        if not only:
+            return grads
+        pick = lambda kind, layers: tuple(g if f"{kind}{i}" in only else jax.tree.map(jnp.zeros_like, g)  # noqa: E731
+                                          for i, g in enumerate(layers))
+        return grads.replace(keys=pick("k", grads.keys), values=pick("v", grads.values))
 
     def window_loss(kvmap, tokens, k, v, hidden, prefix, first):
         cache = kvjax.KVCache(k=k, v=v, lengths=jnp.full((tokens.shape[0],), prefix - 1, jnp.int32))
@@ -85,7 +106,7 @@ def make_step(opt, source, target, copy_prefix: int, text_prefix: int, skip: int
             lt = window_loss(m, *text_batch, text_prefix, 0) if copy_weight < 1 else 0.0
             return copy_weight * lc + (1 - copy_weight) * lt, (lc, lt)
         (value, parts), grads = jax.value_and_grad(loss, has_aux=True)(kvmap)
-        updates, state = opt.update(grads, state, kvmap)
+        updates, state = opt.update(keep(grads), state, kvmap)
         return optax.apply_updates(kvmap, updates), state, value, parts
 
     return step
@@ -102,12 +123,15 @@ def main(argv=None) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--prefix", type=int, default=1024, help="copy windows: text tokens before the repeat")
     p.add_argument("--span", type=int, default=24, help="copy windows: repeated tokens")
+    p.add_argument("--facts", action="store_true", help="copy windows: the repeated span is a key = digits fact")
     p.add_argument("--skip", type=int, default=2, help="copy windows: repeat tokens not scored (not yet copyable)")
     p.add_argument("--copy-windows", type=int, default=128, help="distinct copy windows in the pool")
     p.add_argument("--text-windows", type=int, default=256, help="distinct 256 + 64 text windows in the pool")
     p.add_argument("--copy-batch", type=int, default=2)
     p.add_argument("--text-batch", type=int, default=4)
     p.add_argument("--copy-weight", type=float, default=0.5, help="share of the loss on the copy windows")
+    p.add_argument("--only", nargs="*", default=[], metavar="k1",
+                   help="train only these residuals (k|v + target layer), e.g. k1: the reader layer's keys")
     p.add_argument("--fresh", action="store_true", help="start the residual at zero (the ridge) instead of --map's")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -123,7 +147,7 @@ def main(argv=None) -> None:
     tokens = np.load(args.train_tokens, mmap_mode="r")
     rng = np.random.default_rng(args.seed)
     t0 = time.time()
-    cw = copy_windows(tokens, args.copy_windows, args.prefix, args.span, rng)
+    cw = copy_windows(tokens, args.copy_windows, args.prefix, args.span, rng, args.facts)
     tw = sample(np.asarray(tokens), args.text_windows, 256 + 64, seed=args.seed + 101)
     copy_pool = (cw, *build_pool(source, cw, args.prefix))
     text_pool = (tw, *build_pool(source, tw, 256))
@@ -132,7 +156,7 @@ def main(argv=None) -> None:
     rc = ResidualConfig(steps=args.steps, lr=args.lr, warmup_steps=min(20, args.steps // 10))
     opt = make_optimizer(rc, kvmap)
     state = opt.init(kvmap)
-    step = make_step(opt, source, target, args.prefix, 256, args.skip, args.copy_weight)
+    step = make_step(opt, source, target, args.prefix, 256, args.skip, args.copy_weight, tuple(args.only))
 
     def batch(pool, n, i):
         toks, k, v, h = pool

@@ -19,7 +19,9 @@ was cut from), `mix:BASE:j=OTHER` (BASE with target layer j's K/V taken from OTH
 target recomputes its top layer over it: kvjax.builders.partial, mode top), NAME for a map given with
 --extra NAME=DIR, and `MAP@j=s` (MAP with target layer j's K/V copied from source layer s, which must be in j's
 pairing; `s+k` / `s+v` copy only the keys / values). `--target-cut 0,3,5` answers with the source's own layers
-instead of the fine-tuned target (same shapes), to tell the cut from the fine-tuning.
+instead of the fine-tuned target (same shapes), to tell the cut from the fine-tuning. Any needle option of
+launch.toy.evalsets (--needle, --query, --answer, --depth, --value-digits, ...) builds fresh items in that format
+instead of the shipped set (as launch.research.needle_probe does), e.g. a separator the training never showed.
 
 Parts: `attention` reports, per layer and head, the attention mass at each answer position on the needle token that
 answer position must copy (the induction target), for the source and for the target under a few recipes, and the
@@ -28,7 +30,8 @@ layer, or one) and minimises the answer's cross-entropy per item (Adam): if the 
 can find a needle and the failure is in what the map writes there; `copies` counts the continuation tokens of the
 residual's training windows (kvjax.windows.sample, as the teacher pool draws them) that an induction copy predicts
 (the 3 tokens before them and the token itself occur earlier in the window), by distance; `mc` scores map recipes
-on the shipped HellaSwag / PIQA sets (--mc-items per set) with paired bootstrap intervals against `map`.
+on the shipped HellaSwag / PIQA sets (--mc-items per set) and source-teacher KL on 64 held-out windows, with paired
+bootstrap intervals against `map`.
 """
 
 from __future__ import annotations
@@ -65,8 +68,23 @@ class Batch:
     value_pos: np.ndarray  # int32 [N]: where answer token 0 sits inside the needle (the copy target of position 0)
 
 
-def load_items(path: str, tokenizer, n: int) -> Batch:
-    items = load_retrieval(path, tokenizer, limit=n)
+def probe_items(needle_args: list[str], tokenizer, length: int, n: int) -> list:
+    """Items in another needle format (launch.toy.evalsets' options, e.g. --needle '{key}: {value}\\n' --query
+    '{key}:'), built fresh from held-out files with needle_probe's seed (123), not the shipped set's."""
+    from pathlib import Path
+
+    from kvjax.eval.multiple_choice import encode
+    from kvjax.eval.retrieval import RetrievalItem
+    from launch.toy import evalsets
+    fmt = evalsets.parse_args([*needle_args, "--n-retrieval", str(n)])
+    docs = evalsets.heldout_docs(Path(REPO) / "checkpoints/toy/data/manifest.json", tokenizer, fmt.haystack)
+    rows = evalsets.build_retrieval(docs, length, fmt, tokenizer, np.random.default_rng(123))
+    return [RetrievalItem(encode(tokenizer, r["prompt"]), r["answer_ids"], r["length"], r["needle_position"],
+                          r["prompt"], r["answer"]) for r in rows]
+
+
+def load_items(path: str, tokenizer, n: int, items=None) -> Batch:
+    items = items if items is not None else load_retrieval(path, tokenizer, limit=n)
     if len({it.length for it in items}) != 1 or len({len(it.answer_ids) for it in items}) != 1:
         raise SystemExit(f"{path}: items of different lengths; this probe batches equal-length items")
     prompts = np.asarray([it.prompt_ids for it in items], np.int32)
@@ -421,6 +439,21 @@ def run_mc(names, source, target, maps: dict, limit: int, bs: int, baseline: str
         print(f"| {a.name} | " + " | ".join(cells) + " |", flush=True)
 
 
+def run_kl(names, source, target, maps: dict, windows: int, baseline: str) -> None:
+    """Source-teacher KL of each map on the run's held-out windows (prefix 256, continuation 64: the job's `kl`
+    evaluation), paired against `baseline`."""
+    from kvjax.eval.stats import paired_bootstrap_ci
+    from kvjax.mapper.residual import evaluate_kl
+    w = np.load(os.path.join(REPO, "checkpoints/toy/eval/heldout_windows.npy"))[:windows, : 256 + 64].astype(np.int32)
+    base = evaluate_kl(map_recipe(baseline, maps), source, target, w, 256)
+    print(f"\nSource-teacher KL, {windows} held-out windows (256 + 64), paired difference to `{baseline}`\n")
+    print(f"| map | KL | vs baseline |\n|---|---:|---|\n| {baseline} | {base.mean():.4f} | |")
+    for name in names:
+        got = evaluate_kl(map_recipe(name, maps), source, target, w, 256)
+        ci = paired_bootstrap_ci(got, base)
+        print(f"| {name} | {got.mean():.4f} | {ci.mean:+.4f} [{ci.lo:+.4f}, {ci.hi:+.4f}] |", flush=True)
+
+
 # ---- main -------------------------------------------------------------------------------------------------------
 
 def main(argv=None) -> None:
@@ -445,7 +478,10 @@ def main(argv=None) -> None:
     p.add_argument("--target-cut", default="", metavar="a,b,c",
                    help="answer with the source's own layers a,b,c (no fine-tuning) in place of --target's weights")
     p.add_argument("--mc-items", type=int, default=300, help="mc: items per set")
-    args = p.parse_args(argv)
+    args, needle_args = p.parse_known_args(argv)
+    if needle_args and not all(a.startswith("--") or i and needle_args[i - 1].startswith("--")
+                               for i, a in enumerate(needle_args)):
+        p.error(f"unrecognised arguments {needle_args}")
     if args.part == "copies":
         if not os.path.isfile(args.train_tokens):
             raise SystemExit(f"--train-tokens {args.train_tokens}: no such file (a run's data/train_tokens.npy)")
@@ -465,11 +501,13 @@ def main(argv=None) -> None:
     for e in args.extra:
         name, path = e.split("=", 1)
         maps[name] = kvjax.load_map(path, source[0], target[0])
-    items = load_items(os.path.join(REPO, f"checkpoints/toy/eval/retrieval_{args.length}.jsonl"),
-                       kvjax.load_tokenizer(args.target), args.n)
+    tok = kvjax.load_tokenizer(args.target)
+    extra = probe_items(needle_args, tok, args.length, args.n) if needle_args else None  # another needle format
+    items = load_items(os.path.join(REPO, f"checkpoints/toy/eval/retrieval_{args.length}.jsonl"), tok, args.n, extra)
     capacity = bucket(args.length + items.answers.shape[1])
     recipes = Recipes(source, target, maps, capacity)
-    print(f"{args.n} items at {args.length} tokens; map {args.map}")
+    print(f"{args.n} items at {args.length} tokens ({'format ' + ' '.join(needle_args) if needle_args else 'shipped set'})"
+          f"; map {args.map}")
     if args.part == "arms":
         print(ARMS_HEADER)
         run_arms(args.arms or ["source", "target", "map", "ridge", "direct:0,3,5", "top1"], recipes, items,
@@ -483,6 +521,7 @@ def main(argv=None) -> None:
         run_arms(arms, recipes, items, args.batch)
     elif args.part == "mc":
         run_mc(args.arms or ["map@1=3"], source, target, maps, args.mc_items, 8, "map")
+        run_kl(args.arms or ["map@1=3"], source, target, maps, 64, "map")
     elif args.part == "attention":
         run_attention(args.arms or ["source", "target", "map", "direct:0,3,5"], recipes, items, args.batch)
     else:
