@@ -7,7 +7,10 @@ Reads a main-job run (its config.json for the models, map_ridge/ for the frozen 
 the residual's training windows, data/heldout.npy for the frozen held-out windows). Trains two residuals on top of the
 same ridge with the same steps, learning rate, batch and data (the run's `residual` settings with --steps / --lr
 over them): one on source-teacher KL along the text's own continuation (the main job's residual), one along the
-target's own greedy rollout from the mapped cache (`ResidualConfig.rollout`). Each trains in <out>/kl/ and
+target's own greedy rollout from the mapped cache (`ResidualConfig.rollout`). `--init-from MAP` starts them from a
+saved residual of the same ridge (`ResidualConfig.init_from`, e.g. a warm restart with another --seed); `--ema 0.995`
+makes each the moving average of its iterates (`ResidualConfig.ema`: a rollout residual's held-out divergence moves
+by points from one checkpoint to the next; the average is steadier and lower). Each trains in <out>/kl/ and
 <out>/rollout/ (orbax checkpoints: an interrupted command resumes; a finished training is not repeated). Then, on
 --windows held-out windows (rows --skip.., the main job's KL windows), the target greedily generates --n tokens from
 each map's cache (and, as a reference, from its own prefill: `target`) and the source teacher scores every step
