@@ -6,7 +6,8 @@ own, each XLA worker thread allocates from a separate arena that shrinks when fr
 to the OS: so every decode step page-faults its temporaries back in, at ~2 GB/s instead of the ~20 GB/s the same bytes
 read at from memory already mapped. At batch 64 and 512 tokens a row, that was 2/3 of the step (355 vs 112 ms on the
 foundation model; WORKSPACE.md, "Speed"). Keeping freed memory in one heap (no mmap'd blocks, no trimming, one arena)
-removes the faults; tcmalloc (LD_PRELOAD) does the same and needs a system package.
+removes the faults; the single arena costs ~10% at batch 1 (its lock), which is why tcmalloc, where installed and
+preloaded (LD_PRELOAD; README, "Speed on CPU"), is better still and is left alone.
 
 `tune()` applies this with glibc's mallopt. It changes the whole process (memory freed is kept for reuse, so the
 resident size stays at its peak), which is right for the programs kvjax runs (the main job, the server, the
@@ -40,11 +41,24 @@ def tune() -> str:
         _applied = f"system allocator defaults ({ENV}=system)"
     elif not sys.platform.startswith("linux"):
         _applied = f"system allocator defaults ({sys.platform}: the settings are glibc's)"
-    elif "tcmalloc" in os.environ.get("LD_PRELOAD", "") or "jemalloc" in os.environ.get("LD_PRELOAD", ""):
-        _applied = "LD_PRELOAD allocator (left as it is)"
+    elif (other := _preloaded()) is not None:
+        _applied = f"{other} (loaded into the process; left as it is)"
     else:
         _applied = _mallopt()
     return _applied
+
+
+def _preloaded() -> str | None:
+    """tcmalloc or jemalloc when the process runs under one (LD_PRELOAD): it already keeps freed memory."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        return None
+    for name in ("tcmalloc", "jemalloc"):
+        if f"lib{name}" in maps:
+            return name
+    return None
 
 
 def _mallopt() -> str:

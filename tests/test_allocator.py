@@ -1,6 +1,7 @@
 """kvjax.allocator: the host allocator settings of kvjax's programs, checked in fresh processes (the test process
 itself keeps the C library's defaults, tests/conftest.py)."""
 
+import glob
 import os
 import subprocess
 import sys
@@ -57,3 +58,15 @@ def test_tuned_decode_matches_system():
         assert r.returncode == 0, r.stderr
         outs.append(r.stdout.strip().splitlines()[-1])
     assert outs[0] == outs[1]
+
+
+TCMALLOC = sorted(glob.glob("/usr/lib/*/libtcmalloc*.so.4") + glob.glob("/usr/lib/libtcmalloc*.so.4"))
+
+
+@pytest.mark.skipif(not TCMALLOC, reason="no tcmalloc on this machine (apt-get install libtcmalloc-minimal4)")
+def test_preloaded_tcmalloc_is_left_alone():
+    env = {**os.environ, "LD_PRELOAD": TCMALLOC[0]}
+    env.pop("KVJAX_MALLOC", None)
+    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0] == "tcmalloc (loaded into the process; left as it is)"
