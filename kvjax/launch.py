@@ -514,6 +514,11 @@ def alias(forwarded: list[str], print_only: bool = False) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        allocator = kvjax_allocator.tune()  # before XLA starts its threads (kvjax.allocator says why)
+    except ValueError as e:  # a bad KVJAX_MALLOC
+        print(f"kvjax.launch: error: {e}", file=sys.stderr)
+        return 2
     from kvjax.corpus import CorpusError
     from kvjax.hf import CheckpointError
     from kvjax.models.config import ConfigError
@@ -542,7 +547,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvjax.launch: error: {e}", file=sys.stderr)
         return 2
     setup_logging(cfg.output_dir)
-    allocator = kvjax_allocator.tune()  # before XLA starts its threads (kvjax.allocator says why)
     import jax
     if jax.process_index() > 0:  # run.log is process 0's; the others log beside it
         root = logging.getLogger()

@@ -70,3 +70,12 @@ def test_preloaded_tcmalloc_is_left_alone():
     out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[0] == "tcmalloc (loaded into the process; left as it is)"
+
+
+@pytest.mark.parametrize("module", ["kvjax.launch", "kvjax.serve"])
+def test_bad_value_stops_the_programs_without_a_traceback(module):
+    env = {**os.environ, "KVJAX_MALLOC": "fast"}
+    out = subprocess.run([sys.executable, "-m", module], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert f"{module}: error: KVJAX_MALLOC='fast': use 'tuned'" in out.stderr
+    assert "Traceback" not in out.stderr

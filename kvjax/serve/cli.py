@@ -140,6 +140,11 @@ def build_server(cfg: RunConfig, args, engine_cfg: EngineConfig, map_dir: str, g
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        applied = allocator.tune()  # before XLA starts its threads (kvjax.allocator says why)
+    except ValueError as e:  # a bad KVJAX_MALLOC
+        print(f"kvjax.serve: error: {e}", file=sys.stderr)
+        return 2
     from kvjax.hf import CheckpointError
     from kvjax.models.config import ConfigError
     try:
@@ -154,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         # on CPU, split the host into devices so each pool has its own (before JAX starts)
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={args.cpu_devices}").strip()
-    log.info("host allocator: %s", allocator.tune())  # before XLA starts its threads (kvjax.allocator)
+    log.info("host allocator: %s", applied)
     import uvicorn
     try:
         engine, server = build_server(cfg, args, engine_cfg, map_dir, gate)
