@@ -79,3 +79,20 @@ def test_bad_value_stops_the_programs_without_a_traceback(module):
     assert out.returncode == 2
     assert f"{module}: error: KVJAX_MALLOC='fast': use 'tuned'" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_allocator_benchmark_smoke(tmp_path):
+    """launch.bench.allocator end to end with tiny settings: every allocator's worker runs and reports what applied."""
+    out = tmp_path / "alloc.json"
+    env = {**os.environ}
+    env.pop("KVJAX_MALLOC", None)
+    r = subprocess.run([sys.executable, "-m", "launch.bench.allocator", "--batches", "1", "2", "--context", "16",
+                        "--capacity", "64", "--steps", "2", "--rounds", "1", "--cpus", "0", "--out", str(out)],
+                       env=env, capture_output=True, text=True, timeout=600,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stderr[-2000:]
+    import json
+    res = json.loads(out.read_text())
+    assert res["applied"]["glibc defaults"] == "system allocator defaults (KVJAX_MALLOC=system)"
+    assert set(res["ms_per_step"]["glibc defaults"]) == {"1", "2"}
+    assert all(ms > 0 for row in res["ms_per_step"].values() for ms in row.values())
