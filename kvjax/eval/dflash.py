@@ -40,9 +40,11 @@ def methods_for(verifier, drafters: dict, new_tokens: int) -> dict:
     from kvjax.generation import CACHE_ALIGN, Sampling, generate
     from kvjax.models.decoder import forward_features
     from kvjax.models.model import as_model
+    from kvjax.speculative.api import loop_verifier
     from kvjax.speculative.loop import run_loop, stats_of
 
     verifier = as_model(verifier)
+    looped = loop_verifier(verifier)  # the verifier as speculative_generate runs it (an explicit [D, V] head on CPU)
     cfg, params = verifier
     eos = tuple(cfg.eos_token_ids)
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0)
@@ -68,7 +70,7 @@ def methods_for(verifier, drafters: dict, new_tokens: int) -> dict:
         else:
             cache, feats = prefill_cache_jit(params, cfg, prefix, plen, capacity), None
         state = drafter.start(prefix, plen, capacity, feats)
-        out, counters = run_loop(verifier, drafter, cache, state, last, jax.random.key(0), new_tokens, Sampling(),
+        out, counters = run_loop(looped, drafter, cache, state, last, jax.random.key(0), new_tokens, Sampling(),
                                  eos, pad)
         return np.asarray(jax.block_until_ready(out)), stats_of(counters, g)
 
