@@ -506,8 +506,8 @@ def main(argv=None) -> None:
     items = load_items(os.path.join(REPO, f"checkpoints/toy/eval/retrieval_{args.length}.jsonl"), tok, args.n, extra)
     capacity = bucket(args.length + items.answers.shape[1])
     recipes = Recipes(source, target, maps, capacity)
-    print(f"{args.n} items at {args.length} tokens ({'format ' + ' '.join(needle_args) if needle_args else 'shipped set'})"
-          f"; map {args.map}")
+    what = "format " + " ".join(needle_args) if needle_args else "shipped set"
+    print(f"{args.n} items at {args.length} tokens ({what}); map {args.map}")
     if args.part == "arms":
         print(ARMS_HEADER)
         run_arms(args.arms or ["source", "target", "map", "ridge", "direct:0,3,5", "top1"], recipes, items,
