@@ -14,7 +14,7 @@ target. Only the residual moves (the ridge stays frozen); it starts from --map's
 Writes DIR (a map artifact) and DIR/log.jsonl.
 
 Session 11 (pruned pair, session-11 quick map; retrieval = the shipped 1K set, 200 items; source 195/200): generic
-repeats (800 steps) 0/200-style (0/50, digits 40%); `--facts --span 16 --copy-batch 4 --copy-windows 256 --lr 2e-3
+repeats (800 steps) 0/50 (digits 40%); `--facts --span 16 --copy-batch 4 --copy-windows 256 --lr 2e-3
 --steps 800` 129/200, with `--text-windows 1536` 131/200 (MC within today's paired interval, KL +0.047), `--only k1`
 (the reader's keys alone) 116/200. The first digit does not transfer to a separator the windows never showed
 ("key: value": 0-1/50, source 49/50).
