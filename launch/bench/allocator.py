@@ -20,8 +20,7 @@ import statistics
 import subprocess
 import sys
 
-MODEL = dict(model_type="qwen3", vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-             num_attention_heads=8, num_key_value_heads=4, head_dim=64, tie_word_embeddings=False)
+from launch.bench.foundation import MODEL
 
 
 def tcmalloc() -> str | None:
@@ -47,7 +46,7 @@ def worker(args) -> None:
 
     import kvjax
     from kvjax.models.config import Qwen3Config
-    cfg = Qwen3Config.from_hf_dict(MODEL)
+    cfg = Qwen3Config.from_hf_dict({"model_type": "qwen3", **MODEL})
     params = kvjax.init_params(cfg, jax.random.PRNGKey(0))
     result = {"applied": applied, "ms": {}}
     for b in args.batches:

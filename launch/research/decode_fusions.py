@@ -32,9 +32,8 @@ from kvjax.cache import window_sizes
 from kvjax.models import decoder as D
 from kvjax.models.config import Qwen3Config
 from kvjax.models.rope import apply_rope, rope_table
+from launch.bench.foundation import MODEL
 
-MODEL = dict(model_type="qwen3", vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-             num_attention_heads=8, num_key_value_heads=4, head_dim=64, tie_word_embeddings=False)
 VARIANTS = ("base", "onewin", "fuse", "table", "dus", "library")
 
 
@@ -112,7 +111,7 @@ def main(argv=None) -> int:
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     args = p.parse_args(argv)
     print(f"host allocator: {allocator.tune()}")  # as the main job runs (kvjax.allocator); before XLA's threads start
-    cfg = Qwen3Config.from_hf_dict(MODEL)
+    cfg = Qwen3Config.from_hf_dict({"model_type": "qwen3", **MODEL})
     params = kvjax.init_params(cfg, jax.random.PRNGKey(0))
     fused = tuple(dict(qkv=jnp.concatenate([w.reshape(w.shape[0], -1) for w in (lp.q, lp.k, lp.v)], 1),
                        gu=jnp.concatenate([lp.gate, lp.up], 1)) for lp in params.layers)
