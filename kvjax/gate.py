@@ -27,6 +27,9 @@ class GateConfig:
     min_kl_reduction: float | None = 0.0  # 1 - KL(residual) / KL(ridge)
     min_mc_retention: float | None = 0.95  # mapped accuracy / native target accuracy, worst multiple-choice set
     min_retrieval_retention: float | None = None  # mapped / native target retrieval accuracy, worst length
+    # exact-match retrieval of the gated map, worst length (0..1): where the native target retrieves nothing (a
+    # target that cannot read its context alone) retention is undefined, and this is the check that can fail
+    min_retrieval: float | None = None
     # (mapped - target) / (source - target) accuracy, worst multiple-choice set (undefined where the source is not
     # ahead of the target: then the check is not measured)
     min_mc_gap_recovered: float | None = None
@@ -41,7 +44,7 @@ class GateConfig:
         return {k: v for k, v in dataclasses.asdict(self).items() if not (k in ADDED_LATER and v is None)}
 
 
-ADDED_LATER = ("min_attn_cos",)  # checks that did not exist in earlier runs (see GateConfig.hashed)
+ADDED_LATER = ("min_attn_cos", "min_retrieval")  # checks that did not exist in earlier runs (see GateConfig.hashed)
 
 
 @dataclasses.dataclass(frozen=True)

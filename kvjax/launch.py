@@ -25,7 +25,7 @@ import time
 from kvjax import allocator as kvjax_allocator
 from kvjax.config_flags import ConfigFlagError, build, describe_config, parse_argv, to_dict
 from kvjax.eval import suite
-from kvjax.preflight import LaunchError, make_mesh, resolve_models, validate
+from kvjax.preflight import LaunchError, check_processes, make_mesh, resolve_models, validate
 from kvjax.run_config import RunConfig
 from kvjax.stages import RunDir, Stage, StageConflict, model_identity, read_json, write_json
 
@@ -256,7 +256,9 @@ class Job:
         eos = tcfg.eos_token_ids[0] if tcfg.eos_token_ids else (tcfg.pad_token_id or 0)
         tok = self.tokenizer()
         train = corpus.read_tokens(d.train_text, tok, eos, d.max_train_tokens, d.manifest, d.text_field)
-        need = max(cfg.map.window_len, cfg.residual.prefix_len + cfg.residual.cont_len) + 2
+        rc = cfg.residual
+        copies = rc.copy_len + rc.copy_span if rc.copy_windows else 0  # the fact-copy windows' length
+        need = max(cfg.map.window_len, rc.prefix_len + rc.cont_len, copies) + 2
         if len(train) < 2 * need:
             raise LaunchError(f"data.train_text gave {len(train)} tokens; calibration and residual windows need at "
                               f"least {2 * need}; add text or raise data.max_train_tokens")
@@ -322,7 +324,8 @@ class Job:
         self.run.claim_workdir(stage, workdir)
         ridge = self.map("ridge")
         kvmap, history = kvjax.train_residual(ridge, source, target, np.asarray(self.data("train_tokens")),
-                                              self.cfg.residual, workdir=workdir, mesh=self.parallel_mesh())
+                                              self.cfg.residual, workdir=workdir, mesh=self.parallel_mesh(),
+                                              tokenizer=self.tokenizer())
         info = dict(read_manifest(self.run.path("map_ridge"))["info"], residual_steps=self.cfg.residual.steps,
                     residual=dataclasses.asdict(self.cfg.residual))
         kvjax.save_map(self.run.path("map"), kvmap, info=info)
@@ -540,6 +543,8 @@ def main(argv: list[str] | None = None) -> int:
             distributed.initialize_from_flags(flags)
         except ValueError as e:
             raise LaunchError(f"distributed: {e}") from None
+        import jax
+        check_processes(cfg, jax.process_count())
         job = Job(cfg, redo, step_timeout=flags.step_timeout)
         # conflicts with an earlier run are reported before anything is written; process 0 applies --redo first
         distributed.primary_first("check", job.check, LaunchError)

@@ -105,6 +105,7 @@ def validate(cfg: RunConfig) -> None:
                         "map directory fitted on this run's ridge (e.g. an earlier run's map/), or '' for a fresh one")
     if not 0.0 <= cfg.residual.ema < 1.0:
         problems.append(f"residual.ema={cfg.residual.ema}: must be in [0, 1) (e.g. 0.995; 0: the last iterate)")
+    problems += copy_window_problems(cfg, cfgs)
     peers = cfg.peers
     if peers.perhead_topk < 0 or ("source" in cfgs and peers.perhead_topk > cfgs["source"].num_layers):
         problems.append(f"peers.perhead_topk={peers.perhead_topk}: use 0 (off) or 1..the source's layers")
@@ -114,10 +115,62 @@ def validate(cfg: RunConfig) -> None:
     problems += suite.preflight(cfg)  # each evaluation's settings and inputs (gate.cos_arm: distances)
     for f in dataclasses.fields(GateConfig):
         value = getattr(cfg.gate, f.name)
-        if isinstance(value, (int, float)) and ("cos" in f.name or "retention" in f.name) and not -1 <= value <= 10:
+        ranged = any(word in f.name for word in ("cos", "retention", "retrieval"))
+        if isinstance(value, (int, float)) and ranged and not -1 <= value <= 10:
             problems.append(f"gate.{f.name}={value} is out of range")
     if problems:
         raise LaunchError("the config has problems (nothing was run):\n  - " + "\n  - ".join(problems))
+
+
+def copy_window_problems(cfg: RunConfig, model_cfgs: dict) -> list[str]:
+    """The fact-copy windows' settings (residual.copy_*, kvjax.mapper.copy_windows) against the trainer, the models'
+    positions, the training text and the pair's tokenizer."""
+    from kvjax.hf import CheckpointError, load_tokenizer
+    from kvjax.mapper.copy_windows import MIN_GAP, fact_format
+    rc, problems = cfg.residual, []
+    if rc.copy_windows < 0:
+        problems.append(f"residual.copy_windows={rc.copy_windows}: must be >= 0 (0: off)")
+    if rc.copy_windows <= 0 or rc.steps == 0:
+        return problems
+    if rc.rollout:
+        problems.append("residual.copy_windows with residual.rollout: a rollout replaces the continuation the copy "
+                        "windows score; set residual.copy_windows=0 or residual.rollout=False")
+    if rc.copy_batch < 1:
+        problems.append(f"residual.copy_batch={rc.copy_batch}: must be >= 1 (fact-copy windows per step)")
+    if not 0.0 < rc.copy_weight <= 1.0:
+        problems.append(f"residual.copy_weight={rc.copy_weight}: must be in (0, 1] (the copies' share of the loss)")
+    window = rc.copy_len + rc.copy_span
+    if rc.copy_len < 2 * MIN_GAP or rc.copy_len < rc.copy_span + MIN_GAP:
+        problems.append(f"residual.copy_len={rc.copy_len}: must be >= {2 * MIN_GAP} and >= copy_span + {MIN_GAP} "
+                        "(the fact sits 64..copy_len-64 tokens back)")
+    for role, mcfg in model_cfgs.items():
+        if window > mcfg.max_position_embeddings:
+            problems.append(f"residual.copy_len + copy_span = {window} exceeds the {role}'s "
+                            f"max_position_embeddings {mcfg.max_position_embeddings}; lower residual.copy_len")
+    if window + 2 > cfg.data.max_train_tokens:
+        problems.append(f"residual.copy_len + copy_span = {window} is longer than the training text "
+                        f"(data.max_train_tokens={cfg.data.max_train_tokens}); lower residual.copy_len")
+    try:
+        fmt = fact_format(load_tokenizer(cfg.target.path), rc.copy_separator, rc.copy_values)
+        if rc.copy_span < fmt.min_span():
+            problems.append(f"residual.copy_span={rc.copy_span}: a fact (a key of up to 5 tokens, the separator "
+                            f"{rc.copy_separator!r} = {len(fmt.separator)} tokens, a value) needs >= {fmt.min_span()}")
+    except ValueError as e:  # the format's text under the pair's tokenizer
+        problems.append(f"residual.copy_separator / copy_values: {e}")
+    except CheckpointError:
+        pass  # the missing tokenizer is reported on its own
+    return problems
+
+
+def check_processes(cfg: RunConfig, process_count: int) -> None:
+    """Settings that need one process, checked once jax.distributed is up (before any stage runs): the teacher pool
+    and the fact-copy windows are made once, in one process's memory."""
+    rc = cfg.residual
+    if process_count > 1 and rc.steps > 0 and (rc.pool_windows or rc.copy_windows):
+        names = [n for n in ("pool_windows", "copy_windows") if getattr(rc, n)]
+        raise LaunchError(f"residual.{' and residual.'.join(names)} need one process (their pools are made once, in "
+                          f"one process's memory); this run has {process_count}: set "
+                          f"{' and '.join(f'--config.residual.{n}=0' for n in names)} or run on one process")
 
 
 def make_mesh(cfg: RunConfig):

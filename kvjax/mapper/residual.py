@@ -33,11 +33,12 @@ from kvjax.generation import Sampling, decode_loop
 from kvjax.builders.native import prefill_cache
 from kvjax.mapper.artifact import load_map, read_manifest
 from kvjax.mapper.calibrate import model_on_mesh
+from kvjax.mapper.copy_windows import COPY_SKIP, fact_format, fact_windows
 from kvjax.models.model import Model
 from kvjax.mapper.kl import kl
 from kvjax.mapper.kvmap import KVMap, apply_map, kvmap_shardings
 from kvjax.mapper.residual_config import ResidualConfig
-from kvjax.mapper.teacher_pool import Pool, build_pool, teacher_logits
+from kvjax.mapper.teacher_pool import Pool, build_pool, pool_of, teacher_logits
 from kvjax.models.decoder import forward, forward_nocache
 from kvjax.windows import step_batch, step_starts
 
@@ -133,16 +134,54 @@ def _step_fn(opt: optax.GradientTransformation, rc: ResidualConfig, scfg, tcfg):
     return step
 
 
+def pooled_kl(kvmap: KVMap, source: Model, target: Model, batch, prefix: int, teacher: str = "source",
+              skip: int = 0) -> jax.Array:
+    """Mean KL of the target-from-mapped-cache vs the teacher on a Pool batch (tokens, source cache, teacher hidden
+    states) of windows of `prefix` + continuation tokens, the first `skip` continuation positions left out."""
+    tokens, src_cache, hidden = batch
+    logits = jax.lax.stop_gradient(teacher_logits(source if teacher == "source" else target, hidden))
+    per_position = kl(logits, student_logits(kvmap, target, src_cache, tokens, prefix))
+    return (per_position[:, skip:] if skip else per_position).mean()
+
+
 def _pooled_step_fn(opt: optax.GradientTransformation, rc: ResidualConfig, scfg, tcfg):
     """The step on a batch of a Pool (kvjax.mapper.teacher_pool): the frozen models' outputs are read, not run."""
     def step(kvmap, opt_state, sparams, tparams, batch):
-        tokens, src_cache, hidden = batch
-        teacher = teacher_logits((scfg, sparams) if rc.teacher == "source" else (tcfg, tparams), hidden)
-        loss, grads = jax.value_and_grad(lambda m: kl(teacher, student_logits(
-            m, (tcfg, tparams), src_cache, tokens, rc.prefix_len)).mean())(kvmap)
+        source, target = (scfg, sparams), (tcfg, tparams)
+        loss, grads = jax.value_and_grad(lambda m: pooled_kl(m, source, target, batch, rc.prefix_len,
+                                                             rc.teacher))(kvmap)
         updates, opt_state = opt.update(grads, opt_state, kvmap)
         return optax.apply_updates(kvmap, updates), opt_state, loss
     return step
+
+
+def _copy_step_fn(opt: optax.GradientTransformation, rc: ResidualConfig, scfg, tcfg, pooled: bool):
+    """The step with fact-copy windows mixed in (rc.copy_windows): (1 - copy_weight) x the ordinary KL (streaming or
+    on the text pool) + copy_weight x the KL on the copies' repeats after COPY_SKIP tokens. Returns (map, state,
+    (ordinary KL, copy KL))."""
+    def step(kvmap, opt_state, sparams, tparams, batch, copy_batch):
+        source, target = (scfg, sparams), (tcfg, tparams)
+
+        def loss(m):
+            text = (pooled_kl(m, source, target, batch, rc.prefix_len, rc.teacher) if pooled else
+                    window_kl(m, source, target, batch, rc.prefix_len, rc.teacher).mean())
+            copy = pooled_kl(m, source, target, copy_batch, rc.copy_len, rc.teacher, skip=COPY_SKIP)
+            return (1.0 - rc.copy_weight) * text + rc.copy_weight * copy, (text, copy)
+        (_, parts), grads = jax.value_and_grad(loss, has_aux=True)(kvmap)
+        updates, opt_state = opt.update(grads, opt_state, kvmap)
+        return optax.apply_updates(kvmap, updates), opt_state, parts
+    return step
+
+
+def copy_pool(source: Model, target: Model, tokens: np.ndarray, rc: ResidualConfig, tokenizer) -> Pool:
+    """rc.copy_windows fact-copy windows (kvjax.mapper.copy_windows) of `tokens` with the frozen models' outputs; the
+    fact's separator and value alphabet are rc's text under the pair's `tokenizer`."""
+    if tokenizer is None:
+        raise ValueError("residual.copy_windows needs the pair's tokenizer to write its facts (train_residual(..., "
+                         "tokenizer=kvjax.load_tokenizer(target_path))); or set residual.copy_windows=0")
+    fmt = fact_format(tokenizer, rc.copy_separator, rc.copy_values)
+    windows, _ = fact_windows(tokens, rc.copy_windows, rc.copy_len, rc.copy_span, fmt, rc.seed)
+    return pool_of(source, target, windows, rc.copy_len, rc.teacher)
 
 
 def _sha256(kvmap: KVMap, names: tuple[str, ...]) -> str:
@@ -235,7 +274,7 @@ def restore_target(tree):
 
 def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarray, rc: ResidualConfig,
                    workdir: str | None = None, stop_at: int | None = None,
-                   mesh: Mesh | None = None) -> tuple[KVMap, list[dict]]:
+                   mesh: Mesh | None = None, tokenizer=None) -> tuple[KVMap, list[dict]]:
     """Train the residual on windows cut from a token array (uniformly, a pure function of (seed, step)); resumes
     from `workdir` checkpoints; `stop_at` ends this run early after that step. Returns (map, this run's log): the
     last iterate, or with `rc.ema` the moving average of the iterates.
@@ -245,14 +284,18 @@ def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarra
     optimizer state are placed by their logical axes (replicated), and the step is one jit with in/out shardings,
     compiled once; the result equals single-device training up to float rounding. In a multi-process run every
     process calls this (checkpoints are written jointly through orbax, `workdir` must be on a shared filesystem);
-    only process 0 writes the log file."""
+    only process 0 writes the log file.
+
+    With `rc.copy_windows`, each step also reads `rc.copy_batch` fact-copy windows (kvjax.mapper.copy_windows; their
+    fact format is tokenized with `tokenizer`, the pair's) from a pool made once, on one process; the log's "kl" is
+    then the ordinary windows' KL and "copy_kl" the copies'."""
     if rc.init_from:
         kvmap = warm_start(kvmap, rc.init_from)
     identity = None if workdir is None else run_identity(kvmap, rc)  # before any placement on a mesh
     opt = make_optimizer(rc, kvmap)
     window = rc.prefix_len + rc.cont_len
     (scfg, sparams), (tcfg, tparams) = source, target
-    pool = None
+    pool = copies = None
     if rc.pool_windows:
         if rc.rollout or jax.process_count() > 1:
             raise ValueError("residual.pool_windows needs rollout=False (a rollout's continuation changes with the "
@@ -260,7 +303,15 @@ def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarra
         # one process: the pooled step runs where the models and the map are placed (computation follows the data)
         mesh = None
         pool = build_pool(source, target, tokens, rc.pool_windows, rc.prefix_len, rc.cont_len, rc.seed, rc.teacher)
-    step_fn = (_step_fn if pool is None else _pooled_step_fn)(opt, rc, scfg, tcfg)
+    if rc.copy_windows:
+        if rc.rollout or jax.process_count() > 1:
+            raise ValueError("residual.copy_windows needs rollout=False (the copy is the window's own continuation) "
+                             "and one process (its pool is made once, on one); set residual.copy_windows=0")
+        mesh = None  # as with pool_windows
+        copies = copy_pool(source, target, tokens, rc, tokenizer)
+        step_fn = _copy_step_fn(opt, rc, scfg, tcfg, pooled=pool is not None)
+    else:
+        step_fn = (_step_fn if pool is None else _pooled_step_fn)(opt, rc, scfg, tcfg)
     if mesh is None:
         step = jax.jit(step_fn)
         opt_state = opt.init(kvmap)
@@ -306,10 +357,15 @@ def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarra
             else:
                 rows = TokenWindows(tokens, step_starts(len(tokens), i, rc.batch_size, window, rc.seed), window)
                 batch = distributed.global_batch(rows, batch_sh, (rc.batch_size, window))
-            kvmap, opt_state, loss = step(kvmap, opt_state, sparams, tparams, batch)
+            if copies is None:
+                kvmap, opt_state, loss = step(kvmap, opt_state, sparams, tparams, batch)
+                history.append({"step": i + 1, "kl": float(loss)})
+            else:  # the copy pool's own order: (seed + 1, epoch), as the text pool's is (seed, epoch)
+                kvmap, opt_state, (loss, copy) = step(kvmap, opt_state, sparams, tparams, batch,
+                                                      copies.batch(i, rc.copy_batch, rc.seed + 1))
+                history.append({"step": i + 1, "kl": float(loss), "copy_kl": float(copy)})
             if average is not None:
                 average = averaged(average, kvmap)
-            history.append({"step": i + 1, "kl": float(loss)})
             distributed.heartbeat()
             if manager is not None and ((i + 1) % rc.save_every == 0 or i + 1 == end):
                 manager.save(i + 1, args=ocp.args.StandardSave(state()))

@@ -35,6 +35,20 @@ class ResidualConfig:
     # iterates is steadier. 0: the last iterate
     ema: float = 0.0
     save_every: int = 50  # checkpoint interval (steps)
+    # > 0: fact-copy windows (kvjax.mapper.copy_windows) mixed into every step, this many drawn once into a pool as
+    # pool_windows does: `copy_len` tokens of training text with a `copy_span`-token "key<separator>value" fact
+    # written 64..copy_len-64 tokens before the end, then repeated; KL to the teacher on the repeat. The ordinary
+    # windows never hold a copy from further than prefix_len back, so without these the map learns nothing a needle
+    # answer needs (retrieval through the map 0%). 0: off
+    copy_windows: int = 0
+    copy_len: int = 1024  # text tokens before the repeat (the cache the map translates; the needle's distance)
+    copy_span: int = 16  # tokens of the fact, repeated as the continuation
+    copy_batch: int = 4  # fact-copy windows per step, beside `batch_size` ordinary windows
+    copy_weight: float = 0.5  # share of the step's loss on the fact-copy windows (the rest: the ordinary KL)
+    # the fact's format as text, tokenized with the pair's tokenizer: the separator between key and value, and the
+    # value alphabet (each symbol one token, as Qwen3 tokenizes digits); " = " and digits read like `timeout_x = 41199`
+    copy_separator: str = " = "
+    copy_values: str = "0123456789"
 
     def hashed(self) -> dict:
         """The settings as stage hashes and checkpoint identities record them: fields added later only when they
@@ -44,4 +58,6 @@ class ResidualConfig:
 
 TEACHERS = ("source", "target")
 # field -> its default (see ResidualConfig.hashed)
-ADDED_LATER = {"teacher": "source", "pool_windows": 0, "init_from": "", "ema": 0.0}
+ADDED_LATER = {"teacher": "source", "pool_windows": 0, "init_from": "", "ema": 0.0, "copy_windows": 0,
+               "copy_len": 1024, "copy_span": 16, "copy_batch": 4, "copy_weight": 0.5, "copy_separator": " = ",
+               "copy_values": "0123456789"}

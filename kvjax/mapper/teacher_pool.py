@@ -78,8 +78,15 @@ def _pool_batch(sparams, tparams, scfg, tcfg, tokens, prefix: int, teacher: str)
 def build_pool(source: Model, target: Model, tokens: np.ndarray, n: int, prefix: int, cont: int, seed: int,
                teacher: str = "source", batch_size: int = 8) -> Pool:
     """`n` windows of prefix + cont tokens sampled from a flat token array (seeded) with the frozen models' outputs."""
-    (scfg, sparams), (tcfg, tparams) = source, target
     windows = sample(tokens, n, prefix + cont, seed=seed + 7919)
+    return pool_of(source, target, windows, prefix, teacher, batch_size)
+
+
+def pool_of(source: Model, target: Model, windows: np.ndarray, prefix: int, teacher: str = "source",
+            batch_size: int = 8) -> Pool:
+    """The Pool of given windows int32 [N, prefix + cont] (e.g. kvjax.mapper.copy_windows' fact-copy windows)."""
+    (scfg, sparams), (tcfg, tparams) = source, target
+    n = len(windows)
     ks, vs, hs = [], [], []
     for i in tqdm(range(0, n, batch_size), desc="teacher pool", unit="batch", leave=False):
         chunk = windows[i : i + batch_size]

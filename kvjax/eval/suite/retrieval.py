@@ -1,6 +1,6 @@
 """Evaluation `retrieval`: long-context needle retrieval, exact match of the answer per arm and prompt length
 (shipped JSONL sets, or items generated from the held-out text). metrics.json `retrieval`; the gate's
-retrieval_retention."""
+retrieval_retention and retrieval (exact match)."""
 
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def preflight(ec: RetrievalEval, cfg) -> list[str]:
 
 
 def gate(rt: dict, config, map_arm: str) -> list:
-    """Retention on the worst length (named in the check's note)."""
+    """Retention and exact match of the gated map on the worst length (named in the checks' notes)."""
     from kvjax.eval.arms import TARGET
     worst, where = None, ""
     for length, m in rt.items():
@@ -127,8 +127,11 @@ def gate(rt: dict, config, map_arm: str) -> list:
             r = retention(m[map_arm], m[TARGET])
             if r is not None and (worst is None or r < worst):
                 worst, where = r, f"length {length}"
-    return check("retrieval_retention", worst, config.min_retrieval_retention, "min",
-                 where or "native target scored 0: retention undefined")
+    lowest = min(((m[map_arm], length) for length, m in rt.items() if map_arm in m), default=None)
+    return (check("retrieval_retention", worst, config.min_retrieval_retention, "min",
+                  where or "native target scored 0: retention undefined") +
+            check("retrieval", None if lowest is None else lowest[0], config.min_retrieval, "min",
+                  f"length {lowest[1]}" if lowest else f"arm {map_arm} not in eval.retrieval.arms"))
 
 
 EVALUATION = Evaluation(

@@ -1,0 +1,151 @@
+"""Issue 22 item 4: the residual's fact-copy windows (kvjax.mapper.copy_windows, ResidualConfig.copy_*), on tiny
+models with a character-level tokenizer, and the toy pair's own tokenizer for the default fact format."""
+
+import dataclasses
+import os
+
+import jax
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+from tokenizers.models import BPE
+
+import kvjax
+from kvjax.mapper.copy_windows import FactFormat, fact_format, fact_windows, gap_range
+from kvjax.mapper.residual import ResidualConfig
+
+VOCAB = 96
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def char_tokenizer():
+    """Printable ASCII, one token per character (ids 1..95): ' = ' is 3 tokens, each digit one."""
+    return Tokenizer(BPE(vocab={chr(32 + i): i + 1 for i in range(95)}, merges=[]))
+
+
+def model(layers, hidden, heads, kv_heads, head_dim, seed, theta=10_000.0):
+    cfg = kvjax.Qwen3Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_layers=layers,
+                            num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rope_theta=theta,
+                            tie_word_embeddings=True, eos_token_ids=(), pad_token_id=0)
+    return cfg, kvjax.init_params(cfg, jax.random.key(seed), std=0.1)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return model(3, 64, 4, 2, 16, seed=0, theta=1e4), model(2, 32, 2, 1, 16, seed=1, theta=5e3)
+
+
+@pytest.fixture(scope="module")
+def ridge(pair):
+    rs = np.random.RandomState(0)
+    calib, select = (rs.randint(1, VOCAB, (n, 40)).astype(np.int32) for n in (16, 8))
+    return kvjax.fit_map(*pair, calib, select, batch_size=8, residual_rank=4)[0]
+
+
+TOKENS = np.random.RandomState(3).randint(1, VOCAB, 4000).astype(np.int32)
+FMT = fact_format(char_tokenizer(), " = ", "0123456789")
+RC = ResidualConfig(steps=4, batch_size=2, prefix_len=24, cont_len=8, lr=1e-2, warmup_steps=1, save_every=2,
+                    pool_windows=5, copy_windows=6, copy_len=160, copy_span=12, copy_batch=2)
+
+
+def test_fact_format_of_the_toy_tokenizer_and_bad_alphabets():
+    toy = kvjax.load_tokenizer(os.path.join(REPO, "checkpoints/toy/pruned"))
+    # launch/toy/config.py's EQUALS_SPACE and DIGITS: the format the toy source's last training phase wrote
+    assert fact_format(toy, " = ", "0123456789") == FactFormat((308, 221), tuple(range(16, 26)))
+    assert FMT == FactFormat((1, 30, 1), tuple(range(17, 27)))
+    with pytest.raises(ValueError, match="one token"):
+        fact_format(toy, " = ", "0123456789xyz" + "\u00e9\u00e9\u00e9")
+    with pytest.raises(ValueError, match="empty"):
+        fact_format(toy, " = ", "")
+
+
+def test_fact_windows_repeat_a_fact_at_the_stated_gap_deterministically():
+    windows, at = fact_windows(TOKENS, 50, 160, 12, FMT, seed=7)
+    assert windows.shape == (50, 172) and windows.dtype == np.int32
+    lo, hi = gap_range(160, 12)
+    assert (lo, hi) == (64, 96)
+    gaps = 160 - at
+    assert gaps.min() >= lo and gaps.max() <= hi and len(set(gaps.tolist())) > 10  # spread over the range
+    sep, values = np.asarray(FMT.separator), set(FMT.values)
+    for w, a in zip(windows, at):
+        fact = w[a : a + 12]
+        np.testing.assert_array_equal(w[160:], fact)  # the continuation is the fact, copied from `gap` back
+        offsets = [k for k in range(2, 6) if np.array_equal(fact[k : k + 3], sep)]
+        assert offsets, f"no separator after a 2-5 token key in {fact}"
+        assert set(fact[offsets[0] + 3 :].tolist()) <= values  # the rest is the value
+    again, at2 = fact_windows(TOKENS, 50, 160, 12, FMT, seed=7)
+    np.testing.assert_array_equal(again, windows), np.testing.assert_array_equal(at2, at)
+    other, _ = fact_windows(TOKENS, 50, 160, 12, FMT, seed=8)
+    assert not np.array_equal(other, windows)
+    with pytest.raises(ValueError, match="span must be"):
+        fact_windows(TOKENS, 4, 160, 8, FMT, seed=0)  # key (5) + separator (3) + a value leave no room
+
+
+def test_copy_windows_change_the_step_and_training_resumes_exactly(pair, ridge, tmp_path):
+    source, target = pair
+    tok = char_tokenizer()
+    off = dataclasses.replace(RC, copy_windows=0)
+    plain, plain_hist = kvjax.train_residual(ridge, source, target, TOKENS, off)
+    straight, hist = kvjax.train_residual(ridge, source, target, TOKENS, RC, workdir=str(tmp_path / "a"),
+                                          tokenizer=tok)
+    # the ordinary windows' KL is logged apart: the same batches, the same first-step loss as without copies ...
+    assert hist[0]["kl"] == pytest.approx(plain_hist[0]["kl"], rel=1e-5) and "copy_kl" not in plain_hist[0]
+    assert all(h["copy_kl"] > 0 for h in hist)
+    # ... yet the update differs: the copy windows' KL moves the residual
+    assert not np.allclose(np.asarray(plain.keys[0].up), np.asarray(straight.keys[0].up))
+    kvjax.train_residual(ridge, source, target, TOKENS, RC, workdir=str(tmp_path / "b"), stop_at=2, tokenizer=tok)
+    resumed, later = kvjax.train_residual(ridge, source, target, TOKENS, RC, workdir=str(tmp_path / "b"),
+                                          tokenizer=tok)
+    assert [h["step"] for h in later] == [3, 4]
+    assert [h["copy_kl"] for h in later] == [h["copy_kl"] for h in hist[2:]]
+    for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed)):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="copy_windows.*tokenizer"):
+        kvjax.train_residual(ridge, source, target, TOKENS, RC)
+
+
+def test_the_retrieval_config_and_preflight_errors():
+    from kvjax import config_flags, launch, preflight
+    from kvjax.run_config import RunConfig
+    cfg = config_flags.build("toy_pruned_retrieval", [], RunConfig)
+    quick = config_flags.build("toy_pruned_quick", [], RunConfig)
+    rc = cfg.residual
+    assert rc.copy_windows > 0 and rc.pool_windows == quick.residual.pool_windows and cfg.gate.min_retrieval == 0.5
+    assert (cfg.source, cfg.target, cfg.map) == (quick.source, quick.target, quick.map)  # the default's pair and ridge
+    assert "residual" in cfg.eval.retrieval.arms and cfg.eval.retrieval.limit >= 50
+    # the copy settings enter the residual stage's hash; a run without them keeps its old one
+    assert launch.plan(cfg)["residual"].hash != launch.plan(dataclasses.replace(cfg, residual=dataclasses.replace(
+        rc, copy_windows=0)))["residual"].hash
+    assert "copy_windows" not in quick.residual.hashed() and rc.hashed()["copy_windows"] == 256
+    preflight.validate(cfg)
+
+    def problems(**changes):
+        with pytest.raises(preflight.LaunchError) as e:
+            preflight.validate(dataclasses.replace(cfg, residual=dataclasses.replace(rc, **changes)))
+        return str(e.value)
+    assert "copy windows score; set residual.copy_windows=0 or residual.rollout=False" in problems(rollout=True,
+                                                                                                  pool_windows=0)
+    assert "exceeds the source's max_position_embeddings 4096" in problems(copy_len=5000)
+    err = preflight.LaunchError
+    with pytest.raises(err, match="longer than the training text"):
+        preflight.validate(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_train_tokens=1000)))
+    assert "copy_span=6: a fact" in problems(copy_span=6)
+    assert "each symbol of the value alphabet must be one token" in problems(copy_values="0123\u00e9")
+    assert "copy_weight=0.0: must be in (0, 1]" in problems(copy_weight=0.0)
+    assert "copy_len=100: must be >= 128" in problems(copy_len=100)
+    preflight.check_processes(cfg, 1)
+    with pytest.raises(err, match="residual.pool_windows and residual.copy_windows need one process"):
+        preflight.check_processes(cfg, 2)
+
+
+def test_gate_min_retrieval_checks_the_maps_worst_length():
+    from kvjax.eval.suite import evaluate_gate
+    from kvjax.gate import GateConfig
+    rt = {"1024": {"target": 0.0, "source": 0.97, "residual": 0.62, "items": 100},
+          "2048": {"target": 0.0, "source": 0.5, "residual": 0.41, "items": 100}}
+    passed = evaluate_gate({"retrieval": rt}, GateConfig(min_retrieval=0.4), "residual")
+    (c,) = [c for c in passed.checks if c.name == "retrieval"]
+    assert passed.passed and c.value == 0.41 and c.note == "length 2048"
+    failed = evaluate_gate({"retrieval": rt}, GateConfig(min_retrieval=0.5), "residual")
+    assert not failed.passed and "retrieval 0.41 < 0.5" in failed.summary()
+    assert "min_retrieval" not in GateConfig().hashed()  # older runs keep their report stage's hash
