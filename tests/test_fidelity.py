@@ -138,3 +138,27 @@ def test_attention_fidelity_is_one_on_the_native_cache_and_drops_with_a_worse_ma
         assert set(out[name]["mean"]) >= {"attn_cos", "attn_nrmse"} and len(out[name]["per_layer"]) == 2
         assert -1 <= out[name]["mean"]["attn_cos"] <= 1
     assert out["ridge"]["mean"]["attn_cos"] > out["raw"]["mean"]["attn_cos"]
+
+
+def test_mc_metrics_pair_the_final_map_with_each_peer_map():
+    """Issue 22's peer table: the final map against the per-head peer and the ridge, paired by item, in metrics.json,
+    the summary and the report (a peer that did not run is left out, not reported as zero)."""
+    from types import SimpleNamespace
+
+    from kvjax.eval.suite import mc
+    rng = np.random.default_rng(0)
+    n = 400
+    target = (rng.random(n) < 0.4).astype(int)
+    residual = np.maximum(target, rng.random(n) < 0.3).astype(int)  # target's items and more: ahead by pairing
+    ev = {"hellaswag": {"items": n, "normalize": "length", "arms": {
+        "target": {"correct": target.tolist()}, "source": {"correct": (rng.random(n) < 0.7).astype(int).tolist()},
+        "perhead": {"correct": target.tolist()}, "residual": {"correct": residual.tolist()}}}}
+    ctx = SimpleNamespace(final="residual", n_boot=500, metrics={}, charts={})
+    m = mc.metrics(ev, ctx)["hellaswag"]
+    d = m["delta_vs_peer"]
+    assert list(d) == ["perhead"]  # no ridge arm ran
+    assert d["perhead"]["mean"] == pytest.approx(residual.mean() - target.mean())
+    assert d["perhead"]["ci95"][0] > 0
+    assert "mapped - perhead [+" in mc.summary({"hellaswag": m}, ctx)[0]
+    table = "\n".join(mc.report({"hellaswag": m}, ctx))
+    assert "mapped - perhead |" in table and "mapped - ridge" not in table

@@ -1,6 +1,7 @@
 """Evaluation `mc`: multiple choice (HellaSwag, PIQA schemas), every arm on the same items (continuation
 log-likelihood), with bootstrap intervals, paired differences to the native target and the share of the target-to-
-source gap each arm recovers. metrics.json `mc`; the gate's mc_retention, mc_gap_recovered and mc_gain_ci_lo."""
+source gap each arm recovers, and the final map against each peer map arm (per-head ridge, the seed's ridge-only).
+metrics.json `mc`; the gate's mc_retention, mc_gap_recovered and mc_gain_ci_lo."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from kvjax.gate import check, retention
 
 log = logging.getLogger(__name__)
 SETS = ("hellaswag", "piqa")  # the schemas kvjax.eval.load_mc reads; each has its own settings field
+PEERS = ("perhead", "ridge")  # maps the final map is compared with, paired by item: the per-head peer, the seed's ridge
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +78,17 @@ def metrics(ev: dict, ctx) -> dict:
             m["delta_vs_target"] = {arm: {"mean": ci.mean, "ci95": [ci.lo, ci.hi]} for arm, ci in deltas.items()}
             if ctx.final in deltas:
                 m["delta_vs_target_ci95"] = m["delta_vs_target"][ctx.final]["ci95"]
+        if ctx.final in correct:  # is the final map ahead of the other maps on the same items, not only of the target?
+            m["delta_vs_peer"] = {}
+            for peer in (p for p in PEERS if p in correct and p != ctx.final):
+                ci = paired_bootstrap_ci(correct[ctx.final], correct[peer], n=ctx.n_boot)
+                m["delta_vs_peer"][peer] = {"mean": ci.mean, "ci95": [ci.lo, ci.hi]}
         out[name] = m
     return out
+
+
+def _delta(d: dict | None) -> str:
+    return f"{100 * d['mean']:+.1f} pts {pts(d['ci95'])}" if d else "n/a"
 
 
 def _ci(values, n: int) -> list[float]:
@@ -95,6 +106,8 @@ def summary(mc: dict, ctx) -> list[str]:
                  + (f", source {pct(acc[SOURCE])}" if SOURCE in acc else ""))
             if m.get("delta_vs_target_ci95"):
                 s += f"; mapped - target paired 95% CI {pts(m['delta_vs_target_ci95'])}"
+            for peer, d in (m.get("delta_vs_peer") or {}).items():
+                s += f"; mapped - {peer} {pts(d['ci95'])}"
             # a gap to recover only when the reader is the better model (small reads, large answers: it is not)
             if m.get("gap_recovered") is not None and acc.get(SOURCE, 0.0) > acc[TARGET]:
                 s += f"; {pct(m['gap_recovered'])} of the target-to-source gap recovered"
@@ -105,18 +118,21 @@ def summary(mc: dict, ctx) -> list[str]:
 def report(mc: dict, ctx) -> list[str]:
     from kvjax.eval.arms import in_table_order
     arms = in_table_order(a for s in mc.values() for a in s["acc"])
+    peers = [p for p in PEERS if any(p in (s.get("delta_vs_peer") or {}) for s in mc.values())]
     out = ["## Quality: multiple choice", "",
            "Every arm scores the same items (continuation log-likelihood); intervals are 95% percentile bootstrap, "
            "differences paired by item.", "",
-           "| set | items | " + " | ".join(arms) + " | mapped - target (paired 95% CI) | gap recovered |",
-           "|---|---|" + "---|" * len(arms) + "---|---|"]
+           "| set | items | " + " | ".join(arms) + " | mapped - target (paired 95% CI) | gap recovered |"
+           + "".join(f" mapped - {p} |" for p in peers),
+           "|---|---|" + "---|" * len(arms) + "---|---|" + "---|" * len(peers)]
     for name, s in mc.items():
         cells = [f"{pct(s['acc'][a])} [{100 * s['acc_ci95'][a][0]:.1f}, {100 * s['acc_ci95'][a][1]:.1f}]"
                  if a in s["acc"] else "" for a in arms]
         delta = s.get("delta_vs_target", {}).get(ctx.final)
         out.append(f"| {name} | {s['items']} | " + " | ".join(cells) + " | "
                    + (f"{100 * delta['mean']:+.1f} pts {pts(delta['ci95'])}" if delta else "n/a") + " | "
-                   + pct(s.get("gap_recovered")) + " |")
+                   + pct(s.get("gap_recovered")) + " |"
+                   + "".join(f" {_delta((s.get('delta_vs_peer') or {}).get(p))} |" for p in peers))
     raw_kind = ctx.metrics.get("distances", {}).get("raw_kind", "see distances")
     out += ["", "Arms: target / source = the native models; direct = the source's nearest-depth layers injected "
             f"without a map ({raw_kind}); ridge / residual = the "
