@@ -104,6 +104,20 @@ def test_copy_windows_change_the_step_and_training_resumes_exactly(pair, ridge, 
         kvjax.train_residual(ridge, source, target, TOKENS, RC)
 
 
+def test_copy_windows_beside_streaming_text_windows(pair, ridge):
+    """Without a text pool the ordinary windows stream (both models run per step) beside the copy pool: the logged
+    "kl" is theirs (the streaming loss of step 0's batch), "copy_kl" the copies'; an iterate average rides along."""
+    from kvjax.mapper.residual import window_kl
+    from kvjax.windows import step_batch
+    source, target = pair
+    rc = dataclasses.replace(RC, pool_windows=0, steps=1, ema=0.5)
+    _, hist = kvjax.train_residual(ridge, source, target, TOKENS, rc, tokenizer=char_tokenizer())
+    first = step_batch(TOKENS, 0, rc.batch_size, rc.prefix_len + rc.cont_len, rc.seed)
+    assert hist[0]["kl"] == pytest.approx(float(window_kl(ridge, source, target, first, rc.prefix_len).mean()),
+                                          rel=1e-5)
+    assert hist[0]["copy_kl"] > 0
+
+
 def test_the_retrieval_config_and_preflight_errors():
     from kvjax import config_flags, launch, preflight
     from kvjax.run_config import RunConfig
