@@ -21,7 +21,8 @@ set and KL 64 windows, paired by item against the default run's map):
 
 A fresh run of this config (every stage; 546 s on one core): 66.5% at 1K (source 97.5%, native target 0%),
 HellaSwag / PIQA 52.0 / 77.0% (+1.7 [-0.7, +4.3] / +0.7 [-1.7, +3.0] vs the default's map), KL 0.6937 (-18.6% vs
-the ridge; +0.003 [-0.008, +0.014] vs the default's map), gate PASS.
+the ridge; +0.003 [-0.008, +0.014] vs the default's map), gate PASS. On needles generated from held-out text
+(`--config.eval.retrieval.files=`, 100 items): 63% (source 100%, the default's map 0%).
 
 The report scores retrieval on 200 of the shipped 1K items for the native target, the source and the map; the gate
 adds `min_retrieval` (the map's exact match at 1K >= 50%) to the default's goals. The per-head peer and the throughput
