@@ -104,17 +104,23 @@ def test_copy_windows_change_the_step_and_training_resumes_exactly(pair, ridge, 
         kvjax.train_residual(ridge, source, target, TOKENS, RC)
 
 
-def test_copy_windows_beside_streaming_text_windows(pair, ridge):
+def test_copy_windows_beside_streaming_text_windows_from_a_warm_start(pair, ridge, tmp_path):
     """Without a text pool the ordinary windows stream (both models run per step) beside the copy pool: the logged
-    "kl" is theirs (the streaming loss of step 0's batch), "copy_kl" the copies'; an iterate average rides along."""
+    "kl" is theirs (the streaming loss of step 0's batch under the init_from map's residual), "copy_kl" the copies';
+    an iterate average rides along."""
     from kvjax.mapper.residual import window_kl
     from kvjax.windows import step_batch
     source, target = pair
-    rc = dataclasses.replace(RC, pool_windows=0, steps=1, ema=0.5)
+    keys = iter(jax.random.split(jax.random.key(5), 8))
+    warm = ridge.replace(**{kind: tuple(m.replace(up=0.1 * jax.random.normal(next(keys), m.up.shape))
+                                        for m in getattr(ridge, kind)) for kind in ("keys", "values")})
+    kvjax.save_map(str(tmp_path / "warm"), warm, info={})
+    rc = dataclasses.replace(RC, pool_windows=0, steps=1, ema=0.5, init_from=str(tmp_path / "warm"))
     _, hist = kvjax.train_residual(ridge, source, target, TOKENS, rc, tokenizer=char_tokenizer())
     first = step_batch(TOKENS, 0, rc.batch_size, rc.prefix_len + rc.cont_len, rc.seed)
-    assert hist[0]["kl"] == pytest.approx(float(window_kl(ridge, source, target, first, rc.prefix_len).mean()),
-                                          rel=1e-5)
+    want = float(window_kl(warm, source, target, first, rc.prefix_len).mean())
+    assert hist[0]["kl"] == pytest.approx(want, rel=1e-5)
+    assert want != pytest.approx(float(window_kl(ridge, source, target, first, rc.prefix_len).mean()), rel=1e-3)
     assert hist[0]["copy_kl"] > 0
 
 
