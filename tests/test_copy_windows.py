@@ -124,19 +124,17 @@ def test_copy_windows_beside_streaming_text_windows_from_a_warm_start(pair, ridg
     assert hist[0]["copy_kl"] > 0
 
 
-def test_the_retrieval_config_and_preflight_errors():
+def test_the_default_config_trains_copies_and_gates_on_retrieval_and_preflight_errors():
     from kvjax import config_flags, launch, preflight
     from kvjax.run_config import RunConfig
-    cfg = config_flags.build("toy_pruned_retrieval", [], RunConfig)
-    quick = config_flags.build("toy_pruned_quick", [], RunConfig)
+    cfg = config_flags.build(launch.DEFAULT_CONFIG, [], RunConfig)
     rc = cfg.residual
-    assert rc.copy_windows > 0 and rc.pool_windows == quick.residual.pool_windows and cfg.gate.min_retrieval == 0.5
-    assert (cfg.source, cfg.target, cfg.map) == (quick.source, quick.target, quick.map)  # the default's pair and ridge
+    assert rc.copy_windows > 0 and rc.pool_windows > 0 and cfg.gate.min_retrieval == 0.5
     assert "residual" in cfg.eval.retrieval.arms and cfg.eval.retrieval.limit >= 50
     # the copy settings enter the residual stage's hash; a run without them keeps its old one
-    assert launch.plan(cfg)["residual"].hash != launch.plan(dataclasses.replace(cfg, residual=dataclasses.replace(
-        rc, copy_windows=0)))["residual"].hash
-    assert "copy_windows" not in quick.residual.hashed() and rc.hashed()["copy_windows"] == 256
+    off = dataclasses.replace(rc, copy_windows=0)
+    assert launch.plan(cfg)["residual"].hash != launch.plan(dataclasses.replace(cfg, residual=off))["residual"].hash
+    assert "copy_windows" not in off.hashed() and rc.hashed()["copy_windows"] == 256
     preflight.validate(cfg)
 
     def problems(**changes):
