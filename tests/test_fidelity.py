@@ -1,6 +1,7 @@
 """Issue 22: the residual's teacher pool, the per-head ridge peer and attention-output fidelity, on tiny models."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -162,3 +163,30 @@ def test_mc_metrics_pair_the_final_map_with_each_peer_map():
     assert "mapped - perhead [+" in mc.summary({"hellaswag": m}, ctx)[0]
     table = "\n".join(mc.report({"hellaswag": m}, ctx))
     assert "mapped - perhead |" in table and "mapped - ridge" not in table
+
+
+def test_fidelity_predictors_reads_runs_dedupes_reused_maps_and_correlates(tmp_path):
+    """launch.research.fidelity_predictors: one row per map (a ridge copied into a second run counts once), the raw
+    source layers matched to the MC table's "direct" arm, and rank correlations with the kept measures."""
+    from launch.research import fidelity_predictors as fp
+
+    def run(name, arms, gaps, kls):
+        d = tmp_path / name
+        d.mkdir()
+        dist = {k: dict(zip(arms, vals)) for k, vals in
+                {"key_cos": [0.3, 0.9, 0.6][:len(arms)], "attn_cos": [0.3, 0.95, 0.5][:len(arms)]}.items()}
+        mc_arms = [fp.MC_NAME.get(a, a) for a in arms]
+        (d / "metrics.json").write_text(json.dumps({
+            "distances": dist, "kl": dict(zip(mc_arms, kls)),
+            "mc": {"hellaswag": {"gap_recovered_by_arm": dict(zip(mc_arms, gaps))}}}))
+        return str(d)
+    a = run("a", ["raw", "ridge", "residual"], [-0.5, 0.0, 0.8], [1.2, 0.8, 0.6])
+    b = run("b", ["raw", "ridge"], [-0.5, 0.0], [1.2, 0.8])  # the same maps again (copied stages)
+    rows = fp.dedupe([r for path in (a, b) for r in fp.maps_of(path)])
+    assert [(r["run"], r["arm"]) for r in rows] == [("a", "raw"), ("a", "residual"), ("a", "ridge")]
+    assert rows[0]["gap_hellaswag"] == -0.5 and rows[0]["kl"] == 1.2  # raw = the "direct" arm
+    corr = fp.correlations(rows, ["gap_hellaswag"])["gap_hellaswag"]
+    assert corr["kl"]["spearman"] == pytest.approx(-1.0) and corr["kl"]["n"] == 3
+    assert corr["key_cos"]["spearman"] == pytest.approx(0.5)
+    with pytest.raises(SystemExit, match="no metrics.json"):
+        fp.maps_of(str(tmp_path))
