@@ -13,8 +13,8 @@ from tokenizers.models import BPE
 import kvjax
 from kvjax.mapper.copy_windows import FactFormat, fact_format, fact_windows, gap_range
 from kvjax.mapper.residual import ResidualConfig
+from tests.maptools import VOCAB, tiny_pair
 
-VOCAB = 96
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -23,16 +23,9 @@ def char_tokenizer():
     return Tokenizer(BPE(vocab={chr(32 + i): i + 1 for i in range(95)}, merges=[]))
 
 
-def model(layers, hidden, heads, kv_heads, head_dim, seed, theta=10_000.0):
-    cfg = kvjax.Qwen3Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_layers=layers,
-                            num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rope_theta=theta,
-                            tie_word_embeddings=True, eos_token_ids=(), pad_token_id=0)
-    return cfg, kvjax.init_params(cfg, jax.random.key(seed), std=0.1)
-
-
 @pytest.fixture(scope="module")
 def pair():
-    return model(3, 64, 4, 2, 16, seed=0, theta=1e4), model(2, 32, 2, 1, 16, seed=1, theta=5e3)
+    return tiny_pair()
 
 
 @pytest.fixture(scope="module")
