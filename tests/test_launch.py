@@ -433,7 +433,9 @@ def test_toy_config_resumes_residual_training(pair, tmp_path):
     out = str(tmp_path / "toy")
     argv = [f"--config.output_dir={out}", f"--config.source.path={pair[0]}", f"--config.target.path={pair[1]}",
             *SMALL, "--config.residual.steps=4", "--config.eval.mc.enabled=false",
-            "--config.eval.retrieval.enabled=false", "--config.eval.throughput.enabled=false"]
+            "--config.eval.retrieval.enabled=false", "--config.eval.throughput.enabled=false",
+            # the default's fact-copy windows, kept on (a resume with copies) at tiny sizes
+            "--config.residual.copy_windows=4", "--config.residual.copy_len=128", "--config.residual.copy_batch=1"]
     cfg, _, _ = launch.parse(argv)
     job = launch.Job(cfg)
     job.check()
@@ -446,7 +448,7 @@ def test_toy_config_resumes_residual_training(pair, tmp_path):
         workdir = os.path.join(out, "residual")
         job.run.claim_workdir(job.stages["residual"], workdir)
         kvjax.train_residual(job.map("ridge"), *job.models(), np.asarray(job.data("train_tokens")), cfg.residual,
-                             workdir=workdir, stop_at=2)
+                             workdir=workdir, stop_at=2, tokenizer=job.tokenizer())  # as the job calls it
     assert launch.main(argv) == 0
     log_text = open(os.path.join(out, "run.log")).read()
     assert "resumed from step 2" in log_text and "stage calibrate  reused" in log_text
