@@ -296,18 +296,17 @@ def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarra
     window = rc.prefix_len + rc.cont_len
     (scfg, sparams), (tcfg, tparams) = source, target
     pool = copies = None
+    pooled = [n for n in ("pool_windows", "copy_windows") if getattr(rc, n)]
+    if pooled and (rc.rollout or jax.process_count() > 1):
+        # a rollout's continuation changes with the map (and would replace the copies' repeats); a pool is made once,
+        # in one process's memory
+        raise ValueError(f"residual.{' and residual.'.join(pooled)} need rollout=False and one process; set "
+                         + " and ".join(f"residual.{n}=0" for n in pooled))
+    if pooled:
+        mesh = None  # one process: the pooled step runs where the models and the map are placed
     if rc.pool_windows:
-        if rc.rollout or jax.process_count() > 1:
-            raise ValueError("residual.pool_windows needs rollout=False (a rollout's continuation changes with the "
-                             "map) and one process; set residual.pool_windows=0")
-        # one process: the pooled step runs where the models and the map are placed (computation follows the data)
-        mesh = None
         pool = build_pool(source, target, tokens, rc.pool_windows, rc.prefix_len, rc.cont_len, rc.seed, rc.teacher)
     if rc.copy_windows:
-        if rc.rollout or jax.process_count() > 1:
-            raise ValueError("residual.copy_windows needs rollout=False (the copy is the window's own continuation) "
-                             "and one process (its pool is made once, on one); set residual.copy_windows=0")
-        mesh = None  # as with pool_windows
         copies = copy_pool(source, target, tokens, rc, tokenizer)
         step_fn = _copy_step_fn(opt, rc, scfg, tcfg, pooled=pool is not None)
     else:
