@@ -35,15 +35,7 @@ class Qwen3Config:
     pad_token_id: int | None = None
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim"):
-            if int(getattr(self, name)) <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
-                              f"({self.num_kv_heads}) for grouped-query attention")
-        if self.head_dim % 2:
-            raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        check_shape(self)
 
     @property
     def rope(self):
@@ -95,28 +87,7 @@ class Qwen3Config:
         if scaling is not None:
             raise ConfigError(f"{source}: rope scaling {scaling!r} is not supported; kvjax implements plain RoPE "
                               "(rope_type 'default'). Remove rope_scaling or use a checkpoint without it.")
-        eos = d.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
-        hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
-        try:
-            return cls(
-                vocab_size=int(d["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(d["intermediate_size"]),
-                num_layers=int(d["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(d.get("num_key_value_heads") or heads),
-                head_dim=int(d.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                rope_theta=theta,
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                max_position_embeddings=int(d.get("max_position_embeddings", 40_960)),
-                bos_token_id=d.get("bos_token_id"),
-                eos_token_ids=tuple(int(e) for e in eos_ids),
-                pad_token_id=d.get("pad_token_id"),
-            )
-        except KeyError as e:
-            raise ConfigError(f"{source}: required field {e.args[0]!r} is missing") from None
+        return cls(**decoder_fields(d, source, max_position_embeddings=40_960), rope_theta=theta)
 
     def to_hf_dict(self) -> dict[str, Any]:
         eos = list(self.eos_token_ids)
@@ -144,6 +115,50 @@ class Qwen3Config:
             "pad_token_id": self.pad_token_id,
             "torch_dtype": "float32",
         }
+
+
+# ---- what every decoder family's config shares -----------------------------------------------------------------
+
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                "head_dim")
+
+
+def check_shape(cfg) -> None:
+    """The shape checks every family's config runs in __post_init__ (a ConfigError naming the field)."""
+    for name in SHAPE_FIELDS:
+        if int(getattr(cfg, name)) <= 0:
+            raise ConfigError(f"{name} must be a positive integer, got {getattr(cfg, name)!r}")
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise ConfigError(f"num_attention_heads ({cfg.num_heads}) must be a multiple of num_key_value_heads "
+                          f"({cfg.num_kv_heads}) for grouped-query attention")
+    if cfg.head_dim % 2:
+        raise ConfigError(f"head_dim must be even for rotary embeddings, got {cfg.head_dim}")
+
+
+def decoder_fields(d: dict[str, Any], source: str, max_position_embeddings: int) -> dict[str, Any]:
+    """The config fields every family reads from an HF config.json the same way (shapes, norm epsilon, tied head,
+    context length, special tokens); `max_position_embeddings` is the family's default when the file has none."""
+    eos = d.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+    try:
+        hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
+        return dict(
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(d["intermediate_size"]),
+            num_layers=int(d["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(d.get("max_position_embeddings", max_position_embeddings)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+            pad_token_id=d.get("pad_token_id"),
+        )
+    except KeyError as e:
+        raise ConfigError(f"{source}: required field {e.args[0]!r} is missing") from None
 
 
 def _rope_settings(d: dict[str, Any], source: str) -> tuple[float, Any]:

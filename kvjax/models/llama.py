@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.models.config import ConfigError
+from kvjax.models.config import ConfigError, check_shape, decoder_fields
 from kvjax.models.decoder import rms_norm
 from kvjax.models.family import Family, check_architectures, register
-from kvjax.models.params import ParamSpec, proj_in, spec, transpose
+from kvjax.models.params import ParamSpec, decoder_specs, spec
 from kvjax.models.rope import Rope, apply_rope, rope_from_hf
 from kvjax.sharding import constrain
 
@@ -51,15 +51,7 @@ class LlamaConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim"):
-            if int(getattr(self, name)) <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
-                              f"({self.num_kv_heads}) for grouped-query attention")
-        if self.head_dim % 2:
-            raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        check_shape(self)
 
     @property
     def rope_theta(self) -> float:
@@ -88,30 +80,8 @@ class LlamaConfig:
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"{source}: hidden_act={act!r} is not supported (Llama uses 'silu')")
-        eos = d.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
-        try:
-            hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
-            return cls(
-                vocab_size=int(d["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(d["intermediate_size"]),
-                num_layers=int(d["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(d.get("num_key_value_heads") or heads),
-                head_dim=int(d.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                rope=rope_from_hf(d, source),
-                attention_bias=bool(d.get("attention_bias", False)),
-                mlp_bias=bool(d.get("mlp_bias", False)),
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                max_position_embeddings=int(d.get("max_position_embeddings", 8192)),
-                bos_token_id=d.get("bos_token_id"),
-                eos_token_ids=tuple(int(e) for e in eos_ids),
-                pad_token_id=d.get("pad_token_id"),
-            )
-        except KeyError as e:
-            raise ConfigError(f"{source}: required field {e.args[0]!r} is missing") from None
+        return cls(**decoder_fields(d, source, max_position_embeddings=8192), rope=rope_from_hf(d, source),
+                   attention_bias=bool(d.get("attention_bias", False)), mlp_bias=bool(d.get("mlp_bias", False)))
 
     def to_hf_dict(self) -> dict[str, Any]:
         eos = list(self.eos_token_ids)
@@ -167,31 +137,14 @@ def _heads_bias(heads: int, hd: int) -> dict:
 
 
 def param_specs(cfg: LlamaConfig) -> dict[str, ParamSpec]:
-    """Flat description ``{"embed": ..., "layers.0.q": ..., ...}`` of every tensor."""
-    d, f, v, hd = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
-    hq, hkv = cfg.num_heads, cfg.num_kv_heads
+    """Flat description ``{"embed": ..., "layers.0.q": ..., ...}`` of every tensor: the shared decoder table plus
+    the optional q/k/v/o and MLP biases."""
+    d, f, hd, hq, hkv = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
 
-    specs = {"embed": spec((v, d), ("vocab", "embed"), "normal", "model.embed_tokens.weight")}
-    for i in range(cfg.num_layers):
-        attn, mlp, layer = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"layers.{i}."
-        specs.update({
-            layer + "attn_norm": spec((d,), ("embed",), "ones", f"model.layers.{i}.input_layernorm.weight"),
-            layer + "q": spec((d, hq, hd), ("embed", "heads", "head_dim"), "normal", attn + "q_proj.weight",
-                              **proj_in(d, hq, hd)),
-            layer + "k": spec((d, hkv, hd), ("embed", "kv_heads", "head_dim"), "normal", attn + "k_proj.weight",
-                              **proj_in(d, hkv, hd)),
-            layer + "v": spec((d, hkv, hd), ("embed", "kv_heads", "head_dim"), "normal", attn + "v_proj.weight",
-                              **proj_in(d, hkv, hd)),
-            layer + "o": spec((hq, hd, d), ("heads", "head_dim", "embed"), "normal", attn + "o_proj.weight",
-                              to_hf=lambda w: np.asarray(w).reshape(hq * hd, d).T,
-                              from_hf=lambda w: np.asarray(w).T.reshape(hq, hd, d)),
-            layer + "mlp_norm": spec((d,), ("embed",), "ones", f"model.layers.{i}.post_attention_layernorm.weight"),
-            layer + "gate": spec((d, f), ("embed", "ffn"), "normal", mlp + "gate_proj.weight", **transpose()),
-            layer + "up": spec((d, f), ("embed", "ffn"), "normal", mlp + "up_proj.weight", **transpose()),
-            layer + "down": spec((f, d), ("ffn", "embed"), "normal", mlp + "down_proj.weight", **transpose()),
-        })
-        if cfg.attention_bias:  # biases start random like weights (init_params knows "ones" and "normal" only)
-            specs.update({
+    def biases(i, layer, attn, mlp):  # biases start random like weights (init_params knows "ones" and "normal")
+        out = {}
+        if cfg.attention_bias:
+            out.update({
                 layer + "q_bias": spec((hq, hd), ("heads", "head_dim"), "normal", attn + "q_proj.bias",
                                        **_heads_bias(hq, hd)),
                 layer + "k_bias": spec((hkv, hd), ("kv_heads", "head_dim"), "normal", attn + "k_proj.bias",
@@ -201,15 +154,14 @@ def param_specs(cfg: LlamaConfig) -> dict[str, ParamSpec]:
                 layer + "o_bias": spec((d,), ("embed",), "normal", attn + "o_proj.bias"),
             })
         if cfg.mlp_bias:
-            specs.update({
+            out.update({
                 layer + "gate_bias": spec((f,), ("ffn",), "normal", mlp + "gate_proj.bias"),
                 layer + "up_bias": spec((f,), ("ffn",), "normal", mlp + "up_proj.bias"),
                 layer + "down_bias": spec((d,), ("embed",), "normal", mlp + "down_proj.bias"),
             })
-    specs["final_norm"] = spec((d,), ("embed",), "ones", "model.norm.weight")
-    if not cfg.tie_word_embeddings:
-        specs["lm_head"] = spec((d, v), ("embed", "vocab"), "normal", "lm_head.weight", **transpose())
-    return specs
+        return out
+
+    return decoder_specs(cfg, layer_extra=biases)
 
 
 def _plus(x, bias):

@@ -59,6 +59,42 @@ def proj_in(d: int, heads: int, hd: int) -> dict:
                 from_hf=lambda w: np.asarray(w).T.reshape(d, heads, hd))
 
 
+def decoder_specs(cfg, attn_extra: Callable | None = None, layer_extra: Callable | None = None
+                  ) -> dict[str, ParamSpec]:
+    """The ParamSpec table every decoder family shares (HF's Llama/Qwen layout: embedding, per layer the RMS norms,
+    q/k/v/o and the SwiGLU gate/up/down, the final norm, an untied head), from the config fields all families have.
+    A family adds its own tensors per layer: `attn_extra(i, layer, attn)` (after v: Qwen3's QK-norms) and
+    `layer_extra(i, layer, attn, mlp)` (after down: Llama's biases), each returning ``{key: ParamSpec}``, where
+    `layer` is the key prefix ("layers.3.") and `attn` / `mlp` the HF name prefixes."""
+    d, f, v, hd = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    hq, hkv = cfg.num_heads, cfg.num_kv_heads
+    specs = {"embed": spec((v, d), ("vocab", "embed"), "normal", "model.embed_tokens.weight")}
+    for i in range(cfg.num_layers):
+        attn, mlp, layer = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"layers.{i}."
+        specs.update({
+            layer + "attn_norm": spec((d,), ("embed",), "ones", f"model.layers.{i}.input_layernorm.weight"),
+            layer + "q": spec((d, hq, hd), ("embed", "heads", "head_dim"), "normal", attn + "q_proj.weight",
+                              **proj_in(d, hq, hd)),
+            layer + "k": spec((d, hkv, hd), ("embed", "kv_heads", "head_dim"), "normal", attn + "k_proj.weight",
+                              **proj_in(d, hkv, hd)),
+            layer + "v": spec((d, hkv, hd), ("embed", "kv_heads", "head_dim"), "normal", attn + "v_proj.weight",
+                              **proj_in(d, hkv, hd)),
+            **(attn_extra(i, layer, attn) if attn_extra else {}),
+            layer + "o": spec((hq, hd, d), ("heads", "head_dim", "embed"), "normal", attn + "o_proj.weight",
+                              to_hf=lambda w: np.asarray(w).reshape(hq * hd, d).T,
+                              from_hf=lambda w: np.asarray(w).T.reshape(hq, hd, d)),
+            layer + "mlp_norm": spec((d,), ("embed",), "ones", f"model.layers.{i}.post_attention_layernorm.weight"),
+            layer + "gate": spec((d, f), ("embed", "ffn"), "normal", mlp + "gate_proj.weight", **transpose()),
+            layer + "up": spec((d, f), ("embed", "ffn"), "normal", mlp + "up_proj.weight", **transpose()),
+            layer + "down": spec((f, d), ("ffn", "embed"), "normal", mlp + "down_proj.weight", **transpose()),
+            **(layer_extra(i, layer, attn, mlp) if layer_extra else {}),
+        })
+    specs["final_norm"] = spec((d,), ("embed",), "ones", "model.norm.weight")
+    if not cfg.tie_word_embeddings:
+        specs["lm_head"] = spec((d, v), ("embed", "vocab"), "normal", "lm_head.weight", **transpose())
+    return specs
+
+
 def param_specs(cfg) -> dict[str, ParamSpec]:
     """Flat description ``{"embed": ..., "layers.0.q": ..., ...}`` of every tensor of cfg's family."""
     return family_of(cfg).param_specs(cfg)

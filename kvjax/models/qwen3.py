@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from kvjax.models.config import Qwen3Config
 from kvjax.models.decoder import rms_norm
 from kvjax.models.family import Family, register
-from kvjax.models.params import ParamSpec, proj_in, spec, transpose
+from kvjax.models.params import ParamSpec, decoder_specs, spec
 from kvjax.models.rope import apply_rope
 from kvjax.sharding import constrain
 
@@ -35,35 +34,12 @@ class LayerParams:
 
 
 def param_specs(cfg: Qwen3Config) -> dict[str, ParamSpec]:
-    """Flat description ``{"embed": ..., "layers.0.q": ..., ...}`` of every tensor."""
-    d, f, v, hd = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
-    hq, hkv = cfg.num_heads, cfg.num_kv_heads
-
-    specs = {"embed": spec((v, d), ("vocab", "embed"), "normal", "model.embed_tokens.weight")}
-    for i in range(cfg.num_layers):
-        attn, mlp, layer = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"layers.{i}."
-        specs.update({
-            layer + "attn_norm": spec((d,), ("embed",), "ones", f"model.layers.{i}.input_layernorm.weight"),
-            layer + "q": spec((d, hq, hd), ("embed", "heads", "head_dim"), "normal", attn + "q_proj.weight",
-                              **proj_in(d, hq, hd)),
-            layer + "k": spec((d, hkv, hd), ("embed", "kv_heads", "head_dim"), "normal", attn + "k_proj.weight",
-                              **proj_in(d, hkv, hd)),
-            layer + "v": spec((d, hkv, hd), ("embed", "kv_heads", "head_dim"), "normal", attn + "v_proj.weight",
-                              **proj_in(d, hkv, hd)),
-            layer + "q_norm": spec((hd,), ("head_dim",), "ones", attn + "q_norm.weight"),
-            layer + "k_norm": spec((hd,), ("head_dim",), "ones", attn + "k_norm.weight"),
-            layer + "o": spec((hq, hd, d), ("heads", "head_dim", "embed"), "normal", attn + "o_proj.weight",
-                              to_hf=lambda w: np.asarray(w).reshape(hq * hd, d).T,
-                              from_hf=lambda w: np.asarray(w).T.reshape(hq, hd, d)),
-            layer + "mlp_norm": spec((d,), ("embed",), "ones", f"model.layers.{i}.post_attention_layernorm.weight"),
-            layer + "gate": spec((d, f), ("embed", "ffn"), "normal", mlp + "gate_proj.weight", **transpose()),
-            layer + "up": spec((d, f), ("embed", "ffn"), "normal", mlp + "up_proj.weight", **transpose()),
-            layer + "down": spec((f, d), ("ffn", "embed"), "normal", mlp + "down_proj.weight", **transpose()),
-        })
-    specs["final_norm"] = spec((d,), ("embed",), "ones", "model.norm.weight")
-    if not cfg.tie_word_embeddings:
-        specs["lm_head"] = spec((d, v), ("embed", "vocab"), "normal", "lm_head.weight", **transpose())
-    return specs
+    """Flat description ``{"embed": ..., "layers.0.q": ..., ...}`` of every tensor: the shared decoder table plus
+    the per-head RMS norms of q and k."""
+    hd = cfg.head_dim
+    return decoder_specs(cfg, attn_extra=lambda i, layer, attn: {
+        layer + "q_norm": spec((hd,), ("head_dim",), "ones", attn + "q_norm.weight"),
+        layer + "k_norm": spec((hd,), ("head_dim",), "ones", attn + "k_norm.weight")})
 
 
 def qkv(lp: LayerParams, cfg: Qwen3Config, x, cos, sin):
