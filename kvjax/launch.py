@@ -580,4 +580,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    kvjax_allocator.reexec()  # huge pages for the weights: a restart, before any work (kvjax.allocator says why)
     sys.exit(main())

@@ -52,12 +52,46 @@ def test_tuned_decode_matches_system():
             "_, c = kvjax.prefill(p, cfg, jnp.ones((2, 5), jnp.int32), c);"
             "l, c = kvjax.decode_step(p, cfg, jnp.array([3, 4], jnp.int32), c); print(np.asarray(l).tobytes().hex())")
     outs = []
-    for value in ("tuned", "system"):
-        env = {**os.environ, "KVJAX_MALLOC": value, "JAX_PLATFORMS": "cpu"}
+    for value, pages in (("tuned", "1"), ("tuned", "0"), ("system", "0")):
+        env = {**os.environ, "KVJAX_MALLOC": value, "JAX_PLATFORMS": "cpu", "GLIBC_TUNABLES": f"glibc.malloc.hugetlb={pages}"}
         r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
         outs.append(r.stdout.strip().splitlines()[-1])
-    assert outs[0] == outs[1]
+    assert outs[0] == outs[1] == outs[2]
+
+
+def test_environ_adds_huge_pages_where_they_help(monkeypatch):
+    from kvjax import allocator
+    monkeypatch.setattr(allocator, "thp_mode", lambda: "madvise")
+    monkeypatch.setattr(allocator.sys, "platform", "linux")
+    assert allocator.environ({})["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    other = allocator.environ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "PATH": "/bin"})
+    assert other == {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1", "PATH": "/bin"}
+    # the user's own choice either way, and the C library's defaults, are left as they are
+    assert allocator.environ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}
+    assert allocator.environ({"KVJAX_MALLOC": "system"}) == {"KVJAX_MALLOC": "system"}
+    for mode in ("always", "never", None):  # the kernel gives huge pages without asking, or never
+        monkeypatch.setattr(allocator, "thp_mode", lambda: mode)
+        assert allocator.environ({}) == {}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the settings are glibc's")
+def test_reexec_restarts_once_under_huge_pages():
+    """A program's entry calls reexec() first: it restarts under allocator.environ() once (no output twice), and
+    tune() then reports the huge pages."""
+    from kvjax import allocator
+    code = ("from kvjax import allocator; allocator.reexec(); import os; print(os.environ.get('GLIBC_TUNABLES'));"
+            "print(allocator.tune())")
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "KVJAX_MALLOC", "LD_PRELOAD")}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    tunables, applied = r.stdout.splitlines()
+    if allocator.thp_mode() == "madvise":
+        assert tunables == "glibc.malloc.hugetlb=1"
+        if applied.startswith("glibc 2.") and int(applied.split()[1].split(".")[1].rstrip(":")) >= 35:
+            assert applied.endswith("transparent huge pages (GLIBC_TUNABLES=glibc.malloc.hugetlb=1)")
+    else:
+        assert tunables == "None"
 
 
 TCMALLOC = sorted(glob.glob("/usr/lib/*/libtcmalloc*.so.4") + glob.glob("/usr/lib/libtcmalloc*.so.4"))

@@ -1,4 +1,5 @@
-"""Decode step time under each host allocator (kvjax.allocator): glibc's defaults, kvjax's tuned glibc, tcmalloc.
+"""Decode step time under each host allocator (kvjax.allocator): glibc's defaults, kvjax's tuned glibc on 4 KiB and on
+transparent huge pages, tcmalloc.
 
     launch/venv python -m launch.bench.allocator                      # batch 1 and 64, 2 rounds, CPU 1, ~3 minutes
     launch/venv python -m launch.bench.allocator --batches 1 4 16 64 --rounds 3 --cpus 1
@@ -29,10 +30,13 @@ def tcmalloc() -> str | None:
 
 
 def allocators() -> dict[str, dict]:
-    """name -> the environment a worker runs under."""
-    out = {"glibc defaults": {"KVJAX_MALLOC": "system"}, "glibc tuned (kvjax default)": {"KVJAX_MALLOC": "tuned"}}
+    """name -> the environment a worker runs under (huge pages by glibc's tunable, kvjax.allocator.environ)."""
+    pages = "GLIBC_TUNABLES"
+    out = {"glibc defaults": {"KVJAX_MALLOC": "system", pages: "glibc.malloc.hugetlb=0"},
+           "glibc tuned, 4 KiB pages": {"KVJAX_MALLOC": "tuned", pages: "glibc.malloc.hugetlb=0"},
+           "glibc tuned + huge pages (kvjax default)": {"KVJAX_MALLOC": "tuned", pages: "glibc.malloc.hugetlb=1"}}
     if (lib := tcmalloc()) is not None:
-        out["tcmalloc"] = {"KVJAX_MALLOC": "tuned", "LD_PRELOAD": lib}
+        out["tcmalloc"] = {"KVJAX_MALLOC": "tuned", "LD_PRELOAD": lib, pages: "glibc.malloc.hugetlb=0"}
     return out
 
 
@@ -101,9 +105,9 @@ def main(argv=None) -> int:
     base = table["glibc defaults"]
     print(f"\ndecode step of the foundation model, ctx {args.context}, CPUs {args.cpus}, median of {args.rounds} "
           f"round(s) (ms/step; x = speed vs glibc defaults)")
-    print(f"{'allocator':<30}" + "".join(f"{'batch ' + str(b):>22}" for b in args.batches))
+    print(f"{'allocator':<42}" + "".join(f"{'batch ' + str(b):>22}" for b in args.batches))
     for name, row in table.items():
-        print(f"{name:<30}" + "".join(f"{ms:>12.2f} ({base[b] / ms:4.2f}x)" for b, ms in row.items()))
+        print(f"{name:<42}" + "".join(f"{ms:>12.2f} ({base[b] / ms:4.2f}x)" for b, ms in row.items()))
     for name, what in applied.items():
         print(f"  {name}: {what}")
     if args.out:

@@ -17,7 +17,8 @@ alternate the order of the sides; the report is the median over rounds of per-ro
 context fixed (kvjax resets the cache lengths, transformers crops its cache). OpenMP waits passively: spinning makes
 torch decode ~13x slower whenever another process takes a pinned CPU, and is no faster on an idle one. Every side runs
 under kvjax.allocator's host allocator settings (what the main job and the server use; KVJAX_MALLOC=system for the
-C library's defaults): at batch 64 they make kvjax's decode step ~3x faster. Each round
+C library's defaults): at batch 64 they make kvjax's decode step ~3x faster; each side's process starts with glibc's
+transparent huge pages (kvjax.allocator.environ; torch's tensors get them too). Each round
 records the share of the pinned CPUs that other processes used ("other load"): trust numbers taken with little.
 """
 
@@ -275,7 +276,8 @@ class Worker:
 
     def __init__(self, side: str, args):
         n = str(args.threads)
-        env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS=n, OMP_WAIT_POLICY="PASSIVE", MKL_NUM_THREADS=n,
+        from kvjax import allocator  # every side starts under the environment of kvjax's programs (huge pages)
+        env = dict(allocator.environ(), JAX_PLATFORMS="cpu", OMP_NUM_THREADS=n, OMP_WAIT_POLICY="PASSIVE", MKL_NUM_THREADS=n,
                    OPENBLAS_NUM_THREADS=n)
         self.side, self.cpus, self.log_path = side, args.cpus.split(","), os.path.join(args.workdir, f"{side}.log")
         cmd = ["taskset", "-c", args.cpus, sys.executable, "-m", "launch.bench.foundation", *sys.argv[1:],
