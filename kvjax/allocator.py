@@ -18,10 +18,10 @@ Transparent huge pages. A decode step streams every weight once; on 4 KiB pages 
 (117 MB of weights: ~30,000 page walks a token). Where the kernel gives huge pages only on request (THP "madvise",
 the common default), glibc's malloc asks for them when the process starts with the tunable
 GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (glibc >= 2.35): measured on the foundation model, one core, decode at 512 /
-2,000 tokens of context +16% / +41% (the generate loop), the same logits (WORKSPACE.md, "Speed"). Tunables are read
-once, when a process starts, so mallopt cannot set this one: `environ()` is the environment to start a kvjax program
-(or a benchmark's worker) under, and `reexec()`, called first thing by a program's entry point, restarts the program
-under it once.
+2,000 tokens of context +16% / +41% (the generate loop), the same logits (WORKSPACE.md, "Session 13"). Tunables
+are read once, when a process starts, so mallopt cannot set this one: `environ()` is the environment to start a kvjax
+program (or a benchmark's worker) under, and `reexec()`, called first thing by a program's entry point, restarts the
+program under it once.
 """
 
 from __future__ import annotations

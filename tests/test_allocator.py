@@ -53,7 +53,8 @@ def test_tuned_decode_matches_system():
             "l, c = kvjax.decode_step(p, cfg, jnp.array([3, 4], jnp.int32), c); print(np.asarray(l).tobytes().hex())")
     outs = []
     for value, pages in (("tuned", "1"), ("tuned", "0"), ("system", "0")):
-        env = {**os.environ, "KVJAX_MALLOC": value, "JAX_PLATFORMS": "cpu", "GLIBC_TUNABLES": f"glibc.malloc.hugetlb={pages}"}
+        env = {**os.environ, "KVJAX_MALLOC": value, "JAX_PLATFORMS": "cpu",
+               "GLIBC_TUNABLES": f"glibc.malloc.hugetlb={pages}"}
         r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
         outs.append(r.stdout.strip().splitlines()[-1])
@@ -68,7 +69,8 @@ def test_environ_adds_huge_pages_where_they_help(monkeypatch):
     other = allocator.environ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "PATH": "/bin"})
     assert other == {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1", "PATH": "/bin"}
     # the user's own choice either way, and the C library's defaults, are left as they are
-    assert allocator.environ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}
+    off = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}
+    assert allocator.environ(off) == off
     assert allocator.environ({"KVJAX_MALLOC": "system"}) == {"KVJAX_MALLOC": "system"}
     for mode in ("always", "never", None):  # the kernel gives huge pages without asking, or never
         monkeypatch.setattr(allocator, "thp_mode", lambda: mode)

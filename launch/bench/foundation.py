@@ -276,9 +276,9 @@ class Worker:
 
     def __init__(self, side: str, args):
         n = str(args.threads)
-        from kvjax import allocator  # every side starts under the environment of kvjax's programs (huge pages)
-        env = dict(allocator.environ(), JAX_PLATFORMS="cpu", OMP_NUM_THREADS=n, OMP_WAIT_POLICY="PASSIVE", MKL_NUM_THREADS=n,
-                   OPENBLAS_NUM_THREADS=n)
+        from kvjax import allocator  # every side starts as kvjax's programs do (huge pages)
+        env = dict(allocator.environ(), JAX_PLATFORMS="cpu", OMP_NUM_THREADS=n, OMP_WAIT_POLICY="PASSIVE",
+                   MKL_NUM_THREADS=n, OPENBLAS_NUM_THREADS=n)
         self.side, self.cpus, self.log_path = side, args.cpus.split(","), os.path.join(args.workdir, f"{side}.log")
         cmd = ["taskset", "-c", args.cpus, sys.executable, "-m", "launch.bench.foundation", *sys.argv[1:],
                "--side", side, "--workdir", args.workdir]
