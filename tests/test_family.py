@@ -50,3 +50,27 @@ def test_rope_description_is_what_the_forward_pass_and_the_map_use():
         np.testing.assert_array_equal(a, b)
     for a, b in zip(rope_table(40, 16, cfg.rope), rope_angles(pos, 16, cfg.rope)):
         np.testing.assert_allclose(a, b, atol=2e-6)
+
+
+@pytest.mark.parametrize("d", [{"model_type": "qwen3"},
+                               {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 8}])
+def test_every_family_names_a_missing_required_field(d):
+    """The shared HF fields (kvjax.models.config.decoder_fields) turn a missing one into a ConfigError naming it."""
+    from kvjax.models.config import ConfigError
+    with pytest.raises(ConfigError, match="required field '(hidden_size|num_attention_heads)' is missing"):
+        family_for_model_type(d["model_type"], "config.json").config.from_hf_dict(d, source="config.json")
+
+
+def test_families_share_one_decoder_table():
+    """Qwen3's and Llama's tables are the shared decoder table plus their own tensors (QK-norms; biases)."""
+    from kvjax.models.config import Qwen3Config
+    from kvjax.models.llama import LlamaConfig
+    from kvjax.models.params import decoder_specs, param_specs
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                 head_dim=8)
+    qwen, llama = Qwen3Config(**shape), LlamaConfig(**shape, attention_bias=True, mlp_bias=True)
+    shared = set(decoder_specs(qwen))
+    assert set(param_specs(qwen)) - shared == {f"layers.{i}.{n}" for i in range(2) for n in ("q_norm", "k_norm")}
+    assert set(param_specs(llama)) - shared == {f"layers.{i}.{n}_bias" for i in range(2)
+                                                for n in ("q", "k", "v", "o", "gate", "up", "down")}
+    assert shared <= set(param_specs(qwen)) and shared <= set(param_specs(llama))
