@@ -217,13 +217,16 @@ def test_a_failing_request_fails_alone(stack):
     good, bad = prompt_ids(stack, 33, 3), prompt_ids(stack, 33, 4)
     with Running(stack) as srv:
         for stage in ("step", "prefill"):
-            srv.faults.add(stage, lambda: InjectedFault("boom"), when=lambda r: r.prompt == bad)
+            # a request that fails every time it is tried: when both share a prefill batch, the engine retries each
+            # alone after the batch fails (a one-shot fault would then pass on the retry, as a transient one should)
+            srv.faults.add(stage, lambda: InjectedFault("boom"), when=lambda r: r.prompt == bad, times=-1)
             out = {}
             threads = [threading.Thread(target=lambda k, p: out.__setitem__(k, srv.post(
                 "/v1/completions", dict(model=MODEL, prompt=p, max_tokens=6, temperature=0))), args=(k, p))
                 for k, p in (("good", good), ("bad", bad))]
             [t.start() for t in threads]
             [t.join(60) for t in threads]
+            srv.faults.clear()
             assert out["bad"].status_code == 500 and "boom" in out["bad"].json()["error"]["message"], stage
             assert out["good"].json()["choices"][0]["token_ids"] == offline(stack, good, 6), stage
             assert complete(srv, bad, 6)["choices"][0]["token_ids"] == offline(stack, bad, 6)  # the next succeeds
