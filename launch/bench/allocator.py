@@ -31,12 +31,12 @@ def tcmalloc() -> str | None:
 
 def allocators() -> dict[str, dict]:
     """name -> the environment a worker runs under (huge pages by glibc's tunable, kvjax.allocator.environ)."""
-    pages = "GLIBC_TUNABLES"
-    out = {"glibc defaults": {"KVJAX_MALLOC": "system", pages: "glibc.malloc.hugetlb=0"},
-           "glibc tuned, 4 KiB pages": {"KVJAX_MALLOC": "tuned", pages: "glibc.malloc.hugetlb=0"},
-           "glibc tuned + huge pages (kvjax default)": {"KVJAX_MALLOC": "tuned", pages: "glibc.malloc.hugetlb=1"}}
+    from kvjax.allocator import ENV, HUGETLB, TUNABLES
+    small, huge = {TUNABLES: f"{HUGETLB}=0"}, {TUNABLES: f"{HUGETLB}=1"}
+    out = {"glibc defaults": {ENV: "system", **small}, "glibc tuned, 4 KiB pages": {ENV: "tuned", **small},
+           "glibc tuned + huge pages (kvjax default)": {ENV: "tuned", **huge}}
     if (lib := tcmalloc()) is not None:
-        out["tcmalloc"] = {"KVJAX_MALLOC": "tuned", "LD_PRELOAD": lib, pages: "glibc.malloc.hugetlb=0"}
+        out["tcmalloc"] = {ENV: "tuned", "LD_PRELOAD": lib, **small}
     return out
 
 
