@@ -157,9 +157,10 @@ def test_reverse_job_end_to_end(reverse_pair, tmp_path):
         assert set(row["phases_s"]["mapped"]) == {"source_prefill", "map", "first_token"}
         assert set(row["phases_s"]["partial"]) == {"source_prefill", "map", "recompute", "first_token"}
     sp = metrics["speculative"]["lengths"]["40"]
-    assert set(sp) == {"native", "plain@2", "transfer@2", "repaired@2"}
-    assert sp["plain@2"]["matches_native"] == 1.0  # lossless: plain drafting is the verifier's own greedy output
-    for arm in ("plain@2", "transfer@2", "repaired@2"):
+    assert set(sp) == {"native", "plain@2", "transfer@2", "repaired@2", "lookup@2"}
+    for arm in ("plain@2", "lookup@2"):  # lossless: drafting for the verifier's own cache gives its greedy output
+        assert sp[arm]["matches_native"] == 1.0
+    for arm in ("plain@2", "transfer@2", "repaired@2", "lookup@2"):
         assert 1 <= sp[arm]["acceptance_length"] <= 3 and sp[arm]["latency_s"] > 0 and sp[arm]["decode_tps"] > 0
         assert 0 <= sp[arm]["prefix_match"] <= 1 and sp[arm]["latency_vs_native"] > 0
     assert set(sp["transfer@2"]["phases_s"]) >= {"prefill", "map", "decode"}
@@ -169,6 +170,6 @@ def test_reverse_job_end_to_end(reverse_pair, tmp_path):
     for heading in ("## Time to first token", "## Cache quality: the answerer's KL", "![native KL](native_kl.png)",
                     "![time to first token](ttft_reverse.png)", "## Quality: multiple choice"):
         assert heading in report
-    assert "## Speculative decoding" in report
+    assert "## Speculative decoding" in report and "lookup@G = " in report
     for chart in ("native_kl.png", "ttft_reverse.png", "speculative.png"):
         assert os.path.getsize(os.path.join(out, chart)) > 0

@@ -9,9 +9,11 @@ from flax import struct
 
 import kvjax
 from kvjax.generation import Sampling, sample
-from kvjax.models.decoder import forward_features, forward_nocache
-from kvjax.speculative import ModelDrafter, sampling_probs, speculative_generate, speculative_split_generate
+from kvjax.models.decoder import forward_features, forward_nocache, verify_forward, write_block
+from kvjax.speculative import (LookupDrafter, ModelDrafter, sampling_probs, speculative_generate,
+                               speculative_split_generate)
 from kvjax.speculative.api import _prefill_features, transfer_builder
+from kvjax.speculative.lookup import match_end, match_end_reference
 from kvjax.speculative.loop import verify_loop
 from maptools import VOCAB, tiny_pair
 
@@ -68,6 +70,26 @@ def test_greedy_equals_the_verifiers_greedy_decode(models):
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
+def test_verify_forward_reads_the_cache_and_write_block_stores_the_block(models):
+    """The loop's read-only verify pass: the logits and features forward_features gives, the cache untouched, and
+    write_block leaves the cache forward_features writes (ragged rows, one row with an empty cache)."""
+    big, _, _ = models
+    cfg = big.cfg
+    ps = prompts([9, 1, 30], seed=4)
+    tokens, lengths = kvjax.pad_prompts(ps)
+    cache = kvjax.prefill(big.params, cfg, tokens, kvjax.init_cache(cfg, 3, 64), lengths)[1]
+    cache = cache.replace(lengths=jnp.asarray([9, 0, 30], jnp.int32))  # row 1: nothing cached yet
+    block = jnp.asarray(np.random.RandomState(2).randint(1, VOCAB, (3, 5)), jnp.int32)
+    want_logits, want_cache, want_feats = forward_features(big.params, cfg, block, cache, (0, 2))
+    logits, k, v, feats = jax.jit(verify_forward, static_argnums=(1, 4))(big.params, cfg, block, cache, (0, 2))
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), atol=1e-4)
+    np.testing.assert_allclose(np.asarray(feats), np.asarray(want_feats), atol=1e-4)
+    written = write_block(cache, k, v)
+    np.testing.assert_array_equal(np.asarray(written.lengths), np.asarray(cache.lengths))
+    for got, want in ((written.k, want_cache.k), (written.v, want_cache.v)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+
+
 def test_sampling_probs_truncates_like_sample():
     logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
     np.testing.assert_allclose(sampling_probs(logits, Sampling(1.0, 0.7)), [[0.625, 0.375, 0, 0]], atol=1e-6)
@@ -113,6 +135,20 @@ def test_sampling_follows_the_verifiers_distribution():
         x1 = int(np.argmax(counts))
         second = np.bincount(out[out[:, 0] == x1, 1], minlength=12)
         assert _chi2_pvalue(second, dist(verifier, prompt + [x1])) > 1e-3
+    # the lookup's drafts are certain (q one-hot): a repeated prompt makes it propose 7 then 1 after "... 9 3"
+    loop = [3, 7, 1, 9, 3, 7, 1, 9, 3]
+    out, stats = speculative_generate(verifier, LookupDrafter(12, draft_len=2), [loop] * rows, 2,
+                                      temperature=s.temperature, top_p=s.top_p, key=jax.random.key(43),
+                                      return_stats=True)
+    out = np.asarray(out)
+    assert stats.accepted.sum() > 0
+    assert _chi2_pvalue(np.bincount(out[:, 0], minlength=12), dist(verifier, loop)) > 1e-3
+    second = np.bincount(out[out[:, 0] == 7, 1], minlength=12)  # the drafted continuation 7 -> 1
+    assert _chi2_pvalue(second, dist(verifier, loop + [7])) > 1e-3
+    other = np.bincount(out[out[:, 0] != 7, 1], minlength=12)
+    x1 = int(np.bincount(out[out[:, 0] != 7, 0], minlength=12).argmax())  # a rejected draft's most common fix
+    assert _chi2_pvalue(np.bincount(out[out[:, 0] == x1, 1], minlength=12), dist(verifier, loop + [x1])) > 1e-3
+    assert other.sum() > 0
 
 
 def test_transfer_decodes_from_the_mapped_cache(models):
@@ -198,3 +234,44 @@ def test_bad_speculative_arguments(models):
         speculative_generate(big, ModelDrafter(small, draft_len=3), [[3, 4]], 4, draft_len=2)
     with pytest.raises(TypeError, match="drafter object"):
         speculative_generate(big, object(), [[3, 4]], 4)
+    with pytest.raises(ValueError, match="one drafter named by a string is 'lookup'"):
+        speculative_generate(big, "ngram", [[3, 4]], 4)
+    with pytest.raises(ValueError, match="min_ngram <= max_ngram"):
+        LookupDrafter(96, min_ngram=3, max_ngram=2)
+
+
+def test_lookup_match_is_the_latest_longest_ngram():
+    """match_end against the plain-Python reference on short alphabets (many repeats) and edge cases."""
+    rng = np.random.RandomState(3)
+    cases = [(np.array([5, 6, 7, 5, 6, 7, 5, 6, 0, 0]), 8), (np.array([1, 2, 3, 4, 0]), 4), (np.array([9, 9, 0]), 2),
+             (np.array([4, 0, 0]), 1)]
+    cases += [(rng.randint(0, k, 40), int(rng.randint(1, 40))) for k in (2, 3, 5, 20) for _ in range(25)]
+    for history, length in cases:
+        for max_n, min_n in ((3, 1), (4, 2), (1, 1), (2, 2)):
+            end, n = match_end(jnp.asarray(history, jnp.int32), jnp.int32(length), max_n, min_n)
+            want_end, want_n = match_end_reference(history, length, max_n, min_n)
+            assert int(n) == want_n, (history[:length], max_n, min_n)
+            if want_n:
+                assert int(end) == want_end, (history[:length], max_n, min_n)
+    end, n = match_end(jnp.asarray([5, 6, 7, 5, 6, 7, 5, 6, 0, 0]), jnp.int32(8), 3, 1)
+    assert (int(end), int(n)) == (5, 3)  # "7 5 6" recurs ending at 5: history[5] = 7 followed it
+
+
+def test_lookup_drafting_is_exact_and_accepts_repeats(models):
+    """Greedy: ragged rows, EOS, several draft lengths: the verifier's own greedy decode. On prompts that repeat a
+    phrase the lookup proposes and the verifier accepts (the verifier continues the loop it was shown)."""
+    big, _, _ = models
+    rng = np.random.RandomState(11)
+    phrase = rng.randint(1, VOCAB, 6).tolist()
+    ps = [phrase * 4, rng.randint(1, VOCAB, 9).tolist() + phrase * 3, [7], rng.randint(1, VOCAB, 13).tolist()]
+    free = native(big, ps, 17, eos_token_ids=())
+    eos = int(free[3, 6])
+    want = native(big, ps, 17, eos_token_ids=(eos,), pad_token_id=0)
+    for g in (1, 3, 5):
+        got, stats = speculative_generate(big, "lookup", ps, 17, draft_len=g, eos_token_ids=(eos,), pad_token_id=0,
+                                          return_stats=True)
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"draft_len {g}")
+        assert stats.accepted.sum() > 0
+    drafter = LookupDrafter(VOCAB, draft_len=4, max_ngram=4, min_ngram=2)
+    got = speculative_generate(big, drafter, ps, 17, eos_token_ids=(eos,), pad_token_id=0)
+    np.testing.assert_array_equal(np.asarray(got), want)

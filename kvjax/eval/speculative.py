@@ -1,6 +1,7 @@
 """Speculative decoding timed side by side: the large model decoding natively, drafting by the small model from its own
-prefill (plain), and drafting from a speculative KV transfer (the small model prefills once, its cache is mapped,
-optionally repaired, into the large model's, which verifies from it; kvjax.speculative).
+prefill (plain), drafting from a speculative KV transfer (the small model prefills once, its cache is mapped,
+optionally repaired, into the large model's, which verifies from it; kvjax.speculative), and, on request, the large
+model drafting for itself by prompt lookup (no small model; kvjax.speculative.LookupDrafter).
 
 One request = the cache of all but the prompt's last token, then `new_tokens` generated tokens (the first included;
 EOS ignored, so every arm makes the same number). Each arm runs once per round in a rotating order; round 0 compiles
@@ -22,7 +23,7 @@ from kvjax.mapper.kvmap import KVMap
 from kvjax.mapper.split import native_generate
 from kvjax.models.model import Model
 
-NATIVE, PLAIN, TRANSFER, REPAIRED = "native", "plain", "transfer", "repaired"
+NATIVE, PLAIN, TRANSFER, REPAIRED, LOOKUP = "native", "plain", "transfer", "repaired", "lookup"
 
 
 class _Prebuilt(CacheBuilder):
@@ -50,15 +51,16 @@ def _run(arm: str, small: Model, large: Model, kvmap: KVMap, prompts: np.ndarray
     if arm == NATIVE:
         tokens, phases = native_generate(large, prompts, new_tokens, eos_token_ids=(), timings=True)
         stats = None
-    elif arm == PLAIN:
+    elif arm in (PLAIN, LOOKUP):
         clock = Clock()
         t = prompts.shape[1] - 1
         cache = clock("prefill", NativePrefill(large)(prompts[:, :t], capacity=_capacity(prompts.shape[1],
                                                                                          new_tokens, draft_len)))
-        tokens, stats = clock("decode", speculative_generate(large, small, prompts, new_tokens, draft_len=draft_len,
+        drafter = small if arm == PLAIN else "lookup"
+        tokens, stats = clock("decode", speculative_generate(large, drafter, prompts, new_tokens, draft_len=draft_len,
                                                              builder=_Prebuilt(large, cache), eos_token_ids=(),
                                                              return_stats=True))
-        phases = dict(clock.phases)  # decode = the small model's own prefill + the verify loop
+        phases = dict(clock.phases)  # decode = the drafter's start (the small model's own prefill) + the verify loop
     else:
         k, mode = repair if arm == REPAIRED else (0, "bottom")
         r = speculative_split_generate(small, large, kvmap, prompts, new_tokens, draft_len=draft_len, repair_layers=k,
@@ -79,13 +81,15 @@ def _agreement(tokens: np.ndarray, native: np.ndarray) -> tuple[float, float, fl
 
 def measure_speculative(small: Model, large: Model, kvmap: KVMap, tokens: np.ndarray, lengths, *,
                         draft_lens=(4,), new_tokens: int = 64, repeats: int = 3, batch_size: int = 1,
-                        repair: tuple[int, str] | None = (1, "bottom"), progress: bool = True) -> dict[int, dict]:
-    """Per prompt length, per arm ("native", then "plain@G", "transfer@G", "repaired@G" for each draft length G):
+                        repair: tuple[int, str] | None = (1, "bottom"), lookup: bool = False,
+                        progress: bool = True) -> dict[int, dict]:
+    """Per prompt length, per arm ("native", then "plain@G", "transfer@G", "repaired@G" and with `lookup`
+    "lookup@G" for each draft length G):
     {"seconds": [per timed round], "phases": [{phase: s}], "tau": float | None, "exact", "prefix", "first"}, the
     last three comparing its output with the native arm's. `tokens`: a flat held-out token array; row r of a batch
     is its r-th consecutive slice of each length. `repair`: (layers, mode) of the repaired arm, None to leave it out."""
     tokens = np.asarray(tokens, np.int32).reshape(-1)
-    kinds = [PLAIN, TRANSFER] + ([REPAIRED] if repair and repair[0] > 0 else [])
+    kinds = [PLAIN, TRANSFER] + ([REPAIRED] if repair and repair[0] > 0 else []) + ([LOOKUP] if lookup else [])
     arms = [(NATIVE, 0)] + [(k, g) for g in draft_lens for k in kinds]
     name = lambda arm, g: arm if arm == NATIVE else f"{arm}@{g}"  # noqa: E731
     out = {}

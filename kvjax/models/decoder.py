@@ -74,6 +74,68 @@ def attend(q, k, v, q_pos, kv_len, layer: int):
     return jax.lax.switch(index, branches, q, k, v, q_pos, kv_len)
 
 
+def _attend_window_block(q, k, v, k_new, v_new, start, layer: int, window: int):
+    """Attention of q [B, T, Hq, hd] over the cache's positions [0, window) of `layer` that precede each row's `start`
+    AND the block's own keys/values k_new/v_new [B, T, Hkv, hd] (causal within the block): one softmax over both."""
+    t, hkv = q.shape[1], k.shape[2]
+    g = q.shape[2] // hkv
+    k = jnp.concatenate([k[layer, :, :, :window], k_new.transpose(0, 2, 1, 3).astype(k.dtype)], axis=2)
+    v = jnp.concatenate([v[layer, :, :, :window], v_new.transpose(0, 2, 1, 3).astype(v.dtype)], axis=2)
+    cached = jnp.broadcast_to(jnp.arange(window)[None, None, :] < start[:, None, None], (q.shape[0], g * t, window))
+    row_t = jnp.tile(jnp.arange(t), g)  # the block position of each grouped query row (_group's order)
+    block = jnp.broadcast_to(jnp.arange(t)[None, None, :] <= row_t[None, :, None], (q.shape[0], g * t, t))
+    mask = jnp.concatenate([cached, block], axis=-1)  # [B, G*T, W + T]
+    return _ungroup(_softmax_attend(_group(q, hkv), k, v, mask[:, None]), t)
+
+
+def attend_block(q, k, v, k_new, v_new, start, layer: int):
+    """`attend` for a block whose keys/values are NOT in the cache: the cached part over the smallest static window
+    that holds every row's `start` positions, the block's own part alongside (kvjax.speculative's verify pass)."""
+    windows = window_sizes(k.shape[3])
+    index = jnp.minimum(jnp.searchsorted(jnp.asarray(windows), jnp.max(start)), len(windows) - 1)
+    branches = [lambda q, kn, vn, s, w=w: _attend_window_block(q, k, v, kn, vn, s, layer, w) for w in windows]
+    return jax.lax.switch(index, branches, q, k_new, v_new, start)
+
+
+def verify_forward(params: Params, cfg, tokens: jax.Array, cache: KVCache, feature_layers: tuple[int, ...] = ()):
+    """`forward_features` that leaves the cache untouched: tokens [B, T] after each row's cached positions ->
+    (logits [B, T, V], k [L, B, T, Hkv, hd], v [L, B, T, Hkv, hd], features or None). `write_block` stores k/v.
+
+    Why: the speculative loop picks how many tokens to verify at run time (lax.switch over the lengths). A branch
+    that wrote into the cache would make XLA:CPU copy the whole cache into and out of the conditional (~0.3 ms a
+    round on the toy source, a fifth of the verify pass); reading it is free, and one write after the switch
+    stores the block. Same numbers as `forward_features` up to float summation order."""
+    b, t = tokens.shape
+    start = cache.lengths
+    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    cos, sin = head_angles(cfg, positions)
+    x = embed(params, tokens)
+    ks, vs, feats = [], [], {}
+    for i, lp in enumerate(params.layers):
+        q, k, v = qkv(lp, cfg, x, cos, sin)
+        x = finish(lp, cfg, x, attend_block(q, cache.k, cache.v, k, v, start, i))
+        ks.append(k)
+        vs.append(v)
+        if i in feature_layers:
+            feats[i] = x
+    features = jnp.concatenate([feats[i] for i in feature_layers], axis=-1) if feature_layers else None
+    logits = unembed(params, rms_norm(x, params.final_norm, cfg.rms_norm_eps))
+    return logits, jnp.stack(ks), jnp.stack(vs), features
+
+
+def write_block(cache: KVCache, k: jax.Array, v: jax.Array) -> KVCache:
+    """Store verify_forward's k/v [L, B, T, Hkv, hd] at each row's positions lengths .. lengths + T - 1 (all layers;
+    positions past the capacity drop). `lengths` is left as it is: the caller sets what was accepted."""
+    t = k.shape[2]
+    positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+    rows = jnp.arange(k.shape[1])[:, None]
+
+    def put(buf, new):  # buf [L, B, Hkv, C, hd] <- new [L, B, T, Hkv, hd]
+        return buf.at[:, rows, :, positions].set(new.transpose(1, 2, 0, 3, 4).astype(buf.dtype), mode="drop")
+
+    return cache.replace(k=put(cache.k, k), v=put(cache.v, v))
+
+
 def _write(buf: jax.Array, layer: int, new: jax.Array, positions: jax.Array) -> jax.Array:
     """buf [L, B, Hkv, C, hd] <- new [B, T, Hkv, hd] at buf[layer, b, :, positions[b, t]]; positions >= C drop."""
     rows = jnp.arange(new.shape[0])[:, None]

@@ -30,6 +30,7 @@ from kvjax.mapper.kvmap import KVMap, check_models
 from kvjax.models.decoder import forward_features
 from kvjax.models.model import Model, as_model
 from kvjax.speculative.draft import ModelDrafter
+from kvjax.speculative.lookup import LookupDrafter
 from kvjax.speculative.loop import Stats, run_loop, stats_of
 
 DEFAULT_DRAFT_LEN = 4
@@ -62,6 +63,13 @@ def _is_model(x) -> bool:
 
 
 def _as_drafter(drafter, draft_len: int | None, vocab: int):
+    if isinstance(drafter, str):
+        if drafter != "lookup":
+            raise ValueError(f"drafter={drafter!r}: the one drafter named by a string is 'lookup' (prompt lookup, "
+                             "kvjax.speculative.LookupDrafter); pass a model (kvjax.load_hf) or a drafter object")
+        g = DEFAULT_DRAFT_LEN if draft_len is None else draft_len
+        _check_draft_len(g)
+        return LookupDrafter(vocab_size=int(vocab), draft_len=int(g))
     if _is_model(drafter):
         model = as_model(drafter)
         if model.cfg.vocab_size != vocab:
@@ -162,8 +170,9 @@ def speculative_generate(verifier, drafter, prompts, max_new_tokens: int, *, dra
     """Speculative decoding: `drafter` proposes `draft_len` tokens per round, `verifier` checks them in one forward.
 
     verifier: a model as kvjax.load_hf returns it (Model or (cfg, params)). drafter: a model sharing the verifier's
-    vocabulary (it drafts from its own cache, one forward per token; draft_len default 4) or a drafter object
-    (kvjax.speculative.loop: e.g. a block drafter reading the verifier's features; its draft_len is its own).
+    vocabulary (it drafts from its own cache, one forward per token; draft_len default 4), "lookup" (prompt lookup:
+    copies what followed the context's latest n-gram match, no model; kvjax.speculative.LookupDrafter) or a drafter
+    object (kvjax.speculative.loop: e.g. a block drafter reading the verifier's features; its draft_len is its own).
     prompts: token lists of any lengths or an int array [B, T] (as kvjax.generate takes them; with
     `prompt_lengths` [B] its rows are right-padded, so many lengths share one compiled program). builder: the
     CacheBuilder that makes the VERIFIER's cache of each prompt but its last token (default NativePrefill of the

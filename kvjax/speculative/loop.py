@@ -66,7 +66,7 @@ import jax.numpy as jnp
 
 from kvjax.cache import KVCache
 from kvjax.generation import Sampling
-from kvjax.models.decoder import forward_features
+from kvjax.models.decoder import forward_features, verify_forward, write_block
 
 
 def sampling_probs(logits: jax.Array, sampling: Sampling) -> jax.Array:
@@ -188,9 +188,13 @@ def verify_loop(verifier, drafter, cache: KVCache, state, last: jax.Array, key: 
     variable = bool(getattr(drafter, "variable_length", False))
 
     def verify(t, block, cache):  # the verify forward over the first t tokens, padded back to g + 1 positions
-        logits, cache, feats = forward_features(vparams, vcfg, block[:, :t], cache, layers)
+        # reads the cache without writing it (decoder.verify_forward says why); the k/v of positions past t are
+        # zeros, written past what the round can accept: dead, and overwritten before any later round reads them
+        logits, k, v, feats = verify_forward(vparams, vcfg, block[:, :t], cache, layers)
         pad = ((0, 0), (0, g + 1 - t), (0, 0))
-        return jnp.pad(logits, pad), cache, None if feats is None else jnp.pad(feats, pad)
+        kv_pad = ((0, 0), (0, 0), (0, g + 1 - t), (0, 0), (0, 0))
+        return (jnp.pad(logits, pad), jnp.pad(k, kv_pad), jnp.pad(v, kv_pad),
+                None if feats is None else jnp.pad(feats, pad))
 
     verifies = [functools.partial(verify, t) for t in range(1, g + 2)]
 
@@ -208,7 +212,8 @@ def verify_loop(verifier, drafter, cache: KVCache, state, last: jax.Array, key: 
             drafted = jnp.cumprod((drafts >= 0).astype(jnp.int32), axis=-1)  # [B, g]: leading real drafts
             block = jnp.where(block >= 0, block, 0)  # a -1 is never accepted: any id may stand in for it
             q = None if q is None else q * drafted[..., None]  # nothing drafted there: q = 0, the verifier's p rules
-            logits, cache, feats = jax.lax.switch(jnp.max(jnp.sum(drafted, -1)), verifies, block, c["cache"])
+            logits, k, v, feats = jax.lax.switch(jnp.max(jnp.sum(drafted, -1)), verifies, block, c["cache"])
+            cache = write_block(c["cache"], k, v)
         else:
             logits, cache, feats = forward_features(vparams, vcfg, block, c["cache"], layers)
         if greedy:

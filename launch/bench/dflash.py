@@ -74,6 +74,9 @@ def main(argv=None) -> None:
     args = parse(argv)
     if args.cpu:
         os.sched_setaffinity(0, {int(c) for c in args.cpu.split(",")})  # before JAX sizes its thread pool
+    from kvjax import allocator
+    applied = allocator.tune()  # as kvjax's programs run (kvjax.allocator); before XLA starts its threads
+    print(f"host allocator: {applied}", flush=True)
     from kvjax.drafter import load_block_drafter
     from kvjax.eval.dflash import geomean, measure, methods_for, pad_group, record, summarize
     from kvjax.hf import load_hf, load_tokenizer
@@ -92,7 +95,7 @@ def main(argv=None) -> None:
                 if not k.startswith("dflash-") or int(k.split("-")[1]) in args.batch8_blocks}
     eos = tuple(cfg.eos_token_ids)
 
-    report = {"args": vars(args), "sets": {}, "batch8": {}, "records": {}, "load": os.getloadavg()}
+    report = {"args": vars(args), "allocator": applied, "sets": {}, "batch8": {}, "records": {}, "load": os.getloadavg()}
     t_start = time.time()
     for set_name, prompts in sets.items():
         width = -(-max(len(p) for p in prompts) // 64) * 64  # one padded shape per set: one compile per method
@@ -147,4 +150,6 @@ def format_table(report) -> str:
 
 
 if __name__ == "__main__":
+    from kvjax import allocator
+    allocator.reexec()  # huge pages, as the main job and the server run (kvjax.allocator says why)
     sys.exit(main())

@@ -5,7 +5,8 @@
     taskset -c 1 python -m launch.bench.speculative --part speed --draft-lens 1 2 3 4 6 --repeats 5
     taskset -c 1 python -m launch.bench.speculative --part cost      # where a round's time goes
 
-Verifier: TOY_DIR/source (6 layers); drafters: TOY_DIR/target (2 layers x 64) and TOY_DIR/pruned (3 layers x 256).
+Verifier: TOY_DIR/source (6 layers); drafters: TOY_DIR/target (2 layers x 64) and TOY_DIR/pruned (3 layers x 256),
+and `lookup` (prompt lookup, kvjax.speculative.LookupDrafter: no model) when named in --drafters.
 Prompts are prefixes of the held-out windows (checkpoints/toy/eval/heldout_windows.npy), window i for prompt i.
 
 exact: every prompt decoded greedily by kvjax.speculative_generate and by kvjax.generate (the verifier alone), batches
@@ -34,7 +35,7 @@ import numpy as np
 def load(args):
     import kvjax
     verifier = kvjax.load_hf(f"{args.toy_dir}/source")
-    drafters = {name: kvjax.load_hf(f"{args.toy_dir}/{name}") for name in args.drafters}
+    drafters = {name: name if name == "lookup" else kvjax.load_hf(f"{args.toy_dir}/{name}") for name in args.drafters}
     windows = np.load(f"{args.toy_dir}/eval/heldout_windows.npy").astype(np.int32)
     return verifier, drafters, windows
 
@@ -76,7 +77,7 @@ def speed(args, verifier, drafters, windows) -> dict:
 
     import kvjax
     from kvjax.models.model import as_model
-    from kvjax.speculative import ModelDrafter, speculative_generate
+    from kvjax.speculative import LookupDrafter, ModelDrafter, speculative_generate
     cfg, params = verifier
     prompts = [windows[len(windows) - 1 - i, : args.prompt_len][None] for i in range(args.speed_prompts)]
     n = args.new_tokens
@@ -87,9 +88,10 @@ def speed(args, verifier, drafters, windows) -> dict:
     arms, made = {"native": native}, {}
     for name, drafter in drafters.items():
         for g in args.draft_lens:
-            for c in args.min_confidence:
+            for c in ([0.0] if drafter == "lookup" else args.min_confidence):
                 arm = f"{name}/g{g}" + (f"/c{c}" if c else "")
-                made[arm] = ModelDrafter(as_model(drafter), draft_len=g, min_confidence=c)
+                made[arm] = (LookupDrafter(cfg.vocab_size, draft_len=g) if drafter == "lookup" else
+                             ModelDrafter(as_model(drafter), draft_len=g, min_confidence=c))
                 arms[arm] = lambda p, d=made[arm]: speculative_generate(verifier, d, p, n, eos_token_ids=())
     taus = {}
     ref = [np.asarray(native(p)) for p in prompts]
@@ -198,7 +200,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", choices=["exact", "speed", "cost", "all"], default="all")
     p.add_argument("--toy-dir", default="checkpoints/toy")
-    p.add_argument("--drafters", nargs="+", default=["target", "pruned"], help="checkpoint names under TOY_DIR")
+    p.add_argument("--drafters", nargs="+", default=["target", "pruned", "lookup"],
+                   help="checkpoint names under TOY_DIR, or lookup (prompt lookup, no model)")
     p.add_argument("--prompts", type=int, default=200, help="exact: held-out prompts")
     p.add_argument("--batch", type=int, default=8, help="exact: prompts per batch")
     p.add_argument("--exact-tokens", type=int, default=64, help="exact: new tokens per prompt")
@@ -212,8 +215,11 @@ def main(argv=None) -> None:
                    help="speed: ModelDrafter(min_confidence=...) values (0: fixed draft length)")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
+    from kvjax import allocator
+    applied = allocator.tune()  # as kvjax's programs run (kvjax.allocator); before XLA starts its threads
+    print(f"host allocator: {applied}", flush=True)
     verifier, drafters, windows = load(args)
-    result = {"args": vars(args)}
+    result = {"args": vars(args), "allocator": applied}
     if args.part in ("exact", "all"):
         result["exact"] = exact(args, verifier, drafters, windows)
     if args.part in ("speed", "all"):
@@ -226,4 +232,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    from kvjax import allocator
+    allocator.reexec()  # huge pages, as the main job and the server run (kvjax.allocator says why)
     main()

@@ -3,7 +3,8 @@ side with the answerer's native decoding (kvjax.eval.speculative): plain draftin
 speculative KV transfer (the reader prefills once, its cache is mapped with the final map, optionally repaired, and the
 verifier checks drafts from the mapped cache; kvjax.speculative.speculative_split_generate). Per prompt length and
 draft length: acceptance length, decode tokens/s, end-to-end latency (cache + `new_tokens` tokens) and the transfer's
-agreement with the answerer's native greedy output. For small reads, large answers; off by default. metrics.json
+agreement with the answerer's native greedy output; with `lookup`, also the answerer drafting for itself by prompt
+lookup (no reader: kvjax.speculative.LookupDrafter). For small reads, large answers; off by default. metrics.json
 `speculative`."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from kvjax.eval.suite.evaluation import Chart, Evaluation, at_least_one
 
 log = logging.getLogger(__name__)
 NATIVE = "native"
-COLOURS = {"native": "#4C72B0", "plain": "#8172B3", "transfer": "#55A868", "repaired": "#C44E52"}
+COLOURS = {"native": "#4C72B0", "plain": "#8172B3", "transfer": "#55A868", "repaired": "#C44E52", "lookup": "#DD8452"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,7 @@ class SpeculativeEval:
     repeats: int = 3  # timed rounds after a compile round (arms in rotating order); medians are reported
     repair: bool = True  # also the transfer repaired by partial recomputation (RunConfig.arms settings)
     batch_size: int = 1
+    lookup: bool = True  # also the answerer drafting for itself by prompt lookup (lookup@G; no reader involved)
 
 
 def run(ec: SpeculativeEval, ctx) -> dict:
@@ -37,7 +39,7 @@ def run(ec: SpeculativeEval, ctx) -> dict:
     repair = (ctx.cfg.arms.partial_k, ctx.cfg.arms.partial_mode) if ec.repair else None
     rows = measure_speculative(ctx.source, ctx.target, ctx.map(ctx.final), ctx.heldout.reshape(-1), ec.lengths,
                                draft_lens=ec.draft_lens, new_tokens=ec.new_tokens, repeats=ec.repeats,
-                               batch_size=ec.batch_size, repair=repair)
+                               batch_size=ec.batch_size, repair=repair, lookup=ec.lookup)
     for length, arms in rows.items():
         log.info("speculative %5d: %s", length, {a: (round(float(np.median(r["seconds"])), 3), r["tau"],
                                                     round(r["prefix"], 3)) for a, r in arms.items()})
@@ -101,6 +103,9 @@ def report(sp: dict, ctx) -> list[str]:
            f"drafts G tokens per round from its own prefill; transfer@G = {ctx.source} prefills once, the "
            f"{sp['final']} map gives {ctx.target} its cache, {ctx.target} verifies from it"
            + (f"; repaired@G = the same with {rep['mode']} {rep['k']} {ctx.target} layer(s) recomputed" if rep else "")
+           + (f"; lookup@G = {ctx.target} prefills natively and drafts for itself by prompt lookup (the G tokens "
+              "that followed the latest earlier match of the context's last n-gram; no reader)"
+              if any(_kind(a) == "lookup" for row in sp["lengths"].values() for a in row) else "")
            + ". Latency = cache + all tokens; decode tok/s = tokens / (time after the cache exists); acceptance = "
              "tokens per verify round; matches = output equal to native greedy (all tokens / share of tokens before "
              "the first difference / first token).", "",
@@ -136,7 +141,7 @@ def chart(sp: dict, path: str, ctx) -> str:
         ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=2)
     ax.set_xticks(range(len(lengths)), [f"{length_label(int(ln))} prompt" for ln in lengths])
     ax.set(ylabel="end-to-end seconds (median)",
-           title=f"Latency of {sp['new_tokens']} tokens: native {ctx.target} vs drafting by {ctx.source}")
+           title=f"Latency of {sp['new_tokens']} tokens: native {ctx.target} vs speculative decoding")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, ncol=min(len(arms), 4))
     return charts.save(fig, path)
