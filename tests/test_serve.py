@@ -323,3 +323,31 @@ def test_cli_without_a_map_names_the_command_to_run(tmp_path):
     r = subprocess.run([sys.executable, "-m", "kvjax.serve", "--config=toy", f"--map={tmp_path}"], cwd=REPO,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "not a map directory" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_step_over_the_first_rows_equals_the_full_step():
+    """programs.step(rows=b) computes slots [0, b) exactly as the all-slot step does and leaves the others' cache as
+    it was (the engine's low-load step: it reads only the occupied rows)."""
+    import jax.numpy as jnp
+
+    from kvjax.serve import programs
+    cfg, params = tiny(2, 32, 2, 1, 3, 1e4, 64)
+    slots, capacity = 8, 64
+    rng = np.random.RandomState(0)
+    cache = kvjax.init_cache(cfg, slots, capacity)
+    cache = cache.replace(k=jnp.asarray(rng.randn(*cache.k.shape).astype(np.float32)),
+                          v=jnp.asarray(rng.randn(*cache.v.shape).astype(np.float32)),
+                          lengths=jnp.asarray([5, 17, 0, 40, 9, 30, 2, 11], jnp.int32))
+    active = np.array([True, True, False, True, False, False, False, False])
+    tokens = rng.randint(1, 64, slots).astype(np.int32)
+    args = (active, np.zeros(slots, np.float32), np.ones(slots, np.float32), np.zeros(slots, np.int32),
+            np.zeros(slots, np.int32))
+    copy = lambda c: jax.tree.map(jnp.copy, c)  # noqa: E731 - step donates its cache
+    full_out, full = programs.step(params, cfg, copy(cache), tokens, *args)
+    part_out, part = programs.step(params, cfg, copy(cache), tokens, *args, rows=4)
+    assert programs.row_buckets(slots) == (1, 2, 4, 8)
+    np.testing.assert_array_equal(np.asarray(part_out)[active], np.asarray(full_out)[active])
+    np.testing.assert_array_equal(np.asarray(part.lengths), np.asarray(full.lengths))
+    for got, want, before in ((part.k, full.k, cache.k), (part.v, full.v, cache.v)):
+        np.testing.assert_allclose(np.asarray(got)[:, :4], np.asarray(want)[:, :4], atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(got)[:, 4:], np.asarray(before)[:, 4:])

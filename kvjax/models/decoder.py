@@ -53,10 +53,10 @@ def _attend_window(q, k, v, q_pos, kv_len, layer: int, window: int):
     k, v: [L, B, Hkv, C, hd] whole cache buffers (sliced here, so only the window is read); q_pos [B, T] absolute
     positions; kv_len [B] valid positions per row.
     """
-    t, hkv = q.shape[1], k.shape[2]
+    b, t, hkv = q.shape[0], q.shape[1], k.shape[2]
     g = q.shape[2] // hkv
-    k = k[layer, :, :, :window]  # [B, Hkv, W, hd]
-    v = v[layer, :, :, :window]
+    k = k[layer, :b, :, :window]  # [B, Hkv, W, hd]; the first B rows of the cache (forward_features says when fewer)
+    v = v[layer, :b, :, :window]
     key_pos = jnp.arange(window)
     q_pos = jnp.tile(q_pos, (1, g))  # [B, G*T], matching _group's row order
     mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < kv_len[:, None, None])
@@ -77,10 +77,10 @@ def attend(q, k, v, q_pos, kv_len, layer: int):
 def _attend_window_block(q, k, v, k_new, v_new, start, layer: int, window: int):
     """Attention of q [B, T, Hq, hd] over the cache's positions [0, window) of `layer` that precede each row's `start`
     AND the block's own keys/values k_new/v_new [B, T, Hkv, hd] (causal within the block): one softmax over both."""
-    t, hkv = q.shape[1], k.shape[2]
+    b, t, hkv = q.shape[0], q.shape[1], k.shape[2]
     g = q.shape[2] // hkv
-    k = jnp.concatenate([k[layer, :, :, :window], k_new.transpose(0, 2, 1, 3).astype(k.dtype)], axis=2)
-    v = jnp.concatenate([v[layer, :, :, :window], v_new.transpose(0, 2, 1, 3).astype(v.dtype)], axis=2)
+    k = jnp.concatenate([k[layer, :b, :, :window], k_new.transpose(0, 2, 1, 3).astype(k.dtype)], axis=2)
+    v = jnp.concatenate([v[layer, :b, :, :window], v_new.transpose(0, 2, 1, 3).astype(v.dtype)], axis=2)
     cached = jnp.broadcast_to(jnp.arange(window)[None, None, :] < start[:, None, None], (q.shape[0], g * t, window))
     row_t = jnp.tile(jnp.arange(t), g)  # the block position of each grouped query row (_group's order)
     block = jnp.broadcast_to(jnp.arange(t)[None, None, :] <= row_t[None, :, None], (q.shape[0], g * t, t))
@@ -238,11 +238,15 @@ def forward_features(params: Params, cfg, tokens: jax.Array, cache: KVCache, fea
     """`forward`, also returning the hidden states of `feature_layers` (static): the OUTPUT of each listed layer
     (its residual stream after attention and MLP, before the final norm; HF's hidden_states[i + 1]) at every input
     position, concatenated in the listed order: [B, T, len(feature_layers) * D] (None when the tuple is empty). A
-    speculative drafter that reads the verifier's features (kvjax.speculative) gets them from the verify pass."""
+    speculative drafter that reads the verifier's features (kvjax.speculative) gets them from the verify pass.
+
+    `tokens` may have fewer rows (b) than the cache: they are the cache's first b rows, the others are neither read
+    nor written (a server's decode step over its occupied slots only: attention reads b rows, not all of them)."""
     b, t = tokens.shape
     if lengths is None:
         lengths = jnp.full((b,), t, jnp.int32)
-    start = cache.lengths
+    rows = cache.lengths.shape[0]
+    start = cache.lengths[:b]
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
     kv_len = start + lengths
     cos, sin = head_angles(cfg, positions)
@@ -258,7 +262,7 @@ def forward_features(params: Params, cfg, tokens: jax.Array, cache: KVCache, fea
     logits = unembed(params, rms_norm(x, params.final_norm, cfg.rms_norm_eps))
     if last_only:
         logits = logits[:, 0]
-    return logits, cache.replace(lengths=kv_len), features
+    return logits, cache.replace(lengths=kv_len if b == rows else cache.lengths.at[:b].set(kv_len)), features
 
 
 # ---- public entry points (jitted, cache donated) -----------------------------------------------------------------

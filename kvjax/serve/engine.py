@@ -232,7 +232,8 @@ class Engine:
                     new = jax.device_put(new, self.decode_device)
                     slots = jnp.full((bs,), self.config.slots, jnp.int32)  # all dropped
                     self.cache = programs.insert(self.cache, new, slots)
-        self._run_step()
+        for rows in programs.row_buckets(self.config.slots):
+            self._run_step(rows)
         jax.block_until_ready(self.cache)
         return time.perf_counter() - t0
 
@@ -376,10 +377,13 @@ class Engine:
 
     # ---- decode ------------------------------------------------------------------------------------------------
 
-    def _run_step(self):
+    def _run_step(self, rows: int | None = None):
         active = np.array([r is not None for r in self._slot_req])
+        if rows is None:  # the smallest compiled row count that holds every occupied slot
+            need = int(np.flatnonzero(active).max()) + 1 if active.any() else 1
+            rows = next(b for b in programs.row_buckets(self.config.slots) if b >= need)
         out, self.cache = programs.step(self.target[1], self.target[0], self.cache, self._next_in, active,
-                                        self._temp, self._top_p, self._seed, self._count)
+                                        self._temp, self._top_p, self._seed, self._count, rows=rows)
         return np.asarray(out)
 
     def _step(self) -> None:

@@ -88,17 +88,30 @@ def _sample_rows(logits, temperature, top_p, seeds, counters):
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def step(params, cfg, cache: KVCache, tokens, active, temperature, top_p, seeds, counters):
+def row_buckets(slots: int) -> tuple[int, ...]:
+    """The decode step's row counts: powers of two below `slots`, and `slots`."""
+    return tuple(sorted({1 << i for i in range(max(slots - 1, 0).bit_length()) if 1 << i < slots} | {slots}))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "rows"), donate_argnames=("cache",))
+def step(params, cfg, cache: KVCache, tokens, active, temperature, top_p, seeds, counters, rows: int | None = None):
     """Every slot reads its input token (int32 [S]: a new request's last prompt token, else its latest generated
     one) and picks the next: (next tokens int32 [S], cache). Greedy rows (temperature 0) take the argmax, as
     `kvjax.generation.sample` does. Free slots (`active` False) compute too (one program for every mix) but their
-    length is reset to 0, so they never grow and never widen the attention window of the others."""
-    logits, cache = forward(params, cfg, tokens[:, None], cache)
+    length is reset to 0, so they never grow and never widen the attention window of the others.
+
+    `rows` (static, a `row_buckets` size): compute only slots [0, rows), which must hold every active slot; the
+    others keep their cache and get token 0. The engine fills the lowest free slots first, so at low load a step
+    reads a few rows of the cache instead of all of them (one program per bucket)."""
+    s = tokens.shape[0]
+    rows = s if rows is None else rows
+    logits, cache = forward(params, cfg, tokens[:rows, None], cache)
     logits = logits[:, 0]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    sampled = temperature > 0
-    nxt = jax.lax.cond(jnp.any(sampled & active),
-                       lambda: jnp.where(sampled, _sample_rows(logits, temperature, top_p, seeds, counters), greedy),
+    sampled = temperature[:rows] > 0
+    nxt = jax.lax.cond(jnp.any(sampled & active[:rows]),
+                       lambda: jnp.where(sampled, _sample_rows(logits, temperature[:rows], top_p[:rows],
+                                                               seeds[:rows], counters[:rows]), greedy),
                        lambda: greedy)
+    nxt = jnp.pad(nxt, (0, s - rows))
     return nxt, cache.replace(lengths=jnp.where(active, cache.lengths, 0))
