@@ -52,7 +52,7 @@ so the toy cannot have both: accuracy within native's interval needs 5 of the 6 
 gain. Default: 4 (the knee: retrieval and nearly all of the accuracy come back). Plain drafting by the 2-layer model
 is 7-37% slower end to end than native decoding (it agrees with the 6-layer model's next token 43% of the time, and a
 verify round costs 1.7-2.6 decode steps on CPU); the 6-layer model drafting for itself by prompt lookup (lookup@G) is
-14-22% faster at 1K and 0-7% at 4000 tokens, where the prefill is most of the time.
+11-22% faster end to end at 1K and at most 7% faster at 4000 tokens, where the prefill is most of the time.
 
 Sizes: the forward toy job's calibration (128 x 512 tokens) and residual (100 steps of 8 x (256 + 64)), 64 native-KL
 windows, 200 items per multiple-choice set, 10 retrieval items, TTFT 5 timed rounds; about 10 minutes on 2 CPU
