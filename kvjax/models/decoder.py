@@ -65,13 +65,18 @@ def _attend_window(q, k, v, q_pos, kv_len, layer: int, window: int):
 
 def attend(q, k, v, q_pos, kv_len, layer: int):
     """Attention over the smallest static window of the cache that holds every row's live positions."""
-    windows = window_sizes(k.shape[3])
+    return _in_window(k.shape[3], jnp.max(kv_len),
+                      lambda w, q, k, v, p, n: _attend_window(q, k, v, p, n, layer, w), q, k, v, q_pos, kv_len)
+
+
+def _in_window(capacity: int, needed, fn, *operands):
+    """fn(window, *operands) for the smallest static window of a `capacity` cache holding `needed` positions (a
+    traced scalar): one lax.switch branch per window size (kvjax.cache.window_sizes)."""
+    windows = window_sizes(capacity)
     if len(windows) == 1:
-        return _attend_window(q, k, v, q_pos, kv_len, layer, windows[0])
-    index = jnp.searchsorted(jnp.asarray(windows), jnp.max(kv_len))
-    index = jnp.minimum(index, len(windows) - 1)
-    branches = [lambda q, k, v, p, n, w=w: _attend_window(q, k, v, p, n, layer, w) for w in windows]
-    return jax.lax.switch(index, branches, q, k, v, q_pos, kv_len)
+        return fn(windows[0], *operands)
+    index = jnp.minimum(jnp.searchsorted(jnp.asarray(windows), needed), len(windows) - 1)
+    return jax.lax.switch(index, [lambda *ops, w=w: fn(w, *ops) for w in windows], *operands)
 
 
 def _attend_window_block(q, k, v, k_new, v_new, start, layer: int, window: int):
@@ -81,9 +86,9 @@ def _attend_window_block(q, k, v, k_new, v_new, start, layer: int, window: int):
     g = q.shape[2] // hkv
     k = jnp.concatenate([k[layer, :b, :, :window], k_new.transpose(0, 2, 1, 3).astype(k.dtype)], axis=2)
     v = jnp.concatenate([v[layer, :b, :, :window], v_new.transpose(0, 2, 1, 3).astype(v.dtype)], axis=2)
-    cached = jnp.broadcast_to(jnp.arange(window)[None, None, :] < start[:, None, None], (q.shape[0], g * t, window))
+    cached = jnp.broadcast_to(jnp.arange(window)[None, None, :] < start[:, None, None], (b, g * t, window))
     row_t = jnp.tile(jnp.arange(t), g)  # the block position of each grouped query row (_group's order)
-    block = jnp.broadcast_to(jnp.arange(t)[None, None, :] <= row_t[None, :, None], (q.shape[0], g * t, t))
+    block = jnp.broadcast_to(jnp.arange(t)[None, None, :] <= row_t[None, :, None], (b, g * t, t))
     mask = jnp.concatenate([cached, block], axis=-1)  # [B, G*T, W + T]
     return _ungroup(_softmax_attend(_group(q, hkv), k, v, mask[:, None]), t)
 
@@ -91,10 +96,8 @@ def _attend_window_block(q, k, v, k_new, v_new, start, layer: int, window: int):
 def attend_block(q, k, v, k_new, v_new, start, layer: int):
     """`attend` for a block whose keys/values are NOT in the cache: the cached part over the smallest static window
     that holds every row's `start` positions, the block's own part alongside (kvjax.speculative's verify pass)."""
-    windows = window_sizes(k.shape[3])
-    index = jnp.minimum(jnp.searchsorted(jnp.asarray(windows), jnp.max(start)), len(windows) - 1)
-    branches = [lambda q, kn, vn, s, w=w: _attend_window_block(q, k, v, kn, vn, s, layer, w) for w in windows]
-    return jax.lax.switch(index, branches, q, k_new, v_new, start)
+    return _in_window(k.shape[3], jnp.max(start),
+                      lambda w, q, kn, vn, s: _attend_window_block(q, k, v, kn, vn, s, layer, w), q, k_new, v_new, start)
 
 
 def verify_forward(params: Params, cfg, tokens: jax.Array, cache: KVCache, feature_layers: tuple[int, ...] = ()):

@@ -152,6 +152,7 @@ class Engine:
         self.eos = frozenset(tcfg.eos_token_ids)
         self.vocab_size = tcfg.vocab_size
         self.buckets = programs.buckets(config.capacity)
+        self.row_buckets = programs.row_buckets(config.slots)  # the decode step's compiled row counts
         devices = list(devices or jax.devices())
         if config.topology == "disaggregated" and len(devices) > 1:
             n = config.prefill_devices or len(devices) - 1
@@ -232,7 +233,7 @@ class Engine:
                     new = jax.device_put(new, self.decode_device)
                     slots = jnp.full((bs,), self.config.slots, jnp.int32)  # all dropped
                     self.cache = programs.insert(self.cache, new, slots)
-        for rows in programs.row_buckets(self.config.slots):
+        for rows in self.row_buckets:
             self._run_step(rows)
         jax.block_until_ready(self.cache)
         return time.perf_counter() - t0
@@ -381,7 +382,7 @@ class Engine:
         active = np.array([r is not None for r in self._slot_req])
         if rows is None:  # the smallest compiled row count that holds every occupied slot
             need = int(np.flatnonzero(active).max()) + 1 if active.any() else 1
-            rows = next(b for b in programs.row_buckets(self.config.slots) if b >= need)
+            rows = next(b for b in self.row_buckets if b >= need)
         out, self.cache = programs.step(self.target[1], self.target[0], self.cache, self._next_in, active,
                                         self._temp, self._top_p, self._seed, self._count, rows=rows)
         return np.asarray(out)
