@@ -5,9 +5,9 @@ and frees them at its end. Under glibc's defaults a block above the mmap thresho
 own, each XLA worker thread allocates from a separate arena that shrinks when freed, and the main heap is trimmed back
 to the OS: so every decode step page-faults its temporaries back in, at ~2 GB/s instead of the ~20 GB/s the same bytes
 read at from memory already mapped. At batch 64 and 512 tokens a row, that was 2/3 of the step (355 vs 112 ms on the
-foundation model; WORKSPACE.md, "Speed"). Keeping freed memory in one heap (no mmap'd blocks, no trimming, one arena)
-removes the faults; the single arena costs ~10% at batch 1 (its lock), which is why tcmalloc, where installed and
-preloaded (LD_PRELOAD; README, "Speed on CPU"), is better still and is left alone.
+foundation model; `git show 74bbc21:WORKSPACE.md`, "Speed"). Keeping freed memory in one heap (no mmap'd blocks, no
+trimming, one arena) removes the faults; the single arena costs ~10% at batch 1 (its lock), which is why tcmalloc,
+where installed and preloaded (LD_PRELOAD; README, "Speed on CPU"), is better still and is left alone.
 
 `tune()` applies this with glibc's mallopt. It changes the whole process (memory freed is kept for reuse, so the
 resident size stays at its peak), which is right for the programs kvjax runs (the main job, the server, the

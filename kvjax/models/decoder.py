@@ -97,7 +97,8 @@ def attend_block(q, k, v, k_new, v_new, start, layer: int):
     """`attend` for a block whose keys/values are NOT in the cache: the cached part over the smallest static window
     that holds every row's `start` positions, the block's own part alongside (kvjax.speculative's verify pass)."""
     return _in_window(k.shape[3], jnp.max(start),
-                      lambda w, q, kn, vn, s: _attend_window_block(q, k, v, kn, vn, s, layer, w), q, k_new, v_new, start)
+                      lambda w, q, kn, vn, s: _attend_window_block(q, k, v, kn, vn, s, layer, w),
+                      q, k_new, v_new, start)
 
 
 def verify_forward(params: Params, cfg, tokens: jax.Array, cache: KVCache, feature_layers: tuple[int, ...] = ()):

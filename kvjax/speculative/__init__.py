@@ -13,4 +13,5 @@ from kvjax.speculative.lookup import LookupDrafter, LookupState
 from kvjax.speculative.loop import Stats, accept_greedy, accept_sampled, run_loop, sampling_probs, verify_loop
 
 __all__ = ["SpecResult", "speculative_generate", "speculative_split_generate", "transfer_builder", "DraftState",
-           "ModelDrafter", "LookupDrafter", "LookupState", "Stats", "accept_greedy", "accept_sampled", "run_loop", "sampling_probs", "verify_loop"]
+           "ModelDrafter", "LookupDrafter", "LookupState", "Stats", "accept_greedy", "accept_sampled", "run_loop",
+           "sampling_probs", "verify_loop"]
