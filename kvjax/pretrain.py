@@ -20,6 +20,7 @@ import optax
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
+from kvjax import checkpointing
 from kvjax.models.config import Qwen3Config
 from kvjax.models.params import Params, init_params
 from kvjax.models.decoder import forward_nocache
@@ -138,8 +139,7 @@ def train(cfg: Qwen3Config, tc: TrainConfig, train_tokens: np.ndarray, heldout_t
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "train_config.json"), "w") as f:
         json.dump({"model": dataclasses.asdict(cfg), "train": dataclasses.asdict(tc)}, f, indent=2)
-    manager = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "ckpt")),
-                                    options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+    manager = checkpointing.manager(os.path.join(workdir, "ckpt"))
     state = init_state(cfg, tc, init)
     start = 0
     if manager.latest_step() is not None:

@@ -19,7 +19,7 @@ FLOORS = {
     # 0 base: the vocabulary every floor uses; knows no kvjax type. Logical-axis rules and meshes, processes,
     # token windows, safetensors files, text sources, dataclass <-> flags
     "kvjax.sharding": 0, "kvjax.distributed": 0, "kvjax.windows": 0, "kvjax.tensorfile": 0, "kvjax.corpus": 0,
-    "kvjax.config_flags": 0, "kvjax.allocator": 0,
+    "kvjax.config_flags": 0, "kvjax.allocator": 0, "kvjax.checkpointing": 0,
     # 1 models: the Qwen3 port (config, params, rope, forward / prefill / decode), the KVCache pytree it reads and
     # writes, HF checkpoints <-> params
     "kvjax.models": 1, "kvjax.cache": 1, "kvjax.hf": 1,

@@ -32,6 +32,7 @@ import optax
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
+from kvjax import checkpointing
 from kvjax.drafter.config import DrafterConfig
 from kvjax.drafter.model import DrafterParams, draft_head, init_drafter, target_features, train_logits
 from kvjax.generation import generate
@@ -209,8 +210,7 @@ def train_drafter(model, dcfg: DrafterConfig, tc: DrafterTrainConfig, data: dict
     opt = make_optimizer(tc)
     params = init_drafter(dcfg, jax.random.key(tc.seed), target_params=tparams if tc.init_from_target else None)
     state = TrainState(params, opt.init(params), jnp.zeros((), jnp.int32))
-    manager = ocp.CheckpointManager(os.path.abspath(os.path.join(wdir, "ckpt")),
-                                    options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+    manager = checkpointing.manager(os.path.join(wdir, "ckpt"))
     start = 0
     if manager.latest_step() is not None:
         start = manager.latest_step()

@@ -27,7 +27,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 from tqdm import tqdm
 
-from kvjax import distributed, sharding
+from kvjax import checkpointing, distributed, sharding
 from kvjax.distributed import TokenWindows
 from kvjax.generation import Sampling, decode_loop
 from kvjax.builders.native import prefill_cache
@@ -335,8 +335,7 @@ def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarra
     state = lambda: (kvmap, opt_state) if average is None else (kvmap, opt_state, average)  # noqa: E731
     start, manager = 0, None
     if workdir is not None:
-        manager = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "residual_ckpt")),
-                                        options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+        manager = checkpointing.manager(os.path.join(workdir, "residual_ckpt"))
         _check_identity(workdir, identity, manager.latest_step() is not None)
         if manager.latest_step() is not None:
             start = manager.latest_step()
