@@ -1,12 +1,13 @@
 """Training checkpoints: the one orbax CheckpointManager every resumable loop of kvjax uses (residual training, LM
 pretraining, the block drafter's training).
 
-Saves stay asynchronous (the arrays are written in the background while the next steps run), but the step's
-temporary directories are created synchronously, before the save returns. orbax 0.12's asynchronous directory
-creation makes the step directory (`12.orbax-checkpoint-tmp`) and the item directory inside it
-(`12.orbax-checkpoint-tmp/default.orbax-checkpoint-tmp`) in two unordered background tasks; on a slow machine they
-race (FileExistsError on process 0), and in a multi-process run the other processes then wait 600 s for a directory
-that never appears. Creating them synchronously costs a barrier and two mkdirs per save."""
+Saves stay asynchronous (the arrays are written in the background while the next steps run), but a step's
+temporary directories are created synchronously, before the save returns: a barrier, then process 0 makes them.
+With orbax 0.12's default, asynchronous directory creation, the step directory (`12.orbax-checkpoint-tmp`) and the
+item directory inside it (`.../default.orbax-checkpoint-tmp`) are made by background tasks that nothing orders; on
+a slow CI machine process 0 failed there with FileExistsError and process 1 waited 600 s for a directory that never
+appeared (the two-process job of tests/test_multihost.py). The race would not reproduce on demand; the synchronous
+path removes the background tasks altogether, for a barrier and two mkdirs per save."""
 
 from __future__ import annotations
 
