@@ -4,10 +4,11 @@ pretraining, the block drafter's training).
 Saves stay asynchronous (the arrays are written in the background while the next steps run), but a step's
 temporary directories are created synchronously, before the save returns: a barrier, then process 0 makes them.
 With orbax 0.12's default, asynchronous directory creation, the step directory (`12.orbax-checkpoint-tmp`) and the
-item directory inside it (`.../default.orbax-checkpoint-tmp`) are made by background tasks that nothing orders; on
-a slow CI machine process 0 failed there with FileExistsError and process 1 waited 600 s for a directory that never
-appeared (the two-process job of tests/test_multihost.py). The race would not reproduce on demand; the synchronous
-path removes the background tasks altogether, for a barrier and two mkdirs per save."""
+item directory inside it (`.../default.orbax-checkpoint-tmp`) are made by two background threads that coordinate
+through signals in JAX's coordination service; on a slow CI machine process 0 failed there with FileExistsError on
+the item directory and process 1 waited 600 s for a directory that never appeared (the two-process job of
+tests/test_multihost.py). It would not reproduce on demand. The synchronous path, orbax's own when checkpointing is
+not asynchronous, makes both directories in order on the calling thread: a barrier and two mkdirs per save."""
 
 from __future__ import annotations
 
