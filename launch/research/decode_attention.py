@@ -4,10 +4,10 @@
 
 One decode token's attention over 512 cached positions in each of the foundation model's 8 layers (4 KV heads, 2 query
 heads per KV head, head_dim 64, float32): `kvjax.models.decoder.attend`, decode's own attention (the static window
-that holds the live positions, sliced out of a [L, B, Hkv, capacity, hd] cache), against torch's SDPA and its plain matmul form over a
-[B, Hkv, window, hd] cache. Each side runs in a fresh process pinned to one CPU (never torch and JAX in one timing
-process), the sides alternate for `--rounds` rounds, and every number is the median of 5 timed calls. Session 16
-found XLA:CPU about twice as slow as torch at every batch size (WORKSPACE.md).
+that holds the live positions, sliced out of a [L, B, Hkv, capacity, hd] cache), against torch's SDPA and its plain
+matmul form over a [B, Hkv, window, hd] cache. Each side runs in a fresh process pinned to one CPU (never torch and
+JAX in one timing process), the sides alternate for `--rounds` rounds, and every number is the median of 5 timed
+calls. Session 16 found XLA:CPU about 2-2.5x slower than torch at batch 16-64 (WORKSPACE.md).
 """
 
 from __future__ import annotations
@@ -16,20 +16,16 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 
-L, HKV, G, HD = 8, 4, 2, 64  # the foundation benchmark's model (launch.bench.foundation.MODEL)
+from launch.bench.foundation import MODEL, median_seconds
+
+L, HKV, HD = MODEL["num_hidden_layers"], MODEL["num_key_value_heads"], MODEL["head_dim"]
+G = MODEL["num_attention_heads"] // HKV  # query heads per KV head
 REPS = 5
 
 
 def median_ms(fn) -> float:
-    fn()
-    times = []
-    for _ in range(REPS):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * sorted(times)[REPS // 2]
+    return 1e3 * median_seconds(fn, REPS, warmup=1)
 
 
 def xla_side(batch: int, window: int, capacity: int) -> dict:
