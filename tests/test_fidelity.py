@@ -190,3 +190,34 @@ def test_fidelity_predictors_reads_runs_dedupes_reused_maps_and_correlates(tmp_p
     assert corr["key_cos"]["spearman"] == pytest.approx(0.5)
     with pytest.raises(SystemExit, match="no metrics.json"):
         fp.maps_of(str(tmp_path))
+
+
+def test_compare_runs_pairs_items_and_refuses_different_ones(tmp_path, capsys):
+    """launch.research.compare_runs: RUN's arm minus BASE's arm per item with a paired interval, the gap share each
+    recovers, and a measure whose items differ reported as not compared (never paired wrongly)."""
+    from launch.research import compare_runs
+
+    def run(name, residual, kl, piqa_items=4):
+        d = tmp_path / name
+        (d / "eval").mkdir(parents=True)
+        (d / "metrics.json").write_text("{}")
+        mc = {"hellaswag": {"items": 4, "source": "hs.jsonl", "arms": {
+                  "target": {"correct": [0, 0, 1, 0]}, "source": {"correct": [1, 1, 1, 0]},
+                  "residual": {"correct": residual}}},
+              "piqa": {"items": piqa_items, "source": "piqa.jsonl",
+                       "arms": {"residual": {"correct": [1] * piqa_items}}}}
+        (d / "eval" / "mc.json").write_text(json.dumps(mc))
+        (d / "eval" / "kl.json").write_text(json.dumps({"per_window": {"residual": kl}}))
+        return str(d)
+    base = run("base", [0, 1, 1, 0], [0.5, 0.7])
+    better = run("better", [1, 1, 1, 0], [0.4, 0.7], piqa_items=3)
+    rows = {r["measure"]: r for r in compare_runs.compare(base, better)}
+    hs = rows["mc.hellaswag"]
+    assert hs["n"] == 4 and hs["delta"] == pytest.approx(0.25) and hs["ci95"][0] >= 0.0
+    assert hs["gap_base"] == pytest.approx(0.5) and hs["gap_run"] == pytest.approx(1.0)  # target 0.25, source 0.75
+    assert rows["kl"]["delta"] == pytest.approx(-0.05)
+    assert "different items" in rows["mc.piqa"]["skipped"]
+    compare_runs.main([base, better])
+    assert "gap 50.0% -> 100.0%" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no metrics.json"):
+        compare_runs.main([base, str(tmp_path / "missing")])
