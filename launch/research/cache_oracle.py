@@ -1,6 +1,7 @@
 """How far can a prefix cache move the target towards the source at all? An in-sample oracle for the residual.
 
     python -m launch.research.cache_oracle --map runs/toy_map/map      # 16 held-out windows, 300 Adam steps
+    python -m launch.research.cache_oracle --target pruned --map runs/toy_pruned/map
 
 For each of N held-out windows (prefix P + continuation C tokens), start from the mapped cache of the prefix (and,
 separately, from the target's own cache) and optimise every key/value entry of it freely, per window, to minimise
@@ -30,6 +31,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--toy-dir", default="checkpoints/toy")
     p.add_argument("--map", default="runs/toy_map/map", help="a map fitted for the pair (python -m launch.toy.fit_map)")
+    p.add_argument("--target", default="target", help="the target's folder under --toy-dir (e.g. pruned)")
     p.add_argument("--windows", type=int, default=16, help="the last N held-out windows")
     p.add_argument("--prefix", type=int, default=256)
     p.add_argument("--cont", type=int, default=64)
@@ -38,7 +40,7 @@ def main() -> None:
     args = p.parse_args()
     if not os.path.isdir(args.map):
         raise SystemExit(f"no map at {args.map}: fit one with `python -m launch.toy.fit_map` or pass --map")
-    source, target = (kvjax.load_hf(os.path.join(args.toy_dir, r)) for r in ("source", "target"))
+    source, target = (kvjax.load_hf(os.path.join(args.toy_dir, r)) for r in ("source", args.target))
     (scfg, sparams), (tcfg, tparams) = source, target
     kvmap = kvjax.load_map(args.map, scfg, tcfg)
     P, C = args.prefix, args.cont
