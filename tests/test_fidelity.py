@@ -208,6 +208,8 @@ def test_compare_runs_pairs_items_and_refuses_different_ones(tmp_path, capsys):
                        "arms": {"residual": {"correct": [1] * piqa_items}}}}
         (d / "eval" / "mc.json").write_text(json.dumps(mc))
         (d / "eval" / "kl.json").write_text(json.dumps({"per_window": {"residual": kl}}))
+        needles = {"1024": {"items": 2, "source": "r.jsonl", "arms": {"residual": {"correct": residual[:2]}}}}
+        (d / "eval" / "retrieval.json").write_text(json.dumps(needles))
         return str(d)
     base = run("base", [0, 1, 1, 0], [0.5, 0.7])
     better = run("better", [1, 1, 1, 0], [0.4, 0.7], piqa_items=3)
@@ -216,6 +218,7 @@ def test_compare_runs_pairs_items_and_refuses_different_ones(tmp_path, capsys):
     assert hs["n"] == 4 and hs["delta"] == pytest.approx(0.25) and hs["ci95"][0] >= 0.0
     assert hs["gap_base"] == pytest.approx(0.5) and hs["gap_run"] == pytest.approx(1.0)  # target 0.25, source 0.75
     assert rows["kl"]["delta"] == pytest.approx(-0.05)
+    assert rows["retrieval.1024"]["delta"] == pytest.approx(0.5) and "gap_base" not in rows["retrieval.1024"]
     assert "different items" in rows["mc.piqa"]["skipped"]
     compare_runs.main([base, better])
     assert "gap 50.0% -> 100.0%" in capsys.readouterr().out

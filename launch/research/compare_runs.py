@@ -38,22 +38,23 @@ def _check_run(run: str) -> None:
 
 def per_item(base: str, run: str, base_arm: str, arm: str) -> dict[str, tuple]:
     """{measure: (base scores [N], run scores [N], extra)} for every measure both runs scored on the same items, or
-    {measure: (None, None, why)} where they cannot be paired. extra: the runs' native-target and source accuracies for
-    a multiple-choice set (the gap), else None."""
+    {measure: (None, None, why)} where they cannot be paired. extra: BASE's native-target and source accuracies for
+    a multiple-choice set (its gap), else None."""
     out = {}
-    for schema, (a, b) in _pairs(base, run, "mc").items():
-        key = f"mc.{schema}"
-        if a.get("source") != b.get("source") or a.get("items") != b.get("items"):
-            out[key] = (None, None, f"different items ({a.get('source')} x {a.get('items')} vs "
-                                    f"{b.get('source')} x {b.get('items')})")
-            continue
-        arms_a, arms_b = a["arms"], b["arms"]
-        if base_arm not in arms_a or arm not in arms_b:
-            out[key] = (None, None, f"arm missing ({base_arm} in BASE: {base_arm in arms_a}, {arm} in RUN: "
-                                    f"{arm in arms_b})")
-            continue
-        gap = tuple(np.mean(arms_a[r]["correct"]) if r in arms_a else None for r in ("target", "source"))
-        out[key] = (np.asarray(arms_a[base_arm]["correct"]), np.asarray(arms_b[arm]["correct"]), gap)
+    for name in ("mc", "retrieval"):  # per-item correctness: {set: {"items", "source", "arms": {arm: {"correct"}}}}
+        for key, (a, b) in _pairs(base, run, name).items():
+            measure = f"{name}.{key}"
+            if a.get("source") != b.get("source") or a.get("items") != b.get("items"):
+                out[measure] = (None, None, f"different items ({a.get('source')} x {a.get('items')} vs "
+                                            f"{b.get('source')} x {b.get('items')})")
+            elif base_arm not in a["arms"] or arm not in b["arms"]:
+                out[measure] = (None, None, f"arm missing ({base_arm} in BASE: {base_arm in a['arms']}, {arm} in "
+                                            f"RUN: {arm in b['arms']})")
+            else:
+                gap = (tuple(np.mean(a["arms"][r]["correct"]) if r in a["arms"] else None
+                             for r in ("target", "source")) if name == "mc" else None)
+                out[measure] = (np.asarray(a["arms"][base_arm]["correct"]), np.asarray(b["arms"][arm]["correct"]),
+                                gap)
     kl_a, kl_b = _load(base, "kl"), _load(run, "kl")
     if kl_a and kl_b:
         a, b = kl_a["per_window"].get(base_arm), kl_b["per_window"].get(arm)
@@ -63,14 +64,6 @@ def per_item(base: str, run: str, base_arm: str, arm: str) -> dict[str, tuple]:
             out["kl"] = (None, None, f"different windows ({len(a)} vs {len(b)})")
         else:
             out["kl"] = (np.asarray(a), np.asarray(b), None)
-    for length, (a, b) in _pairs(base, run, "retrieval").items():
-        key = f"retrieval.{length}"
-        if a.get("source") != b.get("source") or a.get("items") != b.get("items"):
-            out[key] = (None, None, "different items")
-        elif base_arm not in a["arms"] or arm not in b["arms"]:
-            out[key] = (None, None, "arm missing")
-        else:
-            out[key] = (np.asarray(a["arms"][base_arm]["correct"]), np.asarray(b["arms"][arm]["correct"]), None)
     return out
 
 
