@@ -409,7 +409,8 @@ class Job:
         mi = manifest["info"]
         info["map"] = {"pairing": mi["pairing"], "rank": mi["rank"], "lambdas": mi["lambdas"],
                        "heldout_r2": mi["heldout_r2"], "residual_rank": manifest["spec"]["residual_rank"],
-                       "residual_steps": mi.get("residual_steps", 0), "final": final_arm(cfg)}
+                       "residual_steps": mi.get("residual_steps", 0),
+                       "residual_context": manifest["layers"][0].get("context", 0), "final": final_arm(cfg)}
         info["data"] = {"train_text": data["train_text"], "train_tokens": data["train_tokens"],
                         "calib_tokens": mi["calib_tokens"], "heldout_windows": data["heldout_windows"]}
         info["devices"] = f"{jax.device_count()} x {jax.devices()[0].platform} ({jax.devices()[0].device_kind})"
@@ -426,11 +427,13 @@ MAP_DIRS = {"ridge": "map_ridge", "residual": "map", "perhead": "map_perhead"}
 
 def map_size_bytes(manifest: dict, kvmap, name: str) -> int:
     """Bytes of a fitted map's float32 parameters as the method stores them: the ridge's mu, w_in, w_out, bias per
-    target layer and kind; the residual adds its network; the per-head peer its per-head blocks (its manifest)."""
+    target layer and kind; the residual adds its network (a context map's down_prev too); the per-head peer its
+    per-head blocks (its manifest)."""
     if "size_bytes" in manifest["info"]:
         return int(manifest["info"]["size_bytes"])
-    parts = ("mu", "w_in", "w_out", "bias") + (("down", "res_bias", "up") if name == "residual" else ())
-    return int(sum(4 * getattr(m, p).size for m in (*kvmap.keys, *kvmap.values) for p in parts))
+    parts = ("mu", "w_in", "w_out", "bias") + (("down", "res_bias", "up", "down_prev") if name == "residual" else ())
+    return int(sum(4 * getattr(m, p).size for m in (*kvmap.keys, *kvmap.values) for p in parts
+                   if getattr(m, p) is not None))
 
 
 def _replace_dir(tmp: str, out: str) -> None:

@@ -103,6 +103,9 @@ def validate(cfg: RunConfig) -> None:
     if cfg.residual.init_from and not os.path.isfile(os.path.join(cfg.residual.init_from, "manifest.json")):
         problems.append(f"residual.init_from={cfg.residual.init_from!r} is not a saved map (no manifest.json): pass a "
                         "map directory fitted on this run's ridge (e.g. an earlier run's map/), or '' for a fresh one")
+    if not 0 <= cfg.residual.context <= 8:
+        problems.append(f"residual.context={cfg.residual.context}: use 0 (each position alone) or 1..8 previous "
+                        "positions")
     if not 0.0 <= cfg.residual.ema < 1.0:
         problems.append(f"residual.ema={cfg.residual.ema}: must be in [0, 1) (e.g. 0.995; 0: the last iterate)")
     problems += copy_window_problems(cfg, cfgs)

@@ -143,6 +143,9 @@ def test_the_default_config_trains_copies_and_gates_on_retrieval_and_preflight_e
     assert "copy_span=6: a fact" in problems(copy_span=6)
     assert "each symbol of the value alphabet must be one token" in problems(copy_values="0123\u00e9")
     assert "copy_weight=0.0: must be in (0, 1]" in problems(copy_weight=0.0)
+    assert "residual.context=-1: use 0 (each position alone) or 1..8" in problems(context=-1)
+    # a context map (kvjax.mapper.kvmap.LinearMap.down_prev) is a residual setting: it enters that stage's hash only
+    assert "context" not in rc.hashed() and dataclasses.replace(rc, context=1).hashed()["context"] == 1
     assert "copy_len=100: must be >= 128" in problems(copy_len=100)
     preflight.check_processes(cfg, 1)
     with pytest.raises(err, match="residual.pool_windows and residual.copy_windows need one process"):

@@ -301,3 +301,77 @@ def test_next_token_agreement(pair):
     assert np.all((cross["with_target"] >= 0) & (cross["with_target"] <= 1)) and cross["kl_native"].min() > 0
     with pytest.raises(ValueError, match="prefix"):
         next_token_agreement(kvmap, m, target, held, prefix=40)
+
+
+def per_position_map(m, x, before):
+    """A context LinearMap written out position by position: each reads itself and the m.context positions before it
+    (rows of `before` ahead of the block; mu before the sequence's start)."""
+    c = m.context
+    rows = jnp.concatenate([before, x], 1)  # [B, c + T, Fx]
+    out = []
+    for i in range(x.shape[1]):
+        pre = (rows[:, c + i] - m.mu) @ (m.down / m.scale) + m.res_bias
+        for j in range(c):
+            pre = pre + (rows[:, c + i - 1 - j] - m.mu) @ (m.down_prev[j] / m.scale)
+        out.append(((rows[:, c + i] - m.mu) @ m.w_in) @ m.w_out + m.bias + jax.nn.gelu(pre) @ m.up)
+    return jnp.stack(out, 1)
+
+
+def test_context_map_reads_the_positions_before_each_one(pair, tmp_path):
+    from kvjax.kernels.map_insert import insert_layers, map_insert_reference
+    from kvjax.mapper.kvmap import LinearMap, apply_map
+    from kvjax.mapper.residual import warm_start, with_context
+
+    ks = jax.random.split(jax.random.key(0), 8)
+    fx, fy, h, r = 12, 8, 4, 3
+    m = LinearMap(mu=jax.random.normal(ks[0], (fx,)), scale=jnp.float32(2.0), w_in=jax.random.normal(ks[1], (fx, r)),
+                  w_out=jax.random.normal(ks[2], (r, fy)), bias=jax.random.normal(ks[3], (fy,)),
+                  down=jax.random.normal(ks[4], (fx, h)), res_bias=jnp.zeros(h), up=jax.random.normal(ks[5], (h, fy)),
+                  down_prev=jax.random.normal(ks[6], (2, fx, h)))
+    x = jax.random.normal(ks[7], (2, 10, fx))
+    start = jnp.broadcast_to(m.mu, (2, 2, fx))  # before position 0: mu, i.e. zero features
+    np.testing.assert_allclose(m(x), per_position_map(m, x, start), atol=1e-5)
+    np.testing.assert_allclose(m(x[:, 4:], x[:, 2:4]), m(x)[:, 4:], atol=1e-5)  # a later block reads its past
+    assert not np.allclose(m(x)[:, 1:], m.replace(down_prev=None)(x)[:, 1:], atol=1e-3)
+
+    source, target = pair
+    kvmap, _ = kvjax.fit_map(source, target, windows(16, 40), windows(8, 40, seed=1), batch_size=8, residual_rank=4)
+    ctx = with_context(kvmap, 2, seed=0)
+    assert {lm.context for lm in (*ctx.keys, *ctx.values)} == {2} and with_context(ctx, 2, seed=0) is ctx
+    with pytest.raises(ValueError, match="reads \\[2\\] previous positions"):
+        with_context(ctx, 1, seed=0)
+    cache = native_cache(source[1], source[0], jnp.asarray(windows(2, 24, seed=4)))
+    np.testing.assert_allclose(apply_map(ctx, cache).k, apply_map(kvmap, cache).k, atol=1e-6)  # up = 0: the ridge
+
+    # trained, the map reads neighbours: the XLA map in blocks (a later block reads the positions before it) equals
+    # the map of the whole sequence, and the Pallas kernel (positions alone) refuses it
+    tokens = np.random.RandomState(3).randint(1, VOCAB, 4000).astype(np.uint16)
+    rc = ResidualConfig(steps=4, batch_size=2, prefix_len=24, cont_len=8, lr=3e-2, warmup_steps=1, context=2)
+    trained, hist = kvjax.train_residual(kvmap, source, target, tokens, rc)
+    assert len(hist) == 4 and all(np.abs(np.asarray(lm.down_prev)).max() > 0 for lm in trained.keys)
+    args = dict(pairing=trained.spec.pairing, tgt_layers=(0, 1), src_rope=source[0].rope, tgt_rope=target[0].rope)
+    zeros = jnp.zeros((2, 2, target[0].num_kv_heads, 24, target[0].head_dim))
+    whole = map_insert_reference(cache.k, cache.v, zeros, zeros, trained.keys, trained.values, length=24, **args)
+    part = (zeros, zeros)
+    for lo, n in ((0, 1), (1, 9), (10, 14)):  # the second block starts inside the context
+        part = map_insert_reference(cache.k, cache.v, *part, trained.keys, trained.values, length=n, src_offset=lo,
+                                    dst_offset=lo, **args)
+    for a, b in zip(whole, part):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    with pytest.raises(ValueError, match="context map"):
+        insert_layers(cache.k, cache.v, zeros, zeros, trained.keys, trained.values, length=24, impl="pallas", **args)
+    auto = insert_layers(cache.k, cache.v, zeros, zeros, trained.keys, trained.values, length=24, impl="auto",
+                         interpret=True, **args)
+    np.testing.assert_allclose(auto[0], whole[0], atol=1e-6)
+
+    # saved and loaded with its context; a map saved without one loads without one; a warm start must match it
+    kvjax.save_map(tmp_path / "ctx", trained)
+    loaded = kvjax.load_map(tmp_path / "ctx", source[0], target[0])
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(trained)):
+        np.testing.assert_array_equal(a, b)
+    kvjax.save_map(tmp_path / "plain", kvmap)
+    assert kvjax.load_map(tmp_path / "plain").keys[0].down_prev is None
+    with pytest.raises(ValueError, match="residual rank or context"):
+        warm_start(ctx, str(tmp_path / "plain"))
+    np.testing.assert_array_equal(warm_start(ctx, str(tmp_path / "ctx")).values[1].down_prev,
+                                  trained.values[1].down_prev)

@@ -26,6 +26,9 @@ def header(metrics: dict) -> list[str]:
     src, tgt = run["source"]["name"], run["target"]["name"]
     # the gated (final) map: ridge + residual when a residual was trained
     kind = f"ridge + rank-{run['map']['residual_rank']} residual" if run["map"]["residual_steps"] > 0 else "ridge"
+    context = run["map"].get("residual_context", 0)
+    if run["map"]["residual_steps"] > 0 and context:  # a context map (ResidualConfig.context)
+        kind += f" (reading {context} previous position{'s' if context > 1 else ''})"
     return [f"# kvjax run `{run['config']}`: {src} reads, {tgt} answers", "",
             f"Source **{src}** ({run['source']['params_m']:.1f}M params, {run['source']['layers']} layers) prefills "
             f"the prompt; a {kind} "

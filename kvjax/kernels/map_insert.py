@@ -357,13 +357,24 @@ def map_insert_reference(src_k, src_v, tgt_k, tgt_v, keys: Sequence, values: Seq
     src_k = (src_k,) * n_src if isinstance(src_k, jax.Array) else tuple(src_k)
     src_v = (src_v,) * n_src if isinstance(src_v, jax.Array) else tuple(src_v)
 
-    def features(arrays, layers, rope):  # [B, n, P*Hs*hds]
-        return jnp.concatenate([content_features(a[layer, :, :, src_offset:src_offset + length], rope, dst_offset)
-                                for a, layer in zip(arrays, layers)], -1)
+    def features(arrays, layers, rope, back=0):  # [B, back + n, P*Hs*hds]: from `back` positions before the block
+        return jnp.concatenate([content_features(a[layer, :, :, src_offset - back:src_offset + length], rope,
+                                                 dst_offset - back) for a, layer in zip(arrays, layers)], -1)
+
+    def mapped(m, arrays, layers, rope):
+        # a context map (LinearMap.down_prev) also reads the positions before a block that does not start at 0
+        back = min(getattr(m, "context", 0), src_offset)
+        if back == 0:
+            return m(features(arrays, layers, rope))
+        x = features(arrays, layers, rope, back)
+        before = x[:, :back]
+        if back < m.context:  # the sequence starts inside the context: mu (zero features) before position 0
+            before = jnp.concatenate([jnp.broadcast_to(m.mu, (x.shape[0], m.context - back, x.shape[-1])), before], 1)
+        return m(x[:, back:], before)
 
     for layers, t, km, vm in zip(pairing, tgt_layers, keys, values):
-        yk = cache_layout(km(features(src_k, layers, src_rope)), tgt_k.shape[2], tgt_rope, dst_offset)
-        yv = cache_layout(vm(features(src_v, layers, None)), tgt_v.shape[2], None, dst_offset)
+        yk = cache_layout(mapped(km, src_k, layers, src_rope), tgt_k.shape[2], tgt_rope, dst_offset)
+        yv = cache_layout(mapped(vm, src_v, layers, None), tgt_v.shape[2], None, dst_offset)
         tgt_k = jax.lax.dynamic_update_slice(tgt_k, yk.astype(tgt_k.dtype)[None], (t, 0, 0, dst_offset, 0))
         tgt_v = jax.lax.dynamic_update_slice(tgt_v, yv.astype(tgt_v.dtype)[None], (t, 0, 0, dst_offset, 0))
     return tgt_k, tgt_v
@@ -395,6 +406,12 @@ def insert_layers(src_k, src_v, tgt_k, tgt_v, keys: Sequence, values: Sequence, 
     """`map_insert` (impl "pallas"), `map_insert_reference` (impl "xla") or the platform's choice ("auto"), from
     unpacked per-layer maps (traceable). Returns (tgt_k, tgt_v)."""
     src0 = src_k if isinstance(src_k, jax.Array) else src_k[0]
+    if any(getattr(m, "context", 0) for m in (*keys, *values)):
+        # the kernel maps each position alone; a context map (LinearMap.down_prev) runs the XLA map
+        if impl == "pallas":
+            raise ValueError("the Pallas map-and-insert kernel maps each position alone and this is a context map "
+                             "(map.context > 0); use impl='xla' or 'auto'")
+        impl = "xla"
     impl = resolve_impl(impl, src0.shape[4], tgt_k.shape[4], length, interpret)
     args = dict(pairing=tuple(tuple(p) for p in pairing), tgt_layers=tuple(tgt_layers), length=length,
                 src_rope=src_rope, tgt_rope=tgt_rope, src_offset=src_offset, dst_offset=dst_offset)

@@ -26,7 +26,16 @@ READS = ("kvjax-map-v1", FORMAT)  # v1 maps stored source_theta / target_theta: 
 
 
 def _shapes(m: LinearMap) -> dict:
-    return {"fx": m.w_in.shape[0], "r": m.w_in.shape[1], "fy": m.w_out.shape[1], "h": m.down.shape[1]}
+    shapes = {"fx": m.w_in.shape[0], "r": m.w_in.shape[1], "fy": m.w_out.shape[1], "h": m.down.shape[1]}
+    if m.down_prev is not None:  # a context map (absent: maps saved before context maps existed read as before)
+        shapes["context"] = m.down_prev.shape[0]
+    return shapes
+
+
+def _fields(m: LinearMap) -> dict:
+    """A LinearMap's arrays by field name; fields it lacks (None: `down_prev` of a map that reads each position
+    alone) are not written, so such a map is stored exactly as before context maps existed."""
+    return {f.name: getattr(m, f.name) for f in dataclasses.fields(m) if getattr(m, f.name) is not None}
 
 
 def _host_copy(a) -> np.ndarray:
@@ -60,7 +69,8 @@ def save_map(path: str, kvmap: KVMap, info: dict | None = None) -> None:
     os.makedirs(tmp)
     kvmap = jax.tree.map(_host_copy, kvmap)  # host arrays: the checkpoint records no mesh (see the module doc)
     ckptr = ocp.StandardCheckpointer(multiprocessing_options=_this_process_only())
-    ckptr.save(os.path.join(tmp, ARRAYS), {"keys": kvmap.keys, "values": kvmap.values})
+    ckptr.save(os.path.join(tmp, ARRAYS), {"keys": tuple(map(_fields, kvmap.keys)),
+                                           "values": tuple(map(_fields, kvmap.values))})
     ckptr.wait_until_finished()
     manifest = {"format": FORMAT, "spec": dataclasses.asdict(kvmap.spec),
                 "layers": [_shapes(m) for m in kvmap.keys], "value_layers": [_shapes(m) for m in kvmap.values],
@@ -71,11 +81,16 @@ def save_map(path: str, kvmap: KVMap, info: dict | None = None) -> None:
     os.replace(tmp, path)
 
 
-def _abstract(shapes: dict) -> LinearMap:
-    s = lambda *dims: np.zeros(dims, np.float32)  # noqa: E731  (restored as numpy: see _restore)
-    return LinearMap(mu=s(shapes["fx"]), scale=s(), w_in=s(shapes["fx"], shapes["r"]), w_out=s(shapes["r"], shapes["fy"]),
-                     bias=s(shapes["fy"]), down=s(shapes["fx"], shapes["h"]), res_bias=s(shapes["h"]),
-                     up=s(shapes["h"], shapes["fy"]))
+def _abstract(shapes: dict) -> dict:
+    """A LinearMap's arrays as a field -> array dict (restored as numpy: see _restore). A dict, not a LinearMap: orbax
+    would look for a saved entry under each of its fields, a map's absent `down_prev` (None) included."""
+    s = lambda *dims: np.zeros(dims, np.float32)  # noqa: E731
+    fields = dict(mu=s(shapes["fx"]), scale=s(), w_in=s(shapes["fx"], shapes["r"]), w_out=s(shapes["r"], shapes["fy"]),
+                  bias=s(shapes["fy"]), down=s(shapes["fx"], shapes["h"]), res_bias=s(shapes["h"]),
+                  up=s(shapes["h"], shapes["fy"]))
+    if shapes.get("context"):
+        fields["down_prev"] = s(shapes["context"], shapes["fx"], shapes["h"])
+    return fields
 
 
 def read_manifest(path: str) -> dict:
@@ -122,4 +137,5 @@ def load_map(path: str, source: Qwen3Config | None = None, target: Qwen3Config |
         arrays = jax.device_put(arrays, jax.local_devices()[0])
     else:  # every process holds the whole host array: each fills in its own devices' parts (any process count)
         arrays = jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx]), arrays)
-    return KVMap(keys=tuple(arrays["keys"]), values=tuple(arrays["values"]), spec=spec)
+    return KVMap(keys=tuple(LinearMap(**m) for m in arrays["keys"]),
+                 values=tuple(LinearMap(**m) for m in arrays["values"]), spec=spec)

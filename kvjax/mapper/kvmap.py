@@ -3,10 +3,14 @@
 Per target layer, keys and values each get an affine low-rank map (the frozen ridge fit) plus a small residual
 network whose output projection starts at zero, so a fresh residual leaves the ridge map unchanged:
 
-    y = (x - mu) @ w_in @ w_out + bias + up(gelu(down((x - mu) / scale)))
+    y = (x - mu) @ w_in @ w_out + bias + up(gelu(down((x - mu) / scale) + sum_c down_prev[c]((x[-1-c] - mu) / scale)))
 
 x is the concatenation of the paired source layers' features (keys un-rotated), y the target layer's features
-(keys rotated back with the target's RoPE when written into the cache).
+(keys rotated back with the target's RoPE when written into the cache). A context map (`down_prev` set) also feeds
+the residual the features of the C positions before each one (x[-1-c]: the source's cache at position t-1-c; before
+the first position, mu), so a target position can be given what the source knew about its neighbours (e.g. the
+previous token, which a pruned target's induction heads read from keys). A map without it translates each position
+alone.
 """
 
 from __future__ import annotations
@@ -40,11 +44,28 @@ class LinearMap:
     down: jax.Array  # [Fx, h]
     res_bias: jax.Array  # [h]
     up: jax.Array  # [h, Fy], zero at init
+    down_prev: jax.Array | None = None  # [C, Fx, h]: the C previous positions into the residual (a context map)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    @property
+    def context(self) -> int:
+        """How many previous positions the residual reads (0: each position alone)."""
+        return 0 if self.down_prev is None else self.down_prev.shape[0]
+
+    def __call__(self, x: jax.Array, before: jax.Array | None = None) -> jax.Array:
+        """x [..., T, Fx] -> [..., T, Fy]. A context map reads, for the first positions, the `context` rows of
+        features `before` [..., C, Fx] the block (the positions just before it, oldest first; None: the block
+        starts the sequence)."""
         xc = x - self.mu
         y = (xc @ self.w_in) @ self.w_out + self.bias
-        return y + jax.nn.gelu(xc @ (self.down / self.scale) + self.res_bias) @ self.up
+        pre = xc @ (self.down / self.scale) + self.res_bias
+        if self.context:
+            c, t = self.context, x.shape[-2]
+            head = (jnp.zeros(x.shape[:-2] + (c, x.shape[-1]), xc.dtype) if before is None
+                    else before.astype(xc.dtype) - self.mu)
+            padded = jnp.concatenate([head, xc], axis=-2)  # [..., C + T, Fx]: row c + i is position i
+            for j in range(c):  # position i reads position i - 1 - j = row c + i - 1 - j
+                pre = pre + padded[..., c - 1 - j : c - 1 - j + t, :] @ (self.down_prev[j] / self.scale)
+        return y + jax.nn.gelu(pre) @ self.up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +103,9 @@ LINEAR_MAP_AXES = LinearMap(mu=("map_in",), scale=(), w_in=("map_in", "map_rank"
 
 def kvmap_axes(kvmap: KVMap) -> KVMap:
     """A KVMap-shaped tree of logical-axis tuples (leaves are tuples), for ``kvjax.sharding.tree_shardings``."""
-    return kvmap.replace(keys=(LINEAR_MAP_AXES,) * len(kvmap.keys), values=(LINEAR_MAP_AXES,) * len(kvmap.values))
+    axes = lambda m: (LINEAR_MAP_AXES if m.down_prev is None  # noqa: E731
+                      else LINEAR_MAP_AXES.replace(down_prev=(None, "map_in", "map_rank")))
+    return kvmap.replace(keys=tuple(map(axes, kvmap.keys)), values=tuple(map(axes, kvmap.values)))
 
 
 def kvmap_shardings(kvmap: KVMap, mesh: Mesh, rules=None) -> KVMap:

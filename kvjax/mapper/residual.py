@@ -12,7 +12,6 @@ correction), so the residual learns on the states it will actually decode from.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import hashlib
 import json
@@ -43,7 +42,7 @@ from kvjax.models.decoder import forward, forward_nocache
 from kvjax.windows import step_batch, step_starts
 
 log = logging.getLogger(__name__)
-TRAINABLE = ("down", "res_bias", "up")
+TRAINABLE = ("down", "res_bias", "up", "down_prev")  # down_prev: a context map's (None otherwise)
 FROZEN = ("mu", "scale", "w_in", "w_out", "bias")
 
 
@@ -188,8 +187,33 @@ def _sha256(kvmap: KVMap, names: tuple[str, ...]) -> str:
     digest = hashlib.sha256()
     for lm in (*kvmap.keys, *kvmap.values):
         for name in names:
-            digest.update(np.ascontiguousarray(jax.device_get(getattr(lm, name)), np.float32).tobytes())
+            if getattr(lm, name) is not None:
+                digest.update(np.ascontiguousarray(jax.device_get(getattr(lm, name)), np.float32).tobytes())
     return digest.hexdigest()
+
+
+def with_context(kvmap: KVMap, context: int, seed: int) -> KVMap:
+    """`kvmap` made a context map reading `context` previous positions (ResidualConfig.context): each layer's
+    `down_prev` drawn fresh (a pure function of `seed`) beside its residual, which is kept; with `up` still zero the
+    map is unchanged. A map that already reads `context` positions is returned as it is; one reading another
+    number is refused."""
+    have = {m.context for m in (*kvmap.keys, *kvmap.values)}
+    if have == {context}:
+        return kvmap
+    if have != {0}:
+        raise ValueError(f"this map's residual reads {sorted(have)} previous positions, not residual.context="
+                         f"{context}; train from its ridge (a fresh residual) or set residual.context to match")
+    keys = jax.random.split(jax.random.fold_in(jax.random.key(seed), 0x6374), len(kvmap.keys) + len(kvmap.values))
+
+    def widen(m, key):  # drawn as the residual's own `down` is (kvjax.mapper.kvmap.linear_map)
+        fx, h = m.down.shape
+        prev = np.asarray(jax.random.normal(key, (context, fx, h), jnp.float32) / np.sqrt(fx))
+        if isinstance(m.down, jax.Array) and m.down.is_fully_addressable:  # placed as the map (a mesh run re-places)
+            prev = jax.device_put(prev, m.down.sharding)
+        return m.replace(down_prev=prev)
+    n = len(kvmap.keys)
+    return kvmap.replace(keys=tuple(widen(m, keys[i]) for i, m in enumerate(kvmap.keys)),
+                         values=tuple(widen(m, keys[n + i]) for i, m in enumerate(kvmap.values)))
 
 
 def warm_start(kvmap: KVMap, path: str) -> KVMap:
@@ -199,15 +223,16 @@ def warm_start(kvmap: KVMap, path: str) -> KVMap:
     if not os.path.isfile(os.path.join(path, "manifest.json")):
         raise ValueError(f"residual.init_from={path!r} is not a saved map (no manifest.json); pass the directory of a "
                          "map saved by kvjax.save_map (e.g. a run's map/) or '' for a fresh residual")
-    spec = read_manifest(path)["spec"]
+    manifest = read_manifest(path)
+    spec = manifest["spec"]
     mine = (kvmap.spec.source_fingerprint, kvmap.spec.target_fingerprint, kvmap.spec.residual_rank,
-            [list(p) for p in kvmap.spec.pairing])
+            kvmap.keys[0].context, [list(p) for p in kvmap.spec.pairing])
     theirs = (spec["source_fingerprint"], spec["target_fingerprint"], spec["residual_rank"],
-              [list(p) for p in spec["pairing"]])
+              manifest["layers"][0].get("context", 0), [list(p) for p in spec["pairing"]])
     if mine != theirs:
-        raise ValueError(f"residual.init_from={path!r} is a map of other models, pairing or residual rank (source, "
-                         f"target, rank, pairing {theirs[:3]} vs this map's {mine[:3]}); start from a map fitted on "
-                         "this run's ridge, or '' for a fresh residual")
+        raise ValueError(f"residual.init_from={path!r} is a map of other models, pairing, residual rank or context "
+                         f"(source, target, rank, context {theirs[:4]} vs this map's {mine[:4]}); start from a map "
+                         "fitted on this run's ridge with the same residual.context, or '' for a fresh residual")
     init = load_map(path)
     if _sha256(init, FROZEN) != _sha256(kvmap, FROZEN):
         raise ValueError(f"residual.init_from={path!r} was trained on another ridge fit (its frozen part differs from "
@@ -224,7 +249,8 @@ def ema_update(decay: float):
     """(average, live map) -> the average moved towards the live map by 1 - decay in the residual parameters; the
     frozen part is kept as it is (bit-exact: decay * x + (1 - decay) * x need not round to x)."""
     def mix(avg, live):
-        return avg.replace(**{n: decay * getattr(avg, n) + (1.0 - decay) * getattr(live, n) for n in TRAINABLE})
+        return avg.replace(**{n: decay * getattr(avg, n) + (1.0 - decay) * getattr(live, n) for n in TRAINABLE
+                              if getattr(avg, n) is not None})
 
     @jax.jit
     def update(avg: KVMap, live: KVMap) -> KVMap:
@@ -289,6 +315,8 @@ def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarra
     With `rc.copy_windows`, each step also reads `rc.copy_batch` fact-copy windows (kvjax.mapper.copy_windows; their
     fact format is tokenized with `tokenizer`, the pair's) from a pool made once, on one process; the log's "kl" is
     then the ordinary windows' KL and "copy_kl" the copies'."""
+    if rc.context:
+        kvmap = with_context(kvmap, rc.context, rc.seed)
     if rc.init_from:
         kvmap = warm_start(kvmap, rc.init_from)
     identity = None if workdir is None else run_identity(kvmap, rc)  # before any placement on a mesh

@@ -35,6 +35,12 @@ class ResidualConfig:
     # iterates is steadier. 0: the last iterate
     ema: float = 0.0
     save_every: int = 50  # checkpoint interval (steps)
+    # > 0: a context map (kvjax.mapper.kvmap, LinearMap.down_prev): the residual also reads the source's features at
+    # this many positions before each one, not each position alone (the ridge part stays per position). A cache
+    # optimised freely per window takes the pruned pair's KL 0.59 -> 0.03 where per-position maps stop near -20%
+    # (launch/research/cache_oracle.py); a target that lost the source's previous-token layer needs keys that
+    # carry their neighbours. The Pallas map kernel maps positions alone: context maps run the XLA map. 0: off
+    context: int = 0
     # > 0: fact-copy windows (kvjax.mapper.copy_windows) mixed into every step, this many drawn once into a pool as
     # pool_windows does: `copy_len` tokens of training text with a `copy_span`-token "key<separator>value" fact
     # written 64..copy_len-64 tokens before the end, then repeated; KL to the teacher on the repeat. The ordinary
@@ -60,4 +66,4 @@ TEACHERS = ("source", "target")
 # field -> its default (see ResidualConfig.hashed)
 ADDED_LATER = {"teacher": "source", "pool_windows": 0, "init_from": "", "ema": 0.0, "copy_windows": 0,
                "copy_len": 1024, "copy_span": 16, "copy_batch": 4, "copy_weight": 0.5, "copy_separator": " = ",
-               "copy_values": "0123456789"}
+               "copy_values": "0123456789", "context": 0}

@@ -5,8 +5,9 @@
 
 Reports prefill tokens/s at several prompt lengths (full logits [1, T, V] on both sides) against the machine's f32
 matmul peak measured in the same run (each library's own 2048^3 product; the faster one is the peak), decode
-tokens/s at batch 1 with the cache holding `ctx` tokens (kvjax: decode_step called from Python, and generate's
-in-jit loop; transformers: DynamicCache) against the decode roofline (read bandwidth / bytes read per token: all
+tokens/s at batch 1 with the cache holding `ctx` tokens (one step called from Python: kvjax's decode_step,
+transformers' forward with a DynamicCache; and each library's generation loop: kvjax.generate's in-jit loop,
+transformers' `generate`, greedy, the tokens after the first over their time) against the decode roofline (read bandwidth / bytes read per token: all
 weights a step touches, the live KV cache; float32), and batched decode: tokens/s at batch 1-64 with every row at
 `--batch-context` tokens.
 
@@ -174,6 +175,8 @@ class TorchBench:
         for b in args.batches:
             rows = torch.from_numpy(batch_tokens(args, b))
             self.batched[b] = (self._prefill(rows)[1], torch.full((b, 1), DECODE_TOKEN))
+        if args.generate_tokens:
+            self._generate(args.contexts[0], 2)  # its first call's set-up, outside the rounds as kvjax's compile is
         self.setup = {}
 
     def _prefill(self, tokens=None):
@@ -193,6 +196,13 @@ class TorchBench:
         with self.torch.inference_mode():
             return 2 * MATMUL_N ** 3 / median_seconds(lambda: a @ a, 5, 1)
 
+    def _generate(self, ctx: int, new_tokens: int):
+        """transformers' own generation loop (greedy, exactly `new_tokens` tokens), the peer of kvjax.generate."""
+        tokens = self.all_tokens[:, :ctx]
+        with self.torch.inference_mode():
+            self.model.generate(input_ids=tokens, attention_mask=self.torch.ones_like(tokens), do_sample=False,
+                                max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+
     def _decode_step(self, cache):
         cache.crop(-1)  # back to ctx tokens (the cache enters with ctx + 1)
         with self.torch.inference_mode():
@@ -210,6 +220,11 @@ class TorchBench:
             cache = copy.deepcopy(self.prompt_cache)
             cache.crop(ctx + 1 - a.prefill_len)
             out["decode"][ctx] = 1 / median_seconds(lambda: self._decode_step(cache), a.decode_steps, WARMUP_STEPS)
+            if a.generate_tokens:  # as kvjax's: the tokens after the first over their time
+                n = a.generate_tokens
+                extra = (median_seconds(lambda: self._generate(ctx, n + 1), a.prefill_reps)
+                         - median_seconds(lambda: self._generate(ctx, 1), a.prefill_reps))
+                out.setdefault("generate", {})[ctx] = n / extra
         return out
 
 
@@ -357,6 +372,7 @@ def run(args) -> dict:
                                  "roofline_tok_s": bandwidth * 1e9 / (weights + kv)}
         if args.generate_tokens:
             result["decode"][ctx]["kvjax_generate_tok_s"] = median_over(rounds["kvjax"], "generate", ctx)
+            result["decode"][ctx]["torch_generate_tok_s"] = median_over(rounds["torch"], "generate", ctx)
     return {**result, "rounds": rounds}
 
 
@@ -375,8 +391,9 @@ def print_report(r: dict, args) -> None:
                          f"{d['kvjax_tok_s'] / d['torch_tok_s']:.2f}x", f"{roof:.1f}",
                          f"{100 * d['kvjax_tok_s'] / roof:.0f}%", f"{mb:.1f}"))
         if "kvjax_generate_tok_s" in d:
-            g = d["kvjax_generate_tok_s"]
-            print(row.format(f"decode ctx={ctx} (generate loop)", f"{g:.1f}", "", "", "", f"{100 * g / roof:.0f}%", ""))
+            g, tg = d["kvjax_generate_tok_s"], d["torch_generate_tok_s"]
+            print(row.format(f"decode ctx={ctx} (generate loop)", f"{g:.1f}", f"{tg:.1f}", f"{g / tg:.2f}x", "",
+                             f"{100 * g / roof:.0f}%", ""))
     peak = max(r["matmul_gflops"].values())
     print(f"\nprefill against the f32 matmul peak measured here ({MATMUL_N}^3: kvjax/XLA "
           f"{r['matmul_gflops']['kvjax']:.0f}, torch {r['matmul_gflops']['torch']:.0f} GFLOP/s)")
@@ -416,7 +433,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64], help="batched-decode batch sizes")
     p.add_argument("--batch-context", type=int, default=512, help="tokens in every row's cache for batched decode")
     p.add_argument("--generate-tokens", type=int, default=128,
-                   help="time kvjax.generate's in-jit loop over this many tokens after the first (0: skip)")
+                   help="time kvjax.generate's in-jit loop and transformers' generate over this many tokens after "
+                   "the first (0: skip)")
     p.add_argument("--capacity", type=int, default=4096, help="kvjax cache capacity (decode reads only a window)")
     p.add_argument("--cpus", default="0,1", help="comma-separated CPUs for taskset; one thread per CPU on each side")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and of the prompt")
