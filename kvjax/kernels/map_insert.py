@@ -410,7 +410,7 @@ def insert_layers(src_k, src_v, tgt_k, tgt_v, keys: Sequence, values: Sequence, 
         # the kernel maps each position alone; a context map (LinearMap.down_prev) runs the XLA map
         if impl == "pallas":
             raise ValueError("the Pallas map-and-insert kernel maps each position alone and this is a context map "
-                             "(map.context > 0); use impl='xla' or 'auto'")
+                             "(residual.context > 0); use impl='xla' or 'auto'")
         impl = "xla"
     impl = resolve_impl(impl, src0.shape[4], tgt_k.shape[4], length, interpret)
     args = dict(pairing=tuple(tuple(p) for p in pairing), tgt_layers=tuple(tgt_layers), length=length,

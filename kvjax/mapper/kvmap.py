@@ -9,8 +9,8 @@ x is the concatenation of the paired source layers' features (keys un-rotated), 
 (keys rotated back with the target's RoPE when written into the cache). A context map (`down_prev` set) also feeds
 the residual the features of the C positions before each one (x[-1-c]: the source's cache at position t-1-c; before
 the first position, mu), so a target position can be given what the source knew about its neighbours (e.g. the
-previous token, which a pruned target's induction heads read from keys). A map without it translates each position
-alone.
+previous token, which a target that lost the source's previous-token layer cannot put into its keys itself). A map
+without it translates each position alone.
 """
 
 from __future__ import annotations
