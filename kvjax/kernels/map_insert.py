@@ -367,10 +367,7 @@ def map_insert_reference(src_k, src_v, tgt_k, tgt_v, keys: Sequence, values: Seq
         if back == 0:
             return m(features(arrays, layers, rope))
         x = features(arrays, layers, rope, back)
-        before = x[:, :back]
-        if back < m.context:  # the sequence starts inside the context: mu (zero features) before position 0
-            before = jnp.concatenate([jnp.broadcast_to(m.mu, (x.shape[0], m.context - back, x.shape[-1])), before], 1)
-        return m(x[:, back:], before)
+        return m(x[:, back:], x[:, :back])
 
     for layers, t, km, vm in zip(pairing, tgt_layers, keys, values):
         yk = cache_layout(mapped(km, src_k, layers, src_rope), tgt_k.shape[2], tgt_rope, dst_offset)

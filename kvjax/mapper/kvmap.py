@@ -52,17 +52,19 @@ class LinearMap:
         return 0 if self.down_prev is None else self.down_prev.shape[0]
 
     def __call__(self, x: jax.Array, before: jax.Array | None = None) -> jax.Array:
-        """x [..., T, Fx] -> [..., T, Fy]. A context map reads, for the first positions, the `context` rows of
-        features `before` [..., C, Fx] the block (the positions just before it, oldest first; None: the block
-        starts the sequence)."""
+        """x [..., T, Fx] -> [..., T, Fy]. A context map's first positions also read `before` [..., n, Fx], the
+        n <= context positions just before the block (oldest first); positions before those, and before the
+        sequence's start (None: the block starts it), read mu."""
         xc = x - self.mu
         y = (xc @ self.w_in) @ self.w_out + self.bias
         pre = xc @ (self.down / self.scale) + self.res_bias
         if self.context:
             c, t = self.context, x.shape[-2]
-            head = (jnp.zeros(x.shape[:-2] + (c, x.shape[-1]), xc.dtype) if before is None
-                    else before.astype(xc.dtype) - self.mu)
-            padded = jnp.concatenate([head, xc], axis=-2)  # [..., C + T, Fx]: row c + i is position i
+            n = 0 if before is None else before.shape[-2]
+            head = [jnp.zeros(x.shape[:-2] + (c - n, x.shape[-1]), xc.dtype)]
+            if n:
+                head.append(before.astype(xc.dtype) - self.mu)
+            padded = jnp.concatenate([*head, xc], axis=-2)  # [..., C + T, Fx]: row c + i is position i
             for j in range(c):  # position i reads position i - 1 - j = row c + i - 1 - j
                 pre = pre + padded[..., c - 1 - j : c - 1 - j + t, :] @ (self.down_prev[j] / self.scale)
         return y + jax.nn.gelu(pre) @ self.up

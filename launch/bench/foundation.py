@@ -7,9 +7,9 @@ Reports prefill tokens/s at several prompt lengths (full logits [1, T, V] on bot
 matmul peak measured in the same run (each library's own 2048^3 product; the faster one is the peak), decode
 tokens/s at batch 1 with the cache holding `ctx` tokens (one step called from Python: kvjax's decode_step,
 transformers' forward with a DynamicCache; and each library's generation loop: kvjax.generate's in-jit loop,
-transformers' `generate`, greedy, the tokens after the first over their time) against the decode roofline (read bandwidth / bytes read per token: all
-weights a step touches, the live KV cache; float32), and batched decode: tokens/s at batch 1-64 with every row at
-`--batch-context` tokens.
+transformers' `generate`, greedy, the tokens after the first over their time) against the decode roofline (read
+bandwidth / bytes read per token: all weights a step touches, the live KV cache; float32), and batched decode:
+tokens/s at batch 1-64 with every row at `--batch-context` tokens.
 
 Method: transformers writes the checkpoint; both sides load it. Each side (kvjax, torch, bandwidth) is a worker
 process of this script pinned with `taskset -c CPUS`, one thread per CPU (XLA sizes its pool from the affinity
@@ -63,6 +63,12 @@ def median_seconds(fn, reps: int, warmup: int = 0) -> float:
     for _ in range(warmup):
         fn()
     return statistics.median(seconds(fn) for _ in range(reps))
+
+
+def loop_tok_s(generate, n: int, reps: int) -> float:
+    """Tokens/s of a generation loop `generate(new_tokens)` (prefill included): the n tokens after the first over
+    their time, so that the prefill and the first token cancel out."""
+    return n / (median_seconds(lambda: generate(n + 1), reps) - median_seconds(lambda: generate(1), reps))
 
 
 def prompt_tokens(args) -> np.ndarray:
@@ -152,11 +158,8 @@ class KvjaxBench:
                "matmul_flops": self.matmul()}
         for ctx in a.contexts:
             out["decode"][ctx] = 1 / median_seconds(lambda: self._decode_step(ctx), a.decode_steps, WARMUP_STEPS)
-            if a.generate_tokens:  # the tokens after the first over their time: the prefill cancels out
-                n = a.generate_tokens
-                extra = (median_seconds(lambda: self._generate(ctx, n + 1), a.prefill_reps)
-                         - median_seconds(lambda: self._generate(ctx, 1), a.prefill_reps))
-                out["generate"][ctx] = n / extra
+            if a.generate_tokens:
+                out["generate"][ctx] = loop_tok_s(lambda n: self._generate(ctx, n), a.generate_tokens, a.prefill_reps)
         return out
 
 
@@ -220,11 +223,9 @@ class TorchBench:
             cache = copy.deepcopy(self.prompt_cache)
             cache.crop(ctx + 1 - a.prefill_len)
             out["decode"][ctx] = 1 / median_seconds(lambda: self._decode_step(cache), a.decode_steps, WARMUP_STEPS)
-            if a.generate_tokens:  # as kvjax's: the tokens after the first over their time
-                n = a.generate_tokens
-                extra = (median_seconds(lambda: self._generate(ctx, n + 1), a.prefill_reps)
-                         - median_seconds(lambda: self._generate(ctx, 1), a.prefill_reps))
-                out.setdefault("generate", {})[ctx] = n / extra
+            if a.generate_tokens:
+                out.setdefault("generate", {})[ctx] = loop_tok_s(lambda n: self._generate(ctx, n), a.generate_tokens,
+                                                                 a.prefill_reps)
         return out
 
 
