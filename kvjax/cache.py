@@ -1,11 +1,19 @@
 """The KV cache: one pytree shared by every model (and by the cache map).
 
-Fixed-capacity buffers for all layers at once, plus the number of valid positions per row. Keys are stored after
-RoPE (as transformers does). Capacity and the origin of the contents are static metadata, so a jitted function
-specialises on them and a mapped cache can never pass unnoticed for a natively computed one.
+Fixed-capacity buffers, one per layer for keys and one for values, plus the number of valid positions per row. Keys
+are stored after RoPE (as transformers does). Capacity and the origin of the contents are static metadata, so a
+jitted function specialises on them and a mapped cache can never pass unnoticed for a natively computed one.
+
+Why one buffer per layer (as the params are, kvjax.models.params): on XLA:CPU a dot cannot read a slice of a larger
+buffer in place, so a stacked [L, B, Hkv, C, hd] cache made every decode step copy each layer's attention window
+out of it first; at batch 16-64 that copy was a fifth to a third of the step (`python -m
+launch.research.cache_layout`). A layer's own buffer whose window is the whole capacity is read where it lies.
+`k` / `v` still give the stacked [L, ...] view (a copy: for inspection, tests and the map's whole-cache stages).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -13,48 +21,78 @@ from flax import struct
 
 from kvjax.sharding import shard
 
-LAYOUT = "LBHTD"  # [layers, batch, kv_heads, time, head_dim]
-AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")  # logical axes of k and v
+LAYOUT = "LBHTD"  # the stacked view: [layers, batch, kv_heads, time, head_dim]; each layer's buffer is BHTD
+AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")  # logical axes of the stacked view
+LAYER_AXES = AXES[1:]  # logical axes of one layer's buffer
 MIN_WINDOW = 128
+
+
+def unstack(a: jax.Array) -> tuple:
+    """[L, ...] -> L arrays [...]."""
+    return tuple(a[i] for i in range(a.shape[0]))
 
 
 @struct.dataclass
 class KVCache:
-    k: jax.Array  # [L, B, Hkv, T, hd], post-RoPE keys
-    v: jax.Array  # [L, B, Hkv, T, hd]
+    keys: tuple  # per layer [B, Hkv, T, hd], post-RoPE keys
+    values: tuple  # per layer [B, Hkv, T, hd]
     lengths: jax.Array  # [B] int32: positions [0, lengths[b]) of row b are valid
     origin: str = struct.field(pytree_node=False, default="native")  # "native" or e.g. "mapped:<map id>"
 
+    @classmethod
+    def from_stacked(cls, k: jax.Array, v: jax.Array, lengths: jax.Array, origin: str = "native") -> KVCache:
+        """A cache from stacked [L, B, Hkv, T, hd] keys and values (one copy per layer inside jit)."""
+        return cls(keys=unstack(k), values=unstack(v), lengths=lengths, origin=origin)
+
+    @property
+    def k(self) -> jax.Array:
+        """All layers' keys stacked, [L, B, Hkv, T, hd] (a copy)."""
+        return jnp.stack(self.keys)
+
+    @property
+    def v(self) -> jax.Array:
+        """All layers' values stacked, [L, B, Hkv, T, hd] (a copy)."""
+        return jnp.stack(self.values)
+
+    def map_layers(self, fn: Callable[[jax.Array], jax.Array], **changes) -> KVCache:
+        """The cache with fn applied to every layer's key and value buffer ([B, Hkv, T, hd] each), plus `changes`
+        (e.g. lengths=...)."""
+        return self.replace(keys=tuple(map(fn, self.keys)), values=tuple(map(fn, self.values)), **changes)
+
+    def with_stacked(self, k: jax.Array, v: jax.Array, **changes) -> KVCache:
+        """The cache holding stacked [L, B, Hkv, T, hd] keys and values instead, plus `changes`."""
+        return self.replace(keys=unstack(k), values=unstack(v), **changes)
+
     @property
     def num_layers(self) -> int:
-        return self.k.shape[0]
+        return len(self.keys)
 
     @property
     def batch_size(self) -> int:
-        return self.k.shape[1]
+        return self.keys[0].shape[0]
 
     @property
     def num_kv_heads(self) -> int:
-        return self.k.shape[2]
+        return self.keys[0].shape[1]
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[3]
+        return self.keys[0].shape[2]
 
     @property
     def head_dim(self) -> int:
-        return self.k.shape[4]
+        return self.keys[0].shape[3]
 
     @property
     def dtype(self):
-        return self.k.dtype
+        return self.keys[0].dtype
 
     @property
     def is_mapped(self) -> bool:
         return self.origin != "native"
 
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes + self.lengths.nbytes
+        return sum(a.nbytes for a in (*self.keys, *self.values)) + self.lengths.nbytes
 
     def __repr__(self) -> str:
         return (f"KVCache(layers={self.num_layers}, batch={self.batch_size}, kv_heads={self.num_kv_heads}, "
@@ -66,14 +104,21 @@ def init_cache(cfg, batch_size: int, max_len: int, dtype=jnp.float32) -> KVCache
     """An empty cache for `cfg` with room for `max_len` positions per row."""
     if max_len <= 0 or batch_size <= 0:
         raise ValueError(f"batch_size and max_len must be positive, got {batch_size} and {max_len}")
-    shape = (cfg.num_layers, batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
-    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+    shape = (batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
+    return KVCache(keys=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+                   values=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
                    lengths=jnp.zeros((batch_size,), jnp.int32))
 
 
 def shard_cache(cache: KVCache, mesh: jax.sharding.Mesh, rules=None) -> KVCache:
-    """device_put `cache` onto `mesh` by its logical axes (AXES for k and v; lengths by batch)."""
-    return shard(cache, cache.replace(k=AXES, v=AXES, lengths=("batch",)), mesh, rules)
+    """device_put `cache` onto `mesh` by its logical axes (LAYER_AXES for each layer's buffers; lengths by batch)."""
+    return shard(cache, axes(cache), mesh, rules)
+
+
+def axes(cache: KVCache) -> KVCache:
+    """The cache's tree of logical axes (kvjax.sharding)."""
+    return cache.replace(keys=(LAYER_AXES,) * cache.num_layers, values=(LAYER_AXES,) * cache.num_layers,
+                         lengths=("batch",))
 
 
 def check_compatible(cfg, cache: KVCache) -> None:
@@ -98,10 +143,10 @@ def window_sizes(capacity: int) -> tuple[int, ...]:
 
 def slice_batch(cache: KVCache, rows) -> KVCache:
     """The cache of a subset of rows (a slice or an index array)."""
-    return cache.replace(k=cache.k[:, rows], v=cache.v[:, rows], lengths=cache.lengths[rows])
+    return cache.map_layers(lambda a: a[rows], lengths=cache.lengths[rows])
 
 
 def valid(cache: KVCache, row: int) -> tuple[jax.Array, jax.Array]:
     """(k, v) of one row restricted to its valid positions: [L, Hkv, n, hd] each (host-side inspection helper)."""
     n = int(cache.lengths[row])
-    return cache.k[:, row, :, :n], cache.v[:, row, :, :n]
+    return jnp.stack([a[row, :, :n] for a in cache.keys]), jnp.stack([a[row, :, :n] for a in cache.values])

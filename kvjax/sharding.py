@@ -1,7 +1,7 @@
 """Mesh and logical-axis rules.
 
 Every tensor kvjax creates carries logical axis names, declared by the module that defines its pytree
-(``kvjax.models.params.param_axes``, ``kvjax.cache.AXES``, ``kvjax.mapper.kvmap.LINEAR_MAP_AXES``; each also offers
+(``kvjax.models.params.param_axes``, ``kvjax.cache.axes``, ``kvjax.mapper.kvmap.LINEAR_MAP_AXES``; each also offers
 its own ``*_shardings`` / ``shard_*``). One table maps the names to mesh axes, and this module only applies it, so it
 knows no kvjax type; the same code runs on one device, on fake CPU devices and on a pod. A dimension that the mesh
 axis does not divide is replicated, and `describe` reports it.

@@ -108,7 +108,7 @@ def test_partial_recompute_reads_mapped_layers_and_rewrites_only_its_own():
         got = recompute(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths), native, layers)
         assert_same_cache(got, native, forward_terms(cfg, tokens.shape[1]))
     # reading a perturbed cache: layers outside `layers` stay as given, layer 2 now differs from the native one
-    noisy = native.replace(k=native.k + 0.5 * jax.random.normal(jax.random.key(0), native.k.shape))
+    noisy = native.with_stacked(native.k + 0.5 * jax.random.normal(jax.random.key(0), native.k.shape), native.v)
     got = recompute(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths), noisy, (2,))
     np.testing.assert_array_equal(np.asarray(got.k[:2]), np.asarray(noisy.k[:2]))
     assert not np.allclose(valid(got, "k")[0][2], valid(native, "k")[0][2], atol=1e-3)

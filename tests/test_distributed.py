@@ -115,7 +115,7 @@ def test_sharded_params_and_caches_follow_the_logical_rules(setup):
     tokens = jax.device_put(setup["calib"][:8], sharding.data_sharding(mesh, (8, 40)))
     with jax.set_mesh(mesh):
         cache = jax.jit(native_cache, static_argnums=1)(params, cfg, tokens)
-    assert cache.k.sharding.spec[1] == "data"
+    assert cache.keys[0].sharding.spec[0] == "data"
     with pytest.raises(ValueError, match="multiple of 2"):
         sharding.data_sharding(mesh, (7, 40))
     opt_sh = sharding.optimizer_shardings(kvjax.mapper.residual.make_optimizer(RC, setup["kvmap"]), setup["kvmap"],

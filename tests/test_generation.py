@@ -146,10 +146,25 @@ def test_cache_is_a_pytree_with_static_metadata(model):
     cfg, _ = model
     cache = kvjax.init_cache(cfg, 2, 16)
     leaves, treedef = jax.tree.flatten(cache)
-    assert len(leaves) == 3
+    assert len(leaves) == 2 * cfg.num_layers + 1  # one key and one value buffer per layer, and the lengths
+    assert cache.keys[0].shape == (2, cfg.num_kv_heads, 16, cfg.head_dim)
+    assert cache.k.shape == (cfg.num_layers, 2, cfg.num_kv_heads, 16, cfg.head_dim)  # the stacked view
     assert "capacity=16" in repr(cache) and not cache.is_mapped
     mapped = cache.replace(origin="mapped:test")
     assert mapped.is_mapped and jax.tree.structure(mapped) != treedef  # origin is part of the static structure
+
+
+def test_decode_reads_each_layers_cache_buffer_in_place(model):
+    # One buffer per layer (kvjax.cache): when decode's attention window is the whole capacity, no layer's keys or
+    # values are sliced or copied before attention reads them. With one stacked [L, ...] buffer XLA copied every
+    # layer's window out of it on every step (a fifth to a quarter of a batch-16/64 step: launch.research.cache_layout).
+    import re
+    from kvjax.models.decoder import decode_jit
+    cfg, params = model
+    cache = kvjax.init_cache(cfg, 2, 128)  # capacity 128: one window, the whole buffer
+    hlo = decode_jit.lower(params, cfg, jnp.ones((2,), jnp.int32), cache).compile().as_text()
+    layer = rf"f32\[(1,)?2,{cfg.num_kv_heads},128,{cfg.head_dim}\]\{{[^}}]*\}} (slice|dynamic-slice|copy)\("
+    assert not re.findall(layer, hlo), "decode copies a layer's cache buffer before attending over it"
 
 
 def test_cache_slice_and_inspect_helpers(model):

@@ -163,7 +163,7 @@ def test_sharded_on_8_devices_equals_one_device(checkpoints):
         got, cache = prefill_then_decode(sharded, cfg, tokens, 12, shard_cache(kvjax.init_cache(cfg, 8, 32), mesh))
     np.testing.assert_allclose(got, want, atol=2e-5)
     assert sharded.layers[0].q_bias.sharding.spec == jax.sharding.PartitionSpec("model", None)
-    assert cache.k.sharding.spec[1] == "data"
+    assert cache.keys[0].sharding.spec[0] == "data"
 
 
 # ---- config, saving, errors ----------------------------------------------------------------------------------------

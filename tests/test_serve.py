@@ -335,9 +335,9 @@ def test_a_step_over_the_first_rows_equals_the_full_step():
     slots, capacity = 8, 64
     rng = np.random.RandomState(0)
     cache = kvjax.init_cache(cfg, slots, capacity)
-    cache = cache.replace(k=jnp.asarray(rng.randn(*cache.k.shape).astype(np.float32)),
-                          v=jnp.asarray(rng.randn(*cache.v.shape).astype(np.float32)),
-                          lengths=jnp.asarray([5, 17, 0, 40, 9, 30, 2, 11], jnp.int32))
+    cache = cache.with_stacked(jnp.asarray(rng.randn(*cache.k.shape).astype(np.float32)),
+                               jnp.asarray(rng.randn(*cache.v.shape).astype(np.float32)),
+                               lengths=jnp.asarray([5, 17, 0, 40, 9, 30, 2, 11], jnp.int32))
     active = np.array([True, True, False, True, False, False, False, False])
     tokens = rng.randint(1, 64, slots).astype(np.int32)
     args = (active, np.zeros(slots, np.float32), np.ones(slots, np.float32), np.zeros(slots, np.int32),

@@ -44,7 +44,7 @@ def test_sharded_prefill_and_decode_equal_single_device(hf_checkpoints, data, mo
     assert q.sharding.spec == jax.sharding.PartitionSpec(None, "model", None)
     assert len(q.sharding.device_set) == 8
     if data > 1:  # the cache keeps its batch sharding through prefill and decode
-        assert cache.k.sharding.spec[1] == "data"
+        assert cache.keys[0].sharding.spec[0] == "data"
 
 
 def test_loading_straight_into_shardings(hf_checkpoints):

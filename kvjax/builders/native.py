@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.builders.base import CacheBuilder, Clock
-from kvjax.cache import AXES, KVCache, init_cache
+from kvjax.cache import LAYER_AXES, KVCache, init_cache
 from kvjax.models.decoder import forward
 from kvjax.sharding import constrain
 
@@ -20,7 +20,7 @@ def prefill(params, cfg, tokens: jax.Array, lengths: jax.Array | None = None, ca
     mesh (jax.set_mesh) the cache is sharded by its logical axes (batch over 'data', kv heads over 'model')."""
     capacity = tokens.shape[1] if capacity is None else capacity
     cache = init_cache(cfg, tokens.shape[0], capacity, dtype or params.embed.dtype)
-    cache = cache.replace(k=constrain(cache.k, AXES), v=constrain(cache.v, AXES))
+    cache = cache.map_layers(lambda a: constrain(a, LAYER_AXES))
     return forward(params, cfg, tokens, cache, lengths, last_only=True, fresh=True)
 
 

@@ -48,19 +48,19 @@ def recompute(params, cfg, tokens: jax.Array, lengths: jax.Array, mapped: KVCach
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))  # a prompt starts at slot 0
     cos, sin = head_angles(cfg, positions)
     x = embed(params, tokens)
-    k_buf, v_buf = mapped.k, mapped.v
+    k_buf, v_buf = list(mapped.keys), list(mapped.values)
     top = max(layers)
     for i, lp in enumerate(params.layers[: top + 1]):
         q, k, v = qkv(lp, cfg, x, cos, sin)  # a mapped layer's k, v are unused: XLA drops their projections
         if i in layers:
-            k_buf = k_buf.at[i, :, :, :t].set(k.transpose(0, 2, 1, 3).astype(k_buf.dtype))
-            v_buf = v_buf.at[i, :, :, :t].set(v.transpose(0, 2, 1, 3).astype(v_buf.dtype))
+            k_buf[i] = k_buf[i].at[:, :, :t].set(k.transpose(0, 2, 1, 3).astype(k_buf[i].dtype))
+            v_buf[i] = v_buf[i].at[:, :, :t].set(v.transpose(0, 2, 1, 3).astype(v_buf[i].dtype))
         else:
-            k = k_buf[i, :, :, :t].transpose(0, 2, 1, 3).astype(q.dtype)  # [B, T, Hkv, hd], post-RoPE like qkv's
-            v = v_buf[i, :, :, :t].transpose(0, 2, 1, 3).astype(q.dtype)
+            k = k_buf[i][:, :, :t].transpose(0, 2, 1, 3).astype(q.dtype)  # [B, T, Hkv, hd], post-RoPE like qkv's
+            v = v_buf[i][:, :, :t].transpose(0, 2, 1, 3).astype(q.dtype)
         if i < top:
             x = finish(lp, cfg, x, causal_attention(q, k, v))
-    return mapped.replace(k=k_buf, v=v_buf, lengths=lengths, origin=f"partial{list(layers)}:{mapped.origin}")
+    return mapped.replace(keys=tuple(k_buf), values=tuple(v_buf), lengths=lengths, origin=f"partial{list(layers)}:{mapped.origin}")
 
 
 recompute_jit = jax.jit(recompute, static_argnames=("cfg", "layers"), donate_argnames=("mapped",))

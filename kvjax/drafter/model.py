@@ -143,11 +143,11 @@ def extend_context(dp: DrafterParams, dcfg: DrafterConfig, cache: KVCache, featu
     t = features.shape[1]
     positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     rows = jnp.arange(features.shape[0])[:, None]
-    k, v = cache.k, cache.v
+    k, v = list(cache.keys), list(cache.values)
     for i, (ki, vi) in enumerate(context_kv(dp, dcfg, features, positions)):
-        k = k.at[i, rows, :, positions].set(ki.astype(k.dtype), mode="drop")
-        v = v.at[i, rows, :, positions].set(vi.astype(v.dtype), mode="drop")
-    return cache.replace(k=k, v=v, lengths=cache.lengths + n_valid.astype(jnp.int32))
+        k[i] = k[i].at[rows, :, positions].set(ki.astype(k[i].dtype), mode="drop")
+        v[i] = v[i].at[rows, :, positions].set(vi.astype(v[i].dtype), mode="drop")
+    return cache.replace(keys=tuple(k), values=tuple(v), lengths=cache.lengths + n_valid.astype(jnp.int32))
 
 
 # ---- the block forward ---------------------------------------------------------------------------------------------
@@ -177,9 +177,9 @@ def _attend_cache(q, k_blk, v_blk, cache: KVCache, layer: int, blk_valid):
     windows = window_sizes(cache.capacity)
 
     def at(w):
-        return lambda q, kb, vb, kc, vc, n, bv: _attend(q, kb, vb, kc[layer, :, :, :w], vc[layer, :, :, :w], n, bv)
+        return lambda q, kb, vb, kc, vc, n, bv: _attend(q, kb, vb, kc[:, :, :w], vc[:, :, :w], n, bv)
 
-    args = (q, k_blk, v_blk, cache.k, cache.v, cache.lengths, blk_valid)
+    args = (q, k_blk, v_blk, cache.keys[layer], cache.values[layer], cache.lengths, blk_valid)
     if len(windows) == 1:
         return at(windows[0])(*args)
     index = jnp.minimum(jnp.searchsorted(jnp.asarray(windows), jnp.max(cache.lengths)), len(windows) - 1)

@@ -132,8 +132,7 @@ def repeat_rows(cache: KVCache, rows: int) -> KVCache:
     """A 1-row cache repeated to `rows` identical rows."""
     if rows == 1:
         return cache
-    return cache.replace(k=jnp.repeat(cache.k, rows, axis=1), v=jnp.repeat(cache.v, rows, axis=1),
-                         lengths=jnp.repeat(cache.lengths, rows))
+    return cache.map_layers(lambda a: jnp.repeat(a, rows, axis=0), lengths=jnp.repeat(cache.lengths, rows))
 
 
 def _one_context(cache: Callable, context_ids, rows: int) -> KVCache:

@@ -32,9 +32,9 @@ def fit_capacity(cache: KVCache, capacity: int) -> KVCache:
     if capacity < longest:
         raise ValueError(f"capacity {capacity} is smaller than the cache's longest row ({longest})")
     if capacity < cache.capacity:
-        return cache.replace(k=cache.k[:, :, :, :capacity], v=cache.v[:, :, :, :capacity])
-    pad = [(0, 0)] * 3 + [(0, capacity - cache.capacity), (0, 0)]
-    return cache.replace(k=jnp.pad(cache.k, pad), v=jnp.pad(cache.v, pad))
+        return cache.map_layers(lambda a: a[:, :, :capacity])
+    pad = [(0, 0)] * 2 + [(0, capacity - cache.capacity), (0, 0)]
+    return cache.map_layers(lambda a: jnp.pad(a, pad))
 
 
 def native_prefix_cache(params: Params, cfg: Qwen3Config, context_ids, batch: int, capacity: int | None = None,

@@ -40,8 +40,7 @@ def rollout_kl(target_params, source_params, target_cfg, source_cfg, cache: KVCa
     toks = jnp.concatenate([toks.T, final.argmax(-1).astype(jnp.int32)[:, None]], axis=1)  # [B, n]
     student = jnp.concatenate([student.transpose(1, 0, 2), final[:, None]], axis=1)  # [B, n, V]
     # the teacher reads the prefix's last token and the first n - 1 generated ones: its cache needs n more slots
-    grow = lambda a: jnp.pad(a, ((0, 0),) * 3 + ((0, n),) + ((0, 0),))  # noqa: E731
-    source_cache = source_cache.replace(k=grow(source_cache.k), v=grow(source_cache.v))
+    source_cache = source_cache.map_layers(lambda a: jnp.pad(a, ((0, 0),) * 2 + ((0, n),) + ((0, 0),)))
     teacher, _ = forward(source_params, source_cfg, jnp.concatenate([last[:, None], toks[:, :-1]], axis=1),
                          source_cache)
     return kl(teacher, student), toks

@@ -429,3 +429,18 @@ def insert_layers(src_k, src_v, tgt_k, tgt_v, keys: Sequence, values: Sequence, 
                                        tgt_layers=tuple(layers[j] for j in js), block_t=block_t, backend=backend,
                                        interpret=interpret, **args)
     return tgt_k, tgt_v
+
+
+def map_layer(src_k: Sequence, src_v: Sequence, kmap, vmap, *, target_kv: tuple[int, int], capacity: int, dtype,
+              length: int, src_rope, tgt_rope, impl: str = "auto", block_t: int | None = None,
+              interpret: bool = False):
+    """One target layer of a per-layer cache (kvjax.cache.KVCache): the buffers of its paired source layers
+    (src_k / src_v: one [B, Hs, Ts, hds] array each, in pairing order) through the layer's maps into fresh
+    [B, Ht, capacity, hdt] buffers, zero past `length` (target_kv = (Ht, hdt)). Returns (k, v). Traceable:
+    `insert_layers` over [1, ...] views of the buffers, which cost no copy."""
+    shape = (1, src_k[0].shape[0], *target_kv[:1], capacity, target_kv[1])
+    k, v = insert_layers(tuple(a[None] for a in src_k), tuple(a[None] for a in src_v), jnp.zeros(shape, dtype),
+                         jnp.zeros(shape, dtype), (kmap,), (vmap,), pairing=((0,) * len(src_k),), tgt_layers=(0,),
+                         length=length, src_rope=src_rope, tgt_rope=tgt_rope, impl=impl, block_t=block_t,
+                         interpret=interpret)
+    return k[0], v[0]

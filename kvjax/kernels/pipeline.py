@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache import KVCache
-from kvjax.kernels.map_insert import insert_layers
+from kvjax.kernels.map_insert import map_layer
 from kvjax.mapper.kvmap import KVMap
 from kvjax.models.config import Qwen3Config
 from kvjax.models.params import Params
@@ -33,8 +33,7 @@ def _prefill_map(sparams: Params, scfg: Qwen3Config, kvmap: KVMap, tokens, lengt
     n_target = len(spec.pairing)
     cache_dtype = sparams.embed.dtype  # what native_cache stores
     dtype = dtype or cache_dtype
-    tgt_k = jnp.zeros((n_target, b, hkv, capacity, hd), dtype)
-    tgt_v = jnp.zeros_like(tgt_k)
+    mapped: dict[int, tuple[jax.Array, jax.Array]] = {}  # target layer -> its (k, v) buffers
     ready_after: dict[int, list[int]] = {}  # source layer -> target layers that become mappable after it
     for tl, layers in enumerate(spec.pairing):
         ready_after.setdefault(max(layers), []).append(tl)
@@ -49,20 +48,21 @@ def _prefill_map(sparams: Params, scfg: Qwen3Config, kvmap: KVMap, tokens, lengt
     for i, lp in enumerate(sparams.layers[:deepest + 1]):
         q, k, v = qkv(lp, scfg, x, cos, sin)  # k post-RoPE, [B, T, Hs, hd]
         if i in last_use:
-            to_cache = lambda a: a.astype(cache_dtype).transpose(0, 2, 1, 3)[None]  # noqa: E731  [1, B, Hs, T, hd]
+            to_cache = lambda a: a.astype(cache_dtype).transpose(0, 2, 1, 3)  # noqa: E731  [B, Hs, T, hd]
             kv[i] = (to_cache(k), to_cache(v))
         for tl in ready_after.get(i, []):
             layers = spec.pairing[tl]
-            tgt_k, tgt_v = insert_layers(
-                tuple(kv[s][0] for s in layers), tuple(kv[s][1] for s in layers), tgt_k, tgt_v,
-                (kvmap.keys[tl],), (kvmap.values[tl],), pairing=((0,) * len(layers),), tgt_layers=(tl,), length=t,
-                src_rope=spec.source_rope, tgt_rope=spec.target_rope, impl=impl, block_t=block_t,
-                interpret=interpret)
+            mapped[tl] = map_layer([kv[s][0] for s in layers], [kv[s][1] for s in layers], kvmap.keys[tl],
+                                   kvmap.values[tl], target_kv=(hkv, hd), capacity=capacity, dtype=dtype, length=t,
+                                   src_rope=spec.source_rope, tgt_rope=spec.target_rope, impl=impl, block_t=block_t,
+                                   interpret=interpret)
         for s in [s for s, last in last_use.items() if last == i]:
             del kv[s]
         if i < deepest:
             x = finish(lp, scfg, x, causal_attention(q, k, v))
-    return KVCache(k=tgt_k, v=tgt_v, lengths=jnp.minimum(lengths, t), origin=f"mapped:{kvmap.map_id}")
+    return KVCache(keys=tuple(mapped[tl][0] for tl in range(n_target)),
+                   values=tuple(mapped[tl][1] for tl in range(n_target)), lengths=jnp.minimum(lengths, t),
+                   origin=f"mapped:{kvmap.map_id}")
 
 
 _prefill_map_jit = jax.jit(_prefill_map, static_argnames=("scfg", "capacity", "dtype", "impl", "interpret",

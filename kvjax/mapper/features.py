@@ -14,7 +14,8 @@ def layer_features(cache: KVCache, layer: int, rope, t: int | None = None) -> tu
     """(keys, values) of one layer as float32 [B, T, Hkv*hd]; keys un-rotated to their pre-RoPE content with the
     model's `rope` (its config's .rope)."""
     t = cache.capacity if t is None else t
-    return (content_features(cache.k[layer, :, :, :t], rope), content_features(cache.v[layer, :, :, :t], None))
+    return (content_features(cache.keys[layer][:, :, :t], rope),
+            content_features(cache.values[layer][:, :, :t], None))
 
 
 def paired_features(cache: KVCache, layers: tuple[int, ...], rope, t: int | None = None):

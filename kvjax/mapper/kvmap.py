@@ -24,7 +24,7 @@ from flax import struct
 from jax.sharding import Mesh
 
 from kvjax.cache import KVCache
-from kvjax.kernels.map_insert import insert_layers, resolve_impl
+from kvjax.kernels.map_insert import map_layer, resolve_impl
 from kvjax.mapper.pairing import Pairing
 from kvjax.mapper.ridge import RidgeFit
 from kvjax.models.config import Qwen3Config
@@ -182,9 +182,10 @@ def apply_map(kvmap: KVMap, source_cache: KVCache, capacity: int | None = None, 
     dtype = dtype or source_cache.dtype
     hkv, hd = kvmap.spec.target_kv
     impl = resolve_impl(impl, source_cache.head_dim, hd, t, interpret)
-    shape = (len(kvmap.keys), source_cache.batch_size, hkv, capacity, hd)
-    k, v = insert_layers(source_cache.k, source_cache.v, jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
-                         kvmap.keys, kvmap.values, pairing=kvmap.spec.pairing, tgt_layers=tuple(range(len(kvmap.keys))),
-                         length=t, src_rope=kvmap.spec.source_rope, tgt_rope=kvmap.spec.target_rope, impl=impl,
-                         interpret=interpret)
-    return KVCache(k=k, v=v, lengths=jnp.minimum(source_cache.lengths, t), origin=f"mapped:{kvmap.map_id}")
+    layers = [map_layer([source_cache.keys[s] for s in paired], [source_cache.values[s] for s in paired], km, vm,
+                        target_kv=(hkv, hd), capacity=capacity, dtype=dtype, length=t,
+                        src_rope=kvmap.spec.source_rope, tgt_rope=kvmap.spec.target_rope, impl=impl,
+                        interpret=interpret)
+              for paired, km, vm in zip(kvmap.spec.pairing, kvmap.keys, kvmap.values)]
+    return KVCache(keys=tuple(k for k, _ in layers), values=tuple(v for _, v in layers),
+                   lengths=jnp.minimum(source_cache.lengths, t), origin=f"mapped:{kvmap.map_id}")

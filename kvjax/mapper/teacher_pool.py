@@ -57,8 +57,8 @@ class Pool:
     def batch(self, step: int, batch_size: int, seed: int):
         """(tokens [B, W], source cache of the prefixes, teacher hidden states [B, cont, D]) of step `step`."""
         r = self.rows(step, batch_size, seed)
-        cache = KVCache(k=jnp.asarray(self.k[:, r]), v=jnp.asarray(self.v[:, r]),
-                        lengths=jnp.full((len(r),), self.k.shape[3], jnp.int32))
+        cache = KVCache.from_stacked(jnp.asarray(self.k[:, r]), jnp.asarray(self.v[:, r]),
+                                     jnp.full((len(r),), self.k.shape[3], jnp.int32))
         return jnp.asarray(self.tokens[r]), cache, jnp.asarray(self.hidden[r])
 
 

@@ -47,26 +47,35 @@ def _softmax_attend(qg, k, v, mask):
     return jnp.einsum("bkqs,bksd->bkqd", probs, v)
 
 
-def _attend_window(q, k, v, q_pos, kv_len, layer: int, window: int):
+def _attend_window(q, k, v, q_pos, kv_len, window: int):
     """Causal GQA attention of q [B, T, Hq, hd] over positions [0, window) of one layer of the cache.
 
-    k, v: [L, B, Hkv, C, hd] whole cache buffers (sliced here, so only the window is read); q_pos [B, T] absolute
-    positions; kv_len [B] valid positions per row.
+    k, v: [B', Hkv, C, hd] the layer's whole buffers (sliced here, so only the window is read; a window that is the
+    whole buffer is read in place); q_pos [B, T] absolute positions; kv_len [B] valid positions per row.
     """
-    b, t, hkv = q.shape[0], q.shape[1], k.shape[2]
+    b, t, hkv = q.shape[0], q.shape[1], k.shape[1]
     g = q.shape[2] // hkv
-    k = k[layer, :b, :, :window]  # [B, Hkv, W, hd]; the first B rows of the cache (forward_features says when fewer)
-    v = v[layer, :b, :, :window]
+    k = _rows_window(k, b, window)  # [B, Hkv, W, hd]; the first B rows (forward_features says when fewer)
+    v = _rows_window(v, b, window)
     key_pos = jnp.arange(window)
     q_pos = jnp.tile(q_pos, (1, g))  # [B, G*T], matching _group's row order
     mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < kv_len[:, None, None])
     return _ungroup(_softmax_attend(_group(q, hkv), k, v, mask[:, None]), t)
 
 
-def attend(q, k, v, q_pos, kv_len, layer: int):
-    """Attention over the smallest static window of the cache that holds every row's live positions."""
-    return _in_window(k.shape[3], jnp.max(kv_len),
-                      lambda w, q, k, v, p, n: _attend_window(q, k, v, p, n, layer, w), q, k, v, q_pos, kv_len)
+def _rows_window(buf: jax.Array, b: int, window: int) -> jax.Array:
+    """buf [B', Hkv, C, hd] -> its first b rows and first `window` positions (no slice when that is all of it)."""
+    return buf if (b, window) == (buf.shape[0], buf.shape[2]) else buf[:b, :, :window]
+
+
+def attend(q, k, v, q_pos, kv_len):
+    """Attention over the smallest static window of one layer's cache buffers k, v [B', Hkv, C, hd] that holds every
+    row's live positions."""
+    return _in_window(k.shape[2], jnp.max(kv_len), _attend_window_at, q, k, v, q_pos, kv_len)
+
+
+def _attend_window_at(window, q, k, v, q_pos, kv_len):
+    return _attend_window(q, k, v, q_pos, kv_len, window)
 
 
 def _in_window(capacity: int, needed, fn, *operands):
@@ -79,13 +88,14 @@ def _in_window(capacity: int, needed, fn, *operands):
     return jax.lax.switch(index, [lambda *ops, w=w: fn(w, *ops) for w in windows], *operands)
 
 
-def _attend_window_block(q, k, v, k_new, v_new, start, layer: int, window: int):
-    """Attention of q [B, T, Hq, hd] over the cache's positions [0, window) of `layer` that precede each row's `start`
-    AND the block's own keys/values k_new/v_new [B, T, Hkv, hd] (causal within the block): one softmax over both."""
-    b, t, hkv = q.shape[0], q.shape[1], k.shape[2]
+def _attend_window_block(q, k, v, k_new, v_new, start, window: int):
+    """Attention of q [B, T, Hq, hd] over one layer's cached positions [0, window) (k, v [B', Hkv, C, hd]) that
+    precede each row's `start` AND the block's own keys/values k_new/v_new [B, T, Hkv, hd] (causal within the
+    block): one softmax over both."""
+    b, t, hkv = q.shape[0], q.shape[1], k.shape[1]
     g = q.shape[2] // hkv
-    k = jnp.concatenate([k[layer, :b, :, :window], k_new.transpose(0, 2, 1, 3).astype(k.dtype)], axis=2)
-    v = jnp.concatenate([v[layer, :b, :, :window], v_new.transpose(0, 2, 1, 3).astype(v.dtype)], axis=2)
+    k = jnp.concatenate([_rows_window(k, b, window), k_new.transpose(0, 2, 1, 3).astype(k.dtype)], axis=2)
+    v = jnp.concatenate([_rows_window(v, b, window), v_new.transpose(0, 2, 1, 3).astype(v.dtype)], axis=2)
     cached = jnp.broadcast_to(jnp.arange(window)[None, None, :] < start[:, None, None], (b, g * t, window))
     row_t = jnp.tile(jnp.arange(t), g)  # the block position of each grouped query row (_group's order)
     block = jnp.broadcast_to(jnp.arange(t)[None, None, :] <= row_t[None, :, None], (b, g * t, t))
@@ -93,11 +103,12 @@ def _attend_window_block(q, k, v, k_new, v_new, start, layer: int, window: int):
     return _ungroup(_softmax_attend(_group(q, hkv), k, v, mask[:, None]), t)
 
 
-def attend_block(q, k, v, k_new, v_new, start, layer: int):
-    """`attend` for a block whose keys/values are NOT in the cache: the cached part over the smallest static window
-    that holds every row's `start` positions, the block's own part alongside (kvjax.speculative's verify pass)."""
-    return _in_window(k.shape[3], jnp.max(start),
-                      lambda w, q, kn, vn, s: _attend_window_block(q, k, v, kn, vn, s, layer, w),
+def attend_block(q, k, v, k_new, v_new, start):
+    """`attend` for a block whose keys/values are NOT in the cache: the cached part (one layer's k, v
+    [B', Hkv, C, hd]) over the smallest static window that holds every row's `start` positions, the block's own part
+    alongside (kvjax.speculative's verify pass)."""
+    return _in_window(k.shape[2], jnp.max(start),
+                      lambda w, q, kn, vn, s: _attend_window_block(q, k, v, kn, vn, s, w),
                       q, k_new, v_new, start)
 
 
@@ -117,7 +128,7 @@ def verify_forward(params: Params, cfg, tokens: jax.Array, cache: KVCache, featu
     ks, vs, feats = [], [], {}
     for i, lp in enumerate(params.layers):
         q, k, v = qkv(lp, cfg, x, cos, sin)
-        x = finish(lp, cfg, x, attend_block(q, cache.k, cache.v, k, v, start, i))
+        x = finish(lp, cfg, x, attend_block(q, cache.keys[i], cache.values[i], k, v, start))
         ks.append(k)
         vs.append(v)
         if i in feature_layers:
@@ -130,20 +141,19 @@ def verify_forward(params: Params, cfg, tokens: jax.Array, cache: KVCache, featu
 def write_block(cache: KVCache, k: jax.Array, v: jax.Array) -> KVCache:
     """Store verify_forward's k/v [L, B, T, Hkv, hd] at each row's positions lengths .. lengths + T - 1 (all layers;
     positions past the capacity drop). `lengths` is left as it is: the caller sets what was accepted."""
-    t = k.shape[2]
-    positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
-    rows = jnp.arange(k.shape[1])[:, None]
-
-    def put(buf, new):  # buf [L, B, Hkv, C, hd] <- new [L, B, T, Hkv, hd]
-        return buf.at[:, rows, :, positions].set(new.transpose(1, 2, 0, 3, 4).astype(buf.dtype), mode="drop")
-
-    return cache.replace(k=put(cache.k, k), v=put(cache.v, v))
+    positions = cache.lengths[:, None] + jnp.arange(k.shape[2], dtype=jnp.int32)[None, :]  # [B, T]
+    return cache.replace(keys=tuple(_write(buf, new, positions) for buf, new in zip(cache.keys, k)),
+                         values=tuple(_write(buf, new, positions) for buf, new in zip(cache.values, v)))
 
 
-def _write(buf: jax.Array, layer: int, new: jax.Array, positions: jax.Array) -> jax.Array:
-    """buf [L, B, Hkv, C, hd] <- new [B, T, Hkv, hd] at buf[layer, b, :, positions[b, t]]; positions >= C drop."""
+def _write(buf: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+    """One layer's buf [B', Hkv, C, hd] <- new [B, T, Hkv, hd] at buf[b, :, positions[b, t]]; positions >= C drop."""
     rows = jnp.arange(new.shape[0])[:, None]
-    return buf.at[layer, rows, :, positions].set(new.astype(buf.dtype), mode="drop")
+    return buf.at[rows, :, positions].set(new.astype(buf.dtype), mode="drop")
+
+
+def _replaced(layers: tuple, i: int, buf: jax.Array) -> tuple:
+    return layers[:i] + (buf,) + layers[i + 1:]
 
 
 def qkv(lp, cfg, x, cos, sin):
@@ -161,11 +171,12 @@ def layer_forward(lp, cfg, x, cos, sin, cache: KVCache, layer: int, positions, k
     """One decoder layer over cached context. x [B, T, D]; returns (x, cache with this layer's K/V written).
     `fresh`: the cache held nothing before these tokens, so attention needs only their own K/V."""
     q, k, v = qkv(lp, cfg, x, cos, sin)
-    cache = cache.replace(k=_write(cache.k, layer, k, positions), v=_write(cache.v, layer, v, positions))
+    kb, vb = _write(cache.keys[layer], k, positions), _write(cache.values[layer], v, positions)
+    cache = cache.replace(keys=_replaced(cache.keys, layer, kb), values=_replaced(cache.values, layer, vb))
     if fresh:
         attn = causal_attention(q, k, v)
     else:
-        attn = attend(q, cache.k, cache.v, positions, kv_len, layer)  # [B, T, Hq, hd]
+        attn = attend(q, kb, vb, positions, kv_len)  # [B, T, Hq, hd]
     return finish(lp, cfg, x, attn), cache
 
 

@@ -64,14 +64,16 @@ def empty_slots(cfg, slots: int, capacity: int, dtype, device=None) -> KVCache:
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def insert(cache: KVCache, new: KVCache, slots: jax.Array) -> KVCache:
-    """Write the rows of `new` ([L, b, Hkv, T, hd], T <= capacity) into rows `slots` [b] of `cache`, in place (the
-    cache is donated: a scatter into its own buffer, no copy of the other slots). A slot index >= the number of
+    """Write the rows of `new` (b rows of T <= capacity positions) into rows `slots` [b] of `cache`, in place (the
+    cache is donated: a scatter into its own buffers, no copy of the other slots). A slot index >= the number of
     slots drops its row (padding rows of a prefill batch)."""
     t = new.capacity
-    k = cache.k.at[:, slots, :, :t].set(new.k.astype(cache.k.dtype), mode="drop")
-    v = cache.v.at[:, slots, :, :t].set(new.v.astype(cache.v.dtype), mode="drop")
+
+    def put(bufs, news):
+        return tuple(b.at[slots, :, :t].set(n.astype(b.dtype), mode="drop") for b, n in zip(bufs, news))
+
     lengths = cache.lengths.at[slots].set(new.lengths, mode="drop")
-    return cache.replace(k=k, v=v, lengths=lengths)
+    return cache.replace(keys=put(cache.keys, new.keys), values=put(cache.values, new.values), lengths=lengths)
 
 
 def _sample_rows(logits, temperature, top_p, seeds, counters):

@@ -166,7 +166,7 @@ def decode_section(args, target, copy_bps: float) -> list[dict]:
             jax.block_until_ready(logits)
             times.append(time.perf_counter() - t0)
         t = statistics.median(times)
-        kv = 2 * cfg.num_layers * batch * cfg.num_kv_heads * window * cfg.head_dim * cache.k.dtype.itemsize
+        kv = 2 * cfg.num_layers * batch * cfg.num_kv_heads * window * cfg.head_dim * cache.dtype.itemsize
         roofline = (weights + kv) / copy_bps
         row = {"batch": batch, "context": ctx, "ms_per_step": t * 1e3, "tokens_per_s": batch / t,
                "weights_GB": weights / 1e9, "kv_window_GB": kv / 1e9, "roofline_ms": roofline * 1e3,

@@ -13,7 +13,6 @@ KL much, no residual can. Prints KL before and after, every 50 steps.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 
 import jax
@@ -52,11 +51,11 @@ def main() -> None:
     mapped = kvjax.apply_map(kvmap, native_cache(sparams, scfg, w[:, : P - 1]), capacity=P + C, length=P - 1)
     own = native_cache(tparams, tcfg, w[:, : P - 1])
     pad = ((0, 0),) * 3 + ((0, C + 1),) + ((0, 0),)
-    own = dataclasses.replace(own, k=jnp.pad(own.k, pad), v=jnp.pad(own.v, pad))
+    own = own.with_stacked(jnp.pad(own.k, pad), jnp.pad(own.v, pad))
     opt = optax.adam(args.lr)
 
     def loss(delta, base, teacher):
-        cache = dataclasses.replace(base, k=base.k + delta[0], v=base.v + delta[1])
+        cache = base.with_stacked(base.k + delta[0], base.v + delta[1])
         return kl(teacher, forward(tparams, tcfg, w[:, P - 1 : -1], cache)[0]).mean()
 
     @jax.jit

@@ -99,7 +99,7 @@ def make_step(opt, source, target, copy_prefix: int, text_prefix: int, skip: int
         return grads.replace(keys=pick("k", grads.keys), values=pick("v", grads.values))
 
     def window_loss(kvmap, tokens, k, v, hidden, prefix, first):
-        cache = kvjax.KVCache(k=k, v=v, lengths=jnp.full((tokens.shape[0],), prefix - 1, jnp.int32))
+        cache = kvjax.KVCache.from_stacked(k, v, jnp.full((tokens.shape[0],), prefix - 1, jnp.int32))
         mapped = apply_map(kvmap, cache, capacity=tokens.shape[1], length=prefix - 1)
         student = forward(tparams, tcfg, tokens[:, prefix - 1 : -1], mapped)[0]
         teacher = unembed(sparams, rms_norm(hidden, sparams.final_norm, scfg.rms_norm_eps))

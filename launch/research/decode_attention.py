@@ -4,10 +4,11 @@
 
 One decode token's attention over 512 cached positions in each of the foundation model's 8 layers (4 KV heads, 2 query
 heads per KV head, head_dim 64, float32): `kvjax.models.decoder.attend`, decode's own attention (the static window
-that holds the live positions, sliced out of a [L, B, Hkv, capacity, hd] cache), against torch's SDPA and its plain
+that holds the live positions, out of each layer's [B, Hkv, capacity, hd] buffers), against torch's SDPA and its plain
 matmul form over a [B, Hkv, window, hd] cache. Each side runs in a fresh process pinned to one CPU (never torch and
 JAX in one timing process), the sides alternate for `--rounds` rounds, and every number is the median of 5 timed
-calls. Session 16 found XLA:CPU about 2-2.5x slower than torch at batch 16-64 (WORKSPACE.md).
+calls. Session 16 found XLA:CPU about 2-2.5x slower than torch at batch 16-64 (WORKSPACE.md), with the cache then
+one stacked [L, B, Hkv, capacity, hd] buffer that every layer's window was copied out of.
 """
 
 from __future__ import annotations
@@ -36,15 +37,15 @@ def xla_side(batch: int, window: int, capacity: int) -> dict:
     from kvjax.models.decoder import attend
 
     rng = np.random.default_rng(0)
-    k = jnp.asarray(rng.random((L, batch, HKV, capacity, HD), np.float32))
-    v = k + 1
+    k = [jnp.asarray(rng.random((batch, HKV, capacity, HD), np.float32)) for _ in range(L)]
+    v = [a + 1 for a in k]
     q = jnp.asarray(rng.random((batch, 1, HKV * G, HD), np.float32))
     kv_len = jnp.full((batch,), window, jnp.int32)  # the new token is the window's last position
     q_pos = kv_len[:, None] - 1
 
     @jax.jit
     def layers(q, k, v):
-        return sum(attend(q, k, v, q_pos, kv_len, i).sum() for i in range(L))
+        return sum(attend(q, k[i], v[i], q_pos, kv_len).sum() for i in range(L))
 
     return {"kvjax (XLA)": median_ms(lambda: layers(q, k, v).block_until_ready())}
 

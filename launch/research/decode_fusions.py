@@ -54,16 +54,17 @@ def build(cfg, capacity: int):
         q = apply_rope(D.rms_norm(q, lp.q_norm, eps), cos, sin)
         k = apply_rope(D.rms_norm(k, lp.k_norm, eps), cos, sin)
         if dus:
-            start = (i, 0, 0, positions[0, 0], 0)
-            cache = cache.replace(
-                k=jax.lax.dynamic_update_slice(cache.k, k.transpose(0, 2, 1, 3)[None].astype(cache.k.dtype), start),
-                v=jax.lax.dynamic_update_slice(cache.v, v.transpose(0, 2, 1, 3)[None].astype(cache.v.dtype), start))
+            start = (0, 0, positions[0, 0], 0)
+            put = lambda buf, new: jax.lax.dynamic_update_slice(  # noqa: E731
+                buf, new.transpose(0, 2, 1, 3).astype(buf.dtype), start)
         else:
-            cache = cache.replace(k=D._write(cache.k, i, k, positions), v=D._write(cache.v, i, v, positions))
+            put = lambda buf, new: D._write(buf, new, positions)  # noqa: E731
+        kb, vb = put(cache.keys[i], k), put(cache.values[i], v)
+        cache = cache.replace(keys=D._replaced(cache.keys, i, kb), values=D._replaced(cache.values, i, vb))
         if window is None:
-            attn = D.attend(q, cache.k, cache.v, positions, kv_len, i)
+            attn = D.attend(q, kb, vb, positions, kv_len)
         else:
-            attn = D._attend_window(q, cache.k, cache.v, positions, kv_len, i, window)
+            attn = D._attend_window(q, kb, vb, positions, kv_len, window)
         x = x + jnp.einsum("bthk,hkd->btd", attn, lp.o)
         h = D.rms_norm(x, lp.mlp_norm, eps)
         if fuse:
@@ -91,7 +92,7 @@ def build(cfg, capacity: int):
         def step(params, fused, tokens, cache):
             if not onewin:
                 return body(params, fused, tokens, cache, None, fuse, table, dus)
-            ws = window_sizes(cache.k.shape[3])
+            ws = window_sizes(cache.capacity)
             index = jnp.minimum(jnp.searchsorted(jnp.asarray(ws), jnp.max(cache.lengths + 1)), len(ws) - 1)
             branches = [functools.partial(lambda w, p, f, t, c: body(p, f, t, c, w, fuse, table, dus), w) for w in ws]
             return jax.lax.switch(index, branches, params, fused, tokens, cache)
@@ -125,9 +126,9 @@ def main(argv=None) -> int:
 
     def fresh_cache():
         c = kvjax.init_cache(cfg, args.batch, args.capacity, jnp.float32)
-        return c.replace(k=0.5 * jax.random.normal(jax.random.PRNGKey(1), c.k.shape),
-                         v=0.5 * jax.random.normal(jax.random.PRNGKey(2), c.v.shape),
-                         lengths=jnp.full((args.batch,), args.context, jnp.int32))
+        return c.with_stacked(0.5 * jax.random.normal(jax.random.PRNGKey(1), c.k.shape),
+                              0.5 * jax.random.normal(jax.random.PRNGKey(2), c.v.shape),
+                              lengths=jnp.full((args.batch,), args.context, jnp.int32))
 
     caches, ref = {}, None
     for name in args.variants:

@@ -173,16 +173,15 @@ class Recipes:
         if name.startswith("direct:"):
             layers = [int(s) for s in name.split(":", 1)[1].split(",")]
             src = self.source_cache(prompts)
-            return KVCache(k=src.k[jnp.asarray(layers)], v=src.v[jnp.asarray(layers)], lengths=src.lengths)
+            return KVCache(keys=tuple(src.keys[i] for i in layers), values=tuple(src.values[i] for i in layers),
+                           lengths=src.lengths)
         if name.startswith("mix:"):
             _, base, swap = name.split(":", 2)  # mix:BASE:j=OTHER (OTHER may itself hold ':' but not '=')
             j, other = swap.split("=", 1)
             a, b = self(base.replace(";", ":"), prompts), self(other.replace(";", ":"), prompts)
             js = [int(x) for x in j.split(",")]
-            k, v = a.k, a.v
-            for i in js:
-                k, v = k.at[i].set(b.k[i]), v.at[i].set(b.v[i])
-            return a.replace(k=k, v=v)
+            return a.replace(keys=tuple(b.keys[i] if i in js else x for i, x in enumerate(a.keys)),
+                             values=tuple(b.values[i] if i in js else x for i, x in enumerate(a.values)))
         if name == "top1" or name.startswith("top1:"):
             base = name.split(":", 1)[1] if ":" in name else "map"
             cfg, params = self.target
@@ -353,7 +352,7 @@ def run_optimise(base: str, recipes: Recipes, items: Batch, bs: int, steps: int,
                 e0, _, l0 = score(recipes.target, cache, p, a)
                 for _ in range(steps):
                     delta, state, _ = step(params, delta, state, cache, mk, mv, last, ans)
-                opt_cache = cache.replace(k=cache.k + mk * delta[0], v=cache.v + mv * delta[1])
+                opt_cache = cache.with_stacked(cache.k + mk * delta[0], cache.v + mv * delta[1])
                 e1, _, l1 = score(recipes.target, opt_cache, p, a)
                 before.append(e0), after.append(e1), lp0.append(l0), lp1.append(l1)
             b, af = np.concatenate(before), np.concatenate(after)
@@ -365,7 +364,7 @@ def _opt_step(opt, cfg):
     @jax.jit
     def step(params, delta, state, cache, mk, mv, last, answers):
         def loss(d):
-            c = cache.replace(k=cache.k + mk * d[0], v=cache.v + mv * d[1])
+            c = cache.with_stacked(cache.k + mk * d[0], cache.v + mv * d[1])
             tokens = jnp.concatenate([last[:, None], answers[:, :-1]], axis=1)
             logits, _ = attn_forward(params, cfg, tokens, c)
             logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
