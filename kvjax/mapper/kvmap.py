@@ -171,9 +171,9 @@ def apply_map(kvmap: KVMap, source_cache: KVCache, capacity: int | None = None, 
 
     The first `length` positions (default: the whole source capacity) are mapped; rows keep their lengths. The
     result is tagged origin="mapped:<map id>" so it can never pass for a natively computed cache.
-    `impl`: "xla" (jnp), "pallas" (the fused map-and-insert kernel of kvjax.kernels.map_insert, one call for all
-    layers; on CPU only with `interpret=True`) or "auto" (the kernel on GPU/TPU where it supports the shape, XLA on
-    CPU).
+    `impl`: "xla" (jnp), "pallas" (the fused map-and-insert kernel of kvjax.kernels.map_insert, one call per target
+    layer, writing that layer's own buffers; on CPU only with `interpret=True`) or "auto" (the kernel on GPU/TPU where
+    it supports the shape, XLA on CPU).
     """
     t = source_cache.capacity if length is None else length
     capacity = t if capacity is None else capacity

@@ -8,7 +8,8 @@ matmul peak measured in the same run (each library's own 2048^3 product; the fas
 tokens/s at batch 1 with the cache holding `ctx` tokens (one step called from Python: kvjax's decode_step,
 transformers' forward with a DynamicCache; and each library's generation loop: kvjax.generate's in-jit loop,
 transformers' `generate`, greedy, the tokens after the first over their time) against the decode roofline (read
-bandwidth / bytes read per token: all weights a step touches, the live KV cache; float32), and batched decode:
+bandwidth / bytes read per token: all weights a step touches, the live KV cache; float32; the read bandwidth is the
+higher of numpy's sum and XLA's matrix-vector product over 1 GiB), and batched decode:
 tokens/s at batch 1-64 with every row at `--batch-context` tokens.
 
 Method: transformers writes the checkpoint; both sides load it. Each side (kvjax, torch, bandwidth) is a worker
@@ -230,21 +231,34 @@ class TorchBench:
 
 
 class BandwidthBench:
-    """Read-only bandwidth (what bounds decode): numpy sums of 1 GiB float32 in `threads` threads (numpy releases
-    the GIL in reductions)."""
+    """Read-only bandwidth (what bounds decode), the higher of two readers of 1 GiB float32: numpy sums in `threads`
+    threads (numpy releases the GIL in reductions) and XLA's matrix-vector product, the operation decode streams its
+    weights through. Why both: on this machine numpy's sum has read anywhere from 32 to 46 GB/s in runs where XLA's
+    product read 43-47 GB/s, and a roofline from the lower reader overstated decode's share of it (session 19)."""
 
     def __init__(self, args):
         from concurrent.futures import ThreadPoolExecutor
+
+        import jax
+        import jax.numpy as jnp
         self.pool = ThreadPoolExecutor(args.threads)
         self.chunks = np.array_split(np.ones(BANDWIDTH_BYTES // 4, np.float32), args.threads)
+        self.w = jnp.ones((BANDWIDTH_BYTES // 4 // 4096, 4096), jnp.float32)
+        self.x = jnp.ones((4096,), jnp.float32)
+        self.matvec = jax.jit(lambda w, x: w @ x)
         self.setup = {}
 
     def _read_all(self):
         list(self.pool.map(np.sum, self.chunks))
 
+    def _matvec(self):
+        self.matvec(self.w, self.x).block_until_ready()
+
     def round(self) -> dict:
-        self._read_all()
-        return {"read_gb_s": BANDWIDTH_BYTES / median_seconds(self._read_all, 7) / 1e9}
+        self._read_all(), self._matvec()
+        gb_s = {name: BANDWIDTH_BYTES / median_seconds(fn, 7) / 1e9
+                for name, fn in (("numpy_sum_gb_s", self._read_all), ("xla_matvec_gb_s", self._matvec))}
+        return {"read_gb_s": max(gb_s.values()), **gb_s}
 
 
 SIDES = {"kvjax": KvjaxBench, "torch": TorchBench, "bandwidth": BandwidthBench}
@@ -349,9 +363,10 @@ def run(args) -> dict:
             w.close()
     kvjax_logits, torch_logits = (np.load(os.path.join(args.workdir, f"{s}_logits.npy")) for s in ("kvjax", "torch"))
     bandwidth = median_over(rounds["bandwidth"], "read_gb_s")
+    readers = {k: median_over(rounds["bandwidth"], k) for k in ("numpy_sum_gb_s", "xla_matvec_gb_s")}
     settings = {k: v for k, v in vars(args).items() if k not in ("side", "workdir", "out", "ckpt")}
     result = {"model": MODEL, "settings": settings,
-              "read_bandwidth_gb_s": bandwidth, "kvjax_first_call_s": workers["kvjax"].setup["first_call_s"],
+              "read_bandwidth_gb_s": bandwidth, "read_bandwidth_readers": readers, "kvjax_first_call_s": workers["kvjax"].setup["first_call_s"],
               "allocator": workers["kvjax"].setup["allocator"],
               "last_logits_max_abs_diff": float(np.abs(kvjax_logits - torch_logits).max()),
               "other_load": {s: median_over(rounds[s], "other_load") for s in SIDES},
@@ -408,8 +423,11 @@ def print_report(r: dict, args) -> None:
                          f"{d['kvjax_tok_s'] / d['torch_tok_s']:.2f}x", "", "", ""))
     weights_mb = next(iter(r["decode"].values()))["weight_bytes"] / 1e6
     kv_mb = ", ".join(f"{d['kv_bytes'] / 1e6:.1f} MB at ctx={ctx}" for ctx, d in r["decode"].items())
-    print(f"\nroofline = read bandwidth / bytes per token; read bandwidth {r['read_bandwidth_gb_s']:.1f} GB/s "
-          f"(numpy sum of 1 GiB float32, {args.threads} threads)\nbytes per token = weights {weights_mb:.1f} MB + "
+    readers = r["read_bandwidth_readers"]
+    print(f"\nroofline = read bandwidth / bytes per token; read bandwidth {r['read_bandwidth_gb_s']:.1f} GB/s, the "
+          f"higher of two readers of 1 GiB float32 on {args.threads} threads: numpy sum "
+          f"{readers['numpy_sum_gb_s']:.1f}, XLA matrix-vector product {readers['xla_matvec_gb_s']:.1f}"
+          f"\nbytes per token = weights {weights_mb:.1f} MB + "
           f"live KV cache ({kv_mb})")
     print("kvjax first calls (compile + one run; not in the throughputs): "
           + ", ".join(f"{k} {v:.1f}s" for k, v in r["kvjax_first_call_s"].items()))
