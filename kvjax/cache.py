@@ -6,7 +6,7 @@ jitted function specialises on them and a mapped cache can never pass unnoticed 
 
 Why one buffer per layer (as the params are, kvjax.models.params): on XLA:CPU a dot cannot read a slice of a larger
 buffer in place, so a stacked [L, B, Hkv, C, hd] cache made every decode step copy each layer's attention window
-out of it first; at batch 16-64 that copy was a fifth to a third of the step (`python -m
+out of it first; at batch 16-64 that copy was about a quarter of the step (1.33-1.39x faster without it, `python -m
 launch.research.cache_layout`). A layer's own buffer whose window is the whole capacity is read where it lies.
 `k` / `v` still give the stacked [L, ...] view (a copy: for inspection, tests and the map's whole-cache stages).
 """

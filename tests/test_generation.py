@@ -157,7 +157,7 @@ def test_cache_is_a_pytree_with_static_metadata(model):
 def test_decode_reads_each_layers_cache_buffer_in_place(model):
     # One buffer per layer (kvjax.cache): when decode's attention window is the whole capacity, no layer's keys or
     # values are sliced or copied before attention reads them. With one stacked [L, ...] buffer XLA copied every
-    # layer's window out of it on every step (a fifth to a quarter of a batch-16/64 step: launch.research.cache_layout).
+    # layer's window out of it on every step (about a quarter of a batch-16/64 step: launch.research.cache_layout).
     import re
     from kvjax.models.decoder import decode_jit
     cfg, params = model

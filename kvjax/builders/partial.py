@@ -60,7 +60,8 @@ def recompute(params, cfg, tokens: jax.Array, lengths: jax.Array, mapped: KVCach
             v = v_buf[i][:, :, :t].transpose(0, 2, 1, 3).astype(q.dtype)
         if i < top:
             x = finish(lp, cfg, x, causal_attention(q, k, v))
-    return mapped.replace(keys=tuple(k_buf), values=tuple(v_buf), lengths=lengths, origin=f"partial{list(layers)}:{mapped.origin}")
+    return mapped.replace(keys=tuple(k_buf), values=tuple(v_buf), lengths=lengths,
+                          origin=f"partial{list(layers)}:{mapped.origin}")
 
 
 recompute_jit = jax.jit(recompute, static_argnames=("cfg", "layers"), donate_argnames=("mapped",))

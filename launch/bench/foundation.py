@@ -366,7 +366,8 @@ def run(args) -> dict:
     readers = {k: median_over(rounds["bandwidth"], k) for k in ("numpy_sum_gb_s", "xla_matvec_gb_s")}
     settings = {k: v for k, v in vars(args).items() if k not in ("side", "workdir", "out", "ckpt")}
     result = {"model": MODEL, "settings": settings,
-              "read_bandwidth_gb_s": bandwidth, "read_bandwidth_readers": readers, "kvjax_first_call_s": workers["kvjax"].setup["first_call_s"],
+              "read_bandwidth_gb_s": bandwidth, "read_bandwidth_readers": readers,
+              "kvjax_first_call_s": workers["kvjax"].setup["first_call_s"],
               "allocator": workers["kvjax"].setup["allocator"],
               "last_logits_max_abs_diff": float(np.abs(kvjax_logits - torch_logits).max()),
               "other_load": {s: median_over(rounds[s], "other_load") for s in SIDES},

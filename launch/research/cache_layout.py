@@ -150,7 +150,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=16, help="decode steps per timed call")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--profile", action="store_true", help="also list each layout's per-token time by operation")
-    p.add_argument("--ckpt", help="a Qwen3 checkpoint (default: the foundation benchmark's model, written to a temp dir)")
+    p.add_argument("--ckpt", help="a Qwen3 checkpoint (default: the foundation benchmark's model in a temp dir)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.steps < 2 or args.rounds < 1 or args.context < 1 or min(args.batches) < 1:
