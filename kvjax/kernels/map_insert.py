@@ -438,7 +438,8 @@ def map_layer(src_k: Sequence, src_v: Sequence, kmap, vmap, *, target_kv: tuple[
     (src_k / src_v: one [B, Hs, Ts, hds] array each, in pairing order) through the layer's maps into fresh
     [B, Ht, capacity, hdt] buffers, zero past `length` (target_kv = (Ht, hdt)). Returns (k, v). Traceable:
     `insert_layers` over [1, ...] views of the buffers, which cost no copy."""
-    shape = (1, src_k[0].shape[0], *target_kv[:1], capacity, target_kv[1])
+    hkv, hd = target_kv
+    shape = (1, src_k[0].shape[0], hkv, capacity, hd)
     k, v = insert_layers(tuple(a[None] for a in src_k), tuple(a[None] for a in src_v), jnp.zeros(shape, dtype),
                          jnp.zeros(shape, dtype), (kmap,), (vmap,), pairing=((0,) * len(src_k),), tgt_layers=(0,),
                          length=length, src_rope=src_rope, tgt_rope=tgt_rope, impl=impl, block_t=block_t,

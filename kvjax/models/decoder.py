@@ -71,11 +71,8 @@ def _rows_window(buf: jax.Array, b: int, window: int) -> jax.Array:
 def attend(q, k, v, q_pos, kv_len):
     """Attention over the smallest static window of one layer's cache buffers k, v [B', Hkv, C, hd] that holds every
     row's live positions."""
-    return _in_window(k.shape[2], jnp.max(kv_len), _attend_window_at, q, k, v, q_pos, kv_len)
-
-
-def _attend_window_at(window, q, k, v, q_pos, kv_len):
-    return _attend_window(q, k, v, q_pos, kv_len, window)
+    return _in_window(k.shape[2], jnp.max(kv_len),
+                      lambda w, q, k, v, p, n: _attend_window(q, k, v, p, n, w), q, k, v, q_pos, kv_len)
 
 
 def _in_window(capacity: int, needed, fn, *operands):
