@@ -9,6 +9,12 @@ buffer in place, so a stacked [L, B, Hkv, C, hd] cache made every decode step co
 out of it first; at batch 16-64 that copy was about a quarter of the step (1.33-1.39x faster without it, `python -m
 launch.research.cache_layout`). A layer's own buffer whose window is the whole capacity is read where it lies.
 `k` / `v` still give the stacked [L, ...] view (a copy: for inspection, tests and the map's whole-cache stages).
+
+Keys may be held transposed, [B, Hkv, hd, T] per layer (`keys_transposed`, static): the layout kvjax.generate's decode
+loop runs on. Why: decode's scores q . k^T read a layer's keys with the head dimension contracted; from [T, hd] rows
+XLA:CPU's batched dot repacks (transposes) the keys on every step, from [hd, T] it reads them as they lie: the eight
+layers' decode attention 1042 -> 674 us a token, the generate loop ~4% faster at batch 1 (WORKSPACE.md, "Session 20").
+A loop converts once on entry and back on exit (one pass over the keys); every other consumer sees [B, Hkv, T, hd].
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ class KVCache:
     values: tuple  # per layer [B, Hkv, T, hd]
     lengths: jax.Array  # [B] int32: positions [0, lengths[b]) of row b are valid
     origin: str = struct.field(pytree_node=False, default="native")  # "native" or e.g. "mapped:<map id>"
+    keys_transposed: bool = struct.field(pytree_node=False, default=False)  # keys per layer [B, Hkv, hd, T]
 
     @classmethod
     def from_stacked(cls, k: jax.Array, v: jax.Array, lengths: jax.Array, origin: str = "native") -> KVCache:
@@ -46,8 +53,8 @@ class KVCache:
 
     @property
     def k(self) -> jax.Array:
-        """All layers' keys stacked, [L, B, Hkv, T, hd] (a copy)."""
-        return jnp.stack(self.keys)
+        """All layers' keys stacked, [L, B, Hkv, T, hd] (a copy; in this layout whichever way they are held)."""
+        return jnp.stack(self.with_keys_transposed(False).keys)
 
     @property
     def v(self) -> jax.Array:
@@ -57,11 +64,21 @@ class KVCache:
     def map_layers(self, fn: Callable[[jax.Array], jax.Array], **changes) -> KVCache:
         """The cache with fn applied to every layer's key and value buffer ([B, Hkv, T, hd] each), plus `changes`
         (e.g. lengths=...)."""
+        if self.keys_transposed:
+            raise ValueError("map_layers on a cache whose keys are held transposed would hand fn two layouts; "
+                             "call cache.with_keys_transposed(False) first")
         return self.replace(keys=tuple(map(fn, self.keys)), values=tuple(map(fn, self.values)), **changes)
 
     def with_stacked(self, k: jax.Array, v: jax.Array, **changes) -> KVCache:
         """The cache holding stacked [L, B, Hkv, T, hd] keys and values instead, plus `changes`."""
-        return self.replace(keys=unstack(k), values=unstack(v), **changes)
+        return self.replace(keys=unstack(k), values=unstack(v), keys_transposed=False, **changes)
+
+    def with_keys_transposed(self, transposed: bool) -> KVCache:
+        """The cache with each layer's keys held as [B, Hkv, hd, T] (True) or [B, Hkv, T, hd] (False); a copy of the
+        keys when that changes their layout (see the module docstring for why decode loops use the first)."""
+        if transposed == self.keys_transposed:
+            return self
+        return self.replace(keys=tuple(jnp.swapaxes(a, -1, -2) for a in self.keys), keys_transposed=transposed)
 
     @property
     def num_layers(self) -> int:
@@ -77,11 +94,11 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return self.keys[0].shape[2]
+        return self.values[0].shape[2]
 
     @property
     def head_dim(self) -> int:
-        return self.keys[0].shape[3]
+        return self.values[0].shape[3]
 
     @property
     def dtype(self):
@@ -97,7 +114,7 @@ class KVCache:
     def __repr__(self) -> str:
         return (f"KVCache(layers={self.num_layers}, batch={self.batch_size}, kv_heads={self.num_kv_heads}, "
                 f"capacity={self.capacity}, head_dim={self.head_dim}, dtype={jnp.dtype(self.dtype).name}, "
-                f"origin={self.origin!r})")
+                f"origin={self.origin!r}{', keys transposed' if self.keys_transposed else ''})")
 
 
 def init_cache(cfg, batch_size: int, max_len: int, dtype=jnp.float32) -> KVCache:
@@ -117,7 +134,8 @@ def shard_cache(cache: KVCache, mesh: jax.sharding.Mesh, rules=None) -> KVCache:
 
 def axes(cache: KVCache) -> KVCache:
     """The cache's tree of logical axes (kvjax.sharding)."""
-    return cache.replace(keys=(LAYER_AXES,) * cache.num_layers, values=(LAYER_AXES,) * cache.num_layers,
+    key_axes = LAYER_AXES[:2] + LAYER_AXES[:1:-1] if cache.keys_transposed else LAYER_AXES  # [B, Hkv, hd, T]
+    return cache.replace(keys=(key_axes,) * cache.num_layers, values=(LAYER_AXES,) * cache.num_layers,
                          lengths=("batch",))
 
 
@@ -143,10 +161,12 @@ def window_sizes(capacity: int) -> tuple[int, ...]:
 
 def slice_batch(cache: KVCache, rows) -> KVCache:
     """The cache of a subset of rows (a slice or an index array)."""
-    return cache.map_layers(lambda a: a[rows], lengths=cache.lengths[rows])
+    return cache.replace(keys=tuple(a[rows] for a in cache.keys), values=tuple(a[rows] for a in cache.values),
+                         lengths=cache.lengths[rows])  # rows lead in either key layout
 
 
 def valid(cache: KVCache, row: int) -> tuple[jax.Array, jax.Array]:
     """(k, v) of one row restricted to its valid positions: [L, Hkv, n, hd] each (host-side inspection helper)."""
     n = int(cache.lengths[row])
-    return jnp.stack([a[row, :, :n] for a in cache.keys]), jnp.stack([a[row, :, :n] for a in cache.values])
+    keys = cache.with_keys_transposed(False).keys
+    return jnp.stack([a[row, :, :n] for a in keys]), jnp.stack([a[row, :, :n] for a in cache.values])

@@ -54,8 +54,12 @@ def decode_loop(params: Params, cfg: Qwen3Config, cache: KVCache, logits: jax.Ar
 
     Rows stop at their first EOS (kept in the output); later positions hold `pad_id`. The loop ends early when
     every row has stopped. Returns (tokens, cache, number of tokens produced per row).
+
+    The loop holds the keys transposed (kvjax.cache, `keys_transposed`: decode attention reads them without
+    repacking them every step), converting once on entry and back on exit.
     """
     b = logits.shape[0]
+    cache = cache.with_keys_transposed(True)
     eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
 
     def pick(logits, key, done):
@@ -82,7 +86,7 @@ def decode_loop(params: Params, cfg: Qwen3Config, cache: KVCache, logits: jax.Ar
         return i + 1, out, cache, nxt, new_done, count, key
 
     _, out, cache, _, _, count, _ = jax.lax.while_loop(cond, body, (1, out, cache, tok, done, count, key))
-    return out, cache, count
+    return out, cache.with_keys_transposed(False), count
 
 
 def _generate(params, cfg, tokens, lengths, key, *, max_new_tokens, capacity, sampling, eos_ids, pad_id,

@@ -179,6 +179,45 @@ def test_cache_slice_and_inspect_helpers(model):
     np.testing.assert_array_equal(valid(sub, 1)[0], valid(cache, 0)[0])
 
 
+def test_decode_over_transposed_keys_equals_decode_over_standard_keys(model):
+    # kvjax.generate's loop holds each layer's keys as [B, Hkv, hd, T] (kvjax.cache, keys_transposed); decode over
+    # them must give the logits and the cache that decode over [B, Hkv, T, hd] keys gives, windows crossed included.
+    from kvjax.models.decoder import forward
+    cfg, params = model
+    tokens, lengths = kvjax.pad_prompts(prompts(cfg, [120, 40, 7], seed=7))
+    _, cache = kvjax.prefill(params, cfg, tokens, kvjax.init_cache(cfg, 3, 300), lengths)
+    flipped = cache.with_keys_transposed(True)
+    assert flipped.keys[0].shape == (3, cfg.num_kv_heads, cfg.head_dim, 300)
+    assert (flipped.capacity, flipped.head_dim) == (cache.capacity, cache.head_dim) and "transposed" in repr(flipped)
+    np.testing.assert_array_equal(flipped.k, cache.k)
+    step = jax.jit(lambda c, t: forward(params, cfg, t[:, None], c))
+    for i in range(12):  # row 0 crosses the 128-position window
+        nxt = jnp.asarray([3 + i, 9, 100 - i], jnp.int32)
+        want, cache = step(cache, nxt)
+        got, flipped = step(flipped, nxt)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    assert flipped.keys_transposed
+    np.testing.assert_allclose(np.asarray(flipped.with_keys_transposed(False).k), np.asarray(cache.k), atol=1e-6)
+    np.testing.assert_array_equal(flipped.lengths, cache.lengths)
+
+
+def test_transposed_keys_helpers_and_refusals(model):
+    from kvjax.cache import axes, slice_batch, valid
+    from kvjax.models.decoder import verify_forward
+    cfg, params = model
+    tokens, lengths = kvjax.pad_prompts(prompts(cfg, [5, 9], seed=8))
+    _, cache = kvjax.prefill(params, cfg, tokens, kvjax.init_cache(cfg, 2, 16), lengths)
+    flipped = cache.with_keys_transposed(True)
+    assert flipped.with_keys_transposed(True) is flipped
+    np.testing.assert_array_equal(valid(flipped, 1)[0], valid(cache, 1)[0])
+    np.testing.assert_array_equal(slice_batch(flipped, np.asarray([1])).k, slice_batch(cache, np.asarray([1])).k)
+    assert axes(flipped).keys[0] == ("batch", "kv_heads", "head_dim", "cache_seq")
+    with pytest.raises(ValueError, match="with_keys_transposed"):
+        flipped.map_layers(lambda a: a)
+    with pytest.raises(ValueError, match=r"verify_forward .*with_keys_transposed\(False\)"):
+        verify_forward(params, cfg, jnp.ones((2, 3), jnp.int32), flipped)
+
+
 def test_prefill_and_decode_reject_token_ids_outside_the_vocabulary(model):
     cfg, params = model  # vocab_size 160: id 160 would be gathered from a clamped embedding row
     for bad in (160, -1):

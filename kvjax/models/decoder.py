@@ -40,39 +40,45 @@ def _ungroup(o: jax.Array, t: int) -> jax.Array:
     return o.reshape(b, hkv, gt // t, t, hd).transpose(0, 3, 1, 2, 4).reshape(b, t, (gt // t) * hkv, hd)
 
 
-def _softmax_attend(qg, k, v, mask):
-    """qg [B, Hkv, Q, hd], k/v [B, Hkv, S, hd], mask broadcastable to [B, Hkv, Q, S] -> [B, Hkv, Q, hd]."""
-    scores = jnp.einsum("bkqd,bksd->bkqs", qg, k).astype(jnp.float32) * (qg.shape[-1] ** -0.5)
+def _softmax_attend(qg, k, v, mask, keys_transposed: bool = False):
+    """qg [B, Hkv, Q, hd], k/v [B, Hkv, S, hd] (k [B, Hkv, hd, S] when `keys_transposed`), mask broadcastable to
+    [B, Hkv, Q, S] -> [B, Hkv, Q, hd]."""
+    scores = jnp.einsum("bkqd,bkds->bkqs" if keys_transposed else "bkqd,bksd->bkqs", qg, k)
+    scores = scores.astype(jnp.float32) * (qg.shape[-1] ** -0.5)
     probs = jax.nn.softmax(jnp.where(mask, scores, NEG_INF), axis=-1).astype(v.dtype)
     return jnp.einsum("bkqs,bksd->bkqd", probs, v)
 
 
-def _attend_window(q, k, v, q_pos, kv_len, window: int):
+def _attend_window(q, k, v, q_pos, kv_len, window: int, keys_transposed: bool = False):
     """Causal GQA attention of q [B, T, Hq, hd] over positions [0, window) of one layer of the cache.
 
-    k, v: [B', Hkv, C, hd] the layer's whole buffers (sliced here, so only the window is read; a window that is the
-    whole buffer is read in place); q_pos [B, T] absolute positions; kv_len [B] valid positions per row.
+    k, v: [B', Hkv, C, hd] the layer's whole buffers (k [B', Hkv, hd, C] when `keys_transposed`; sliced here, so only
+    the window is read; a window that is the whole buffer is read in place); q_pos [B, T] absolute positions; kv_len
+    [B] valid positions per row.
     """
     b, t, hkv = q.shape[0], q.shape[1], k.shape[1]
     g = q.shape[2] // hkv
-    k = _rows_window(k, b, window)  # [B, Hkv, W, hd]; the first B rows (forward_features says when fewer)
+    k = _rows_window(k, b, window, 3 if keys_transposed else 2)  # the first B rows (forward_features says when fewer)
     v = _rows_window(v, b, window)
     key_pos = jnp.arange(window)
     q_pos = jnp.tile(q_pos, (1, g))  # [B, G*T], matching _group's row order
     mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < kv_len[:, None, None])
-    return _ungroup(_softmax_attend(_group(q, hkv), k, v, mask[:, None]), t)
+    return _ungroup(_softmax_attend(_group(q, hkv), k, v, mask[:, None], keys_transposed), t)
 
 
-def _rows_window(buf: jax.Array, b: int, window: int) -> jax.Array:
-    """buf [B', Hkv, C, hd] -> its first b rows and first `window` positions (no slice when that is all of it)."""
-    return buf if (b, window) == (buf.shape[0], buf.shape[2]) else buf[:b, :, :window]
+def _rows_window(buf: jax.Array, b: int, window: int, axis: int = 2) -> jax.Array:
+    """buf [B', Hkv, C, hd] (positions on `axis`) -> its first b rows and first `window` positions (no slice when
+    that is all of it)."""
+    if (b, window) == (buf.shape[0], buf.shape[axis]):
+        return buf
+    return jax.lax.slice_in_dim(buf[:b], 0, window, axis=axis)
 
 
-def attend(q, k, v, q_pos, kv_len):
-    """Attention over the smallest static window of one layer's cache buffers k, v [B', Hkv, C, hd] that holds every
-    row's live positions."""
-    return _in_window(k.shape[2], jnp.max(kv_len),
-                      lambda w, q, k, v, p, n: _attend_window(q, k, v, p, n, w), q, k, v, q_pos, kv_len)
+def attend(q, k, v, q_pos, kv_len, keys_transposed: bool = False):
+    """Attention over the smallest static window of one layer's cache buffers k, v [B', Hkv, C, hd] (k
+    [B', Hkv, hd, C] when `keys_transposed`) that holds every row's live positions."""
+    return _in_window(v.shape[2], jnp.max(kv_len),
+                      lambda w, q, k, v, p, n: _attend_window(q, k, v, p, n, w, keys_transposed), q, k, v, q_pos, kv_len)
 
 
 def _in_window(capacity: int, needed, fn, *operands):
@@ -117,6 +123,7 @@ def verify_forward(params: Params, cfg, tokens: jax.Array, cache: KVCache, featu
     that wrote into the cache would make XLA:CPU copy the whole cache into and out of the conditional (~0.3 ms a
     round on the toy source, a fifth of the verify pass); reading it is free, and one write after the switch
     stores the block. Same numbers as `forward_features` up to float summation order."""
+    _standard_keys(cache, "verify_forward")
     b, t = tokens.shape
     start = cache.lengths
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -138,6 +145,7 @@ def verify_forward(params: Params, cfg, tokens: jax.Array, cache: KVCache, featu
 def write_block(cache: KVCache, k: jax.Array, v: jax.Array) -> KVCache:
     """Store verify_forward's k/v [L, B, T, Hkv, hd] at each row's positions lengths .. lengths + T - 1 (all layers;
     positions past the capacity drop). `lengths` is left as it is: the caller sets what was accepted."""
+    _standard_keys(cache, "write_block")
     positions = cache.lengths[:, None] + jnp.arange(k.shape[2], dtype=jnp.int32)[None, :]  # [B, T]
     return cache.replace(keys=tuple(_write(buf, new, positions) for buf, new in zip(cache.keys, k)),
                          values=tuple(_write(buf, new, positions) for buf, new in zip(cache.values, v)))
@@ -147,6 +155,19 @@ def _write(buf: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
     """One layer's buf [B', Hkv, C, hd] <- new [B, T, Hkv, hd] at buf[b, :, positions[b, t]]; positions >= C drop."""
     rows = jnp.arange(new.shape[0])[:, None]
     return buf.at[rows, :, positions].set(new.astype(buf.dtype), mode="drop")
+
+
+def _write_keys(buf: jax.Array, new: jax.Array, positions: jax.Array, transposed: bool) -> jax.Array:
+    """`_write` for a layer's keys, held [B', Hkv, C, hd] or (`transposed`) [B', Hkv, hd, C]."""
+    if not transposed:
+        return _write(buf, new, positions)
+    rows = jnp.arange(new.shape[0])[:, None]
+    return buf.at[rows, :, :, positions].set(new.astype(buf.dtype), mode="drop")
+
+
+def _standard_keys(cache: KVCache, what: str) -> None:
+    if cache.keys_transposed:
+        raise ValueError(f"{what} reads keys as [B, Hkv, T, hd]; pass cache.with_keys_transposed(False)")
 
 
 def _replaced(layers: tuple, i: int, buf: jax.Array) -> tuple:
@@ -168,12 +189,13 @@ def layer_forward(lp, cfg, x, cos, sin, cache: KVCache, layer: int, positions, k
     """One decoder layer over cached context. x [B, T, D]; returns (x, cache with this layer's K/V written).
     `fresh`: the cache held nothing before these tokens, so attention needs only their own K/V."""
     q, k, v = qkv(lp, cfg, x, cos, sin)
-    kb, vb = _write(cache.keys[layer], k, positions), _write(cache.values[layer], v, positions)
+    kb = _write_keys(cache.keys[layer], k, positions, cache.keys_transposed)
+    vb = _write(cache.values[layer], v, positions)
     cache = cache.replace(keys=_replaced(cache.keys, layer, kb), values=_replaced(cache.values, layer, vb))
     if fresh:
         attn = causal_attention(q, k, v)
     else:
-        attn = attend(q, kb, vb, positions, kv_len)  # [B, T, Hq, hd]
+        attn = attend(q, kb, vb, positions, kv_len, cache.keys_transposed)  # [B, T, Hq, hd]
     return finish(lp, cfg, x, attn), cache
 
 

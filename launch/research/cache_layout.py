@@ -1,4 +1,5 @@
-"""Decode with the cache as one stacked buffer per K and V (KVCache today) or as one buffer per layer (issue 23).
+"""Decode with the cache as one stacked buffer per K and V, one buffer per layer (KVCache, session 19), or one buffer
+per layer with the keys held transposed (kvjax.generate's loop, session 20) (issue 23).
 
     launch/venv python -m launch.research.cache_layout --cpus 0,1 --batches 1 4 16 64
     launch/venv python -m launch.research.cache_layout --cpus 0,1 --batches 1 --profile   # + where a token's time goes
@@ -7,13 +8,16 @@ Why: on XLA:CPU a dot cannot read a slice of a larger buffer in place, so every 
 attention window out of the stacked [L, B, Hkv, C, hd] cache before attending over it (the `slice` fusions of the
 profile). Params were split per layer for the same reason (kvjax.models.params). This probe runs the same decode steps
 both ways, with the decoder's own `_write` and `attend` (a per-layer buffer goes in as a [1, B, Hkv, C, hd] view, so
-the window that is the whole capacity is no slice at all), and checks that both produce the same tokens.
+the window that is the whole capacity is no slice at all), and checks that both produce the same tokens. The third
+layout, "keys_transposed", is the library's forward over `cache.with_keys_transposed(True)` (keys [B, Hkv, hd, C]:
+decode's scores read them without repacking; kvjax.cache).
 
 Method: the foundation benchmark's random 33.6M Qwen3 (float32), every row prefilled to --context tokens, capacity
 context + 64 (so decode's window is the whole capacity, as in kvjax.generate); `--steps` greedy decode steps inside one
 jitted fori_loop per layout; tokens/s from the time of `--steps` steps minus that of one step (medians of 3, in the
-same process, layouts alternated for --rounds rounds; the report is the median over rounds). `--profile` also traces
-one jitted loop of each layout with jax.profiler and lists the per-token time by XLA operation kind.
+same process, layouts alternated for --rounds rounds, the order reversed every other round; the report is the median
+over rounds). `--profile` also traces one jitted loop of each layout with jax.profiler and lists the per-token time
+by XLA operation kind.
 """
 
 from __future__ import annotations
@@ -34,13 +38,14 @@ import time
 
 from launch.bench.foundation import MODEL, make_checkpoint
 
-LAYOUTS = ("stacked", "per_layer")
+LAYOUTS = ("stacked", "per_layer", "keys_transposed")
 
 
 def decode_steps(params, cfg, layout: str, steps: int):
     """A jitted fn(cache, tokens [B]) -> (cache, last tokens [B]) running `steps` greedy decode steps. "per_layer":
     the library's own forward over a KVCache (one buffer per layer); "stacked": the same step written out over
-    stacked [L, B, Hkv, C, hd] buffers (the layout before session 19), with the decoder's own attention."""
+    stacked [L, B, Hkv, C, hd] buffers (the layout before session 19), with the decoder's own attention;
+    "keys_transposed": the library's forward over a cache whose keys are held [B, Hkv, hd, C]."""
     import jax
     import jax.numpy as jnp
 
@@ -74,7 +79,7 @@ def decode_steps(params, cfg, layout: str, steps: int):
 
 
 def side(args) -> dict:
-    """Worker (its own pinned process): every batch size, both layouts alternated."""
+    """Worker (its own pinned process): every batch size, the layouts alternated."""
     from kvjax import allocator
     allocator.tune()
     import jax
@@ -89,18 +94,23 @@ def side(args) -> dict:
         prompt = jnp.asarray(np.random.default_rng(b).integers(0, cfg.vocab_size, (b, args.context)), jnp.int32)
         _, cache = kvjax.prefill(params, cfg, prompt, kvjax.init_cache(cfg, b, args.context + 64, jnp.float32))
         tok = jnp.ones((b,), jnp.int32)
-        state = {"stacked": (cache.k, cache.v, None), "per_layer": cache}
+        flipped = cache.with_keys_transposed(True)  # its own value buffers too: each state's buffers are donated
+        state = {"stacked": (cache.k, cache.v, None), "per_layer": cache,
+                 "keys_transposed": flipped.replace(values=tuple(jnp.copy(a) for a in cache.values))}
         fns = {(lay, n): decode_steps(params, cfg, lay, n) for lay in LAYOUTS for n in (1, args.steps)}
         context = np.asarray(cache.lengths)  # every call decodes from the same context length (a fresh array:
         start = {"stacked": lambda s: (s[0], s[1], jnp.asarray(context)),  # the buffers passed in are donated)
-                 "per_layer": lambda s: s.replace(lengths=jnp.asarray(context))}
+                 "per_layer": lambda s: s.replace(lengths=jnp.asarray(context)),
+                 "keys_transposed": lambda s: s.replace(lengths=jnp.asarray(context))}
 
         def call(lay, n):  # the cache is donated: keep the returned buffers for the next call
             state[lay], last = fns[lay, n](start[lay](state[lay]), tok)
             return last.block_until_ready()
 
-        same = bool((np.asarray(call("stacked", args.steps)) == np.asarray(call("per_layer", args.steps))).all())
-        call("stacked", 1), call("per_layer", 1)
+        toks = [np.asarray(call(lay, args.steps)) for lay in LAYOUTS]
+        same = all(bool((t == toks[0]).all()) for t in toks[1:])
+        for lay in LAYOUTS:
+            call(lay, 1)
 
         def timed(lay, n):
             t0 = time.perf_counter()
@@ -108,8 +118,8 @@ def side(args) -> dict:
             return time.perf_counter() - t0
 
         rounds = {lay: [] for lay in LAYOUTS}
-        for _ in range(args.rounds):
-            for lay in LAYOUTS:
+        for r in range(args.rounds):
+            for lay in LAYOUTS if r % 2 == 0 else LAYOUTS[::-1]:  # no layout always first or last
                 dt = statistics.median(timed(lay, args.steps) for _ in range(3)) - \
                     statistics.median(timed(lay, 1) for _ in range(3))
                 rounds[lay].append(b * (args.steps - 1) / dt)
@@ -173,16 +183,17 @@ def main() -> None:
     res = json.loads(done.stdout.strip().splitlines()[-1])
     print(f"decode tokens/s, {MODEL['num_hidden_layers']}-layer {MODEL['hidden_size']}-wide Qwen3, context "
           f"{args.context}, CPUs {args.cpus} (median of {args.rounds} rounds)")
-    print("| batch | stacked cache | per-layer buffers | ratio | same tokens |\n|---|---|---|---|---|")
+    print("| batch | stacked cache | per-layer buffers | ratio | keys transposed | ratio to per-layer | same tokens |\n"
+          "|---|---|---|---|---|---|---|")
     for b, r in res.items():
         print(f"| {b} | {r['stacked']:.1f} | {r['per_layer']:.1f} | {r['per_layer'] / r['stacked']:.2f}x | "
-              f"{r['same_tokens']} |")
+              f"{r['keys_transposed']:.1f} | {r['keys_transposed'] / r['per_layer']:.2f}x | {r['same_tokens']} |")
     for b, r in res.items():
         for lay, kinds in r.get("profile", {}).items():
             print(f"batch {b}, {lay}: ms per step by operation: " +
                   ", ".join(f"{k} {ms:.3f}" for k, ms in kinds.items()))
     if not all(r["same_tokens"] for r in res.values()):
-        sys.exit("the two layouts decoded different tokens")
+        sys.exit("the layouts decoded different tokens")
 
 
 if __name__ == "__main__":
