@@ -75,7 +75,8 @@ class KVCache:
 
     def with_keys_transposed(self, transposed: bool) -> KVCache:
         """The cache with each layer's keys held as [B, Hkv, hd, T] (True) or [B, Hkv, T, hd] (False); a copy of the
-        keys when that changes their layout (see the module docstring for why decode loops use the first)."""
+        keys when that changes their layout (see the module docstring for why decode loops use the first). The value
+        buffers are shared with this cache: donate only one of the two."""
         if transposed == self.keys_transposed:
             return self
         return self.replace(keys=tuple(jnp.swapaxes(a, -1, -2) for a in self.keys), keys_transposed=transposed)
@@ -117,14 +118,17 @@ class KVCache:
                 f"origin={self.origin!r}{', keys transposed' if self.keys_transposed else ''})")
 
 
-def init_cache(cfg, batch_size: int, max_len: int, dtype=jnp.float32) -> KVCache:
-    """An empty cache for `cfg` with room for `max_len` positions per row."""
+def init_cache(cfg, batch_size: int, max_len: int, dtype=jnp.float32, keys_transposed: bool = False) -> KVCache:
+    """An empty cache for `cfg` with room for `max_len` positions per row. `keys_transposed`: hold each layer's keys
+    as [B, Hkv, hd, T], the layout decode reads fastest (module docstring); prefill and decode_step take either, the
+    map and the builders hand over the standard one (`with_keys_transposed` converts)."""
     if max_len <= 0 or batch_size <= 0:
         raise ValueError(f"batch_size and max_len must be positive, got {batch_size} and {max_len}")
     shape = (batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
-    return KVCache(keys=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+    key_shape = (batch_size, cfg.num_kv_heads, cfg.head_dim, max_len) if keys_transposed else shape
+    return KVCache(keys=tuple(jnp.zeros(key_shape, dtype) for _ in range(cfg.num_layers)),
                    values=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
-                   lengths=jnp.zeros((batch_size,), jnp.int32))
+                   lengths=jnp.zeros((batch_size,), jnp.int32), keys_transposed=keys_transposed)
 
 
 def shard_cache(cache: KVCache, mesh: jax.sharding.Mesh, rules=None) -> KVCache:

@@ -199,6 +199,16 @@ def test_decode_over_transposed_keys_equals_decode_over_standard_keys(model):
     assert flipped.keys_transposed
     np.testing.assert_allclose(np.asarray(flipped.with_keys_transposed(False).k), np.asarray(cache.k), atol=1e-6)
     np.testing.assert_array_equal(flipped.lengths, cache.lengths)
+    # prefill into a cache created transposed: fresh, then a chunk over the cached part
+    first, rest = tokens[:, :50], tokens[:, 50:]
+    fresh = kvjax.init_cache(cfg, 3, 300, keys_transposed=True)
+    assert fresh.keys[0].shape == (3, cfg.num_kv_heads, cfg.head_dim, 300) and fresh.capacity == 300
+    _, standard = kvjax.prefill(params, cfg, first, kvjax.init_cache(cfg, 3, 300))
+    _, fresh = kvjax.prefill(params, cfg, first, fresh)
+    want, standard = kvjax.prefill(params, cfg, rest, standard)
+    got, fresh = kvjax.prefill(params, cfg, rest, fresh)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(fresh.k), np.asarray(standard.k), atol=1e-6)
 
 
 def test_transposed_keys_helpers_and_refusals(model):

@@ -10,7 +10,8 @@ transformers' forward with a DynamicCache; and each library's generation loop: k
 transformers' `generate`, greedy, the tokens after the first over their time) against the decode roofline (read
 bandwidth / bytes read per token: all weights a step touches, the live KV cache; float32; the read bandwidth is the
 higher of numpy's sum and XLA's matrix-vector product over 1 GiB), and batched decode:
-tokens/s at batch 1-64 with every row at `--batch-context` tokens.
+tokens/s at batch 1-64 with every row at `--batch-context` tokens. kvjax's decode caches hold their keys transposed
+(`keys_transposed=True`, the layout its generate loop and server decode on; kvjax.cache).
 
 Method: transformers writes the checkpoint; both sides load it. Each side (kvjax, torch, bandwidth) is a worker
 process of this script pinned with `taskset -c CPUS`, one thread per CPU (XLA sizes its pool from the affinity
@@ -107,12 +108,16 @@ class KvjaxBench:
         logits = self._prefill()
         first = {"prefill": time.perf_counter() - t0}
         np.save(os.path.join(args.workdir, "kvjax_logits.npy"), np.asarray(logits[0, -1]))
+        # decode_step reads a copy of the prefilled cache with its keys held transposed, the layout kvjax's decode
+        # loop and server run on (kvjax.cache); prefill keeps writing the standard one
+        self.step_cache = self.cache.with_keys_transposed(True).replace(
+            values=tuple(jnp.copy(a) for a in self.cache.values))  # its own buffers: prefill donates self.cache
         for n in args.prefill_lens:
             first[f"prefill T={n}"] = seconds(lambda: self._prefill(n))
         self.batched = {}  # batch -> (cache after prefilling every row to --batch-context, the tokens fed)
         for b in args.batches:
             rows = jnp.asarray(batch_tokens(args, b), jnp.int32)
-            cache = kvjax.init_cache(self.cfg, b, args.batch_context + 64, jnp.float32)
+            cache = kvjax.init_cache(self.cfg, b, args.batch_context + 64, jnp.float32, keys_transposed=True)
             cache = kvjax.prefill(self.params, self.cfg, rows, cache)[1]
             self.batched[b] = [cache, jnp.full((b,), DECODE_TOKEN, jnp.int32)]
             first[f"decode batch={b}"] = seconds(lambda: self._decode_batch(b))
@@ -142,8 +147,8 @@ class KvjaxBench:
         return 2 * MATMUL_N ** 3 / median_seconds(lambda: f(a).block_until_ready(), 5)
 
     def _decode_step(self, ctx: int):
-        self.cache = self.cache.replace(lengths=self.jnp.full((1,), ctx, self.jnp.int32))  # back to ctx tokens
-        logits, self.cache = self.kvjax.decode_step(self.params, self.cfg, self.token, self.cache)
+        self.step_cache = self.step_cache.replace(lengths=self.jnp.full((1,), ctx, self.jnp.int32))  # back to ctx
+        logits, self.step_cache = self.kvjax.decode_step(self.params, self.cfg, self.token, self.step_cache)
         logits.block_until_ready()
 
     def _generate(self, ctx: int, new_tokens: int):
