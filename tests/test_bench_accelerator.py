@@ -17,7 +17,7 @@ def test_accelerator_script_smoke(tmp_path, capsys):
     assert saved["device"]["copy_GBps"] > 0 and saved["device"]["matmul_f32_TFLOPs"] > 0
     assert {r["impl"] for r in saved["kernel"]} >= {"xla f32"}
     assert all(r["rel_err_vs_xla"] is None or r["rel_err_vs_xla"] < 2e-2 for r in saved["kernel"])
-    assert [r["batch"] for r in saved["decode"]] == [1, 4]
+    assert [(r["batch"], r["keys_transposed"]) for r in saved["decode"]] == [(1, False), (1, True), (4, False), (4, True)]
     assert all(r["tokens_per_s"] > 0 and r["roofline_frac"] > 0 for r in saved["decode"])
     (ttft,) = saved["ttft"]
     assert ttft["split_ms"] > 0 and set(ttft["split_phases_ms"]) == {"source_prefill", "map", "first_token"}

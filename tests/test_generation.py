@@ -161,10 +161,12 @@ def test_decode_reads_each_layers_cache_buffer_in_place(model):
     import re
     from kvjax.models.decoder import decode_jit
     cfg, params = model
-    cache = kvjax.init_cache(cfg, 2, 128)  # capacity 128: one window, the whole buffer
-    hlo = decode_jit.lower(params, cfg, jnp.ones((2,), jnp.int32), cache).compile().as_text()
-    layer = rf"f32\[(1,)?2,{cfg.num_kv_heads},128,{cfg.head_dim}\]\{{[^}}]*\}} (slice|dynamic-slice|copy)\("
-    assert not re.findall(layer, hlo), "decode copies a layer's cache buffer before attending over it"
+    for transposed in (False, True):  # keys [B, Hkv, T, hd] or [B, Hkv, hd, T] (kvjax.cache)
+        cache = kvjax.init_cache(cfg, 2, 128, keys_transposed=transposed)  # capacity 128: one window, all of it
+        hlo = decode_jit.lower(params, cfg, jnp.ones((2,), jnp.int32), cache).compile().as_text()
+        for dims in (f"128,{cfg.head_dim}", f"{cfg.head_dim},128"):
+            layer = rf"f32\[(1,)?2,{cfg.num_kv_heads},{dims}\]\{{[^}}]*\}} (slice|dynamic-slice|copy|transpose)\("
+            assert not re.findall(layer, hlo), f"decode copies a layer's cache buffer (keys transposed: {transposed})"
 
 
 def test_cache_slice_and_inspect_helpers(model):
@@ -263,3 +265,16 @@ def test_prefill_rejects_bad_lengths(model):
     cfg, params = model
     with pytest.raises(ValueError, match=r"lengths must be \[B\] = \[2\] integers in 0..4"):
         kvjax.prefill(params, cfg, np.zeros((2, 4), np.int32), kvjax.init_cache(cfg, 2, 16), [4, 5])
+
+
+def test_decode_roofline_probe_splits_a_token_into_products_attention_and_rest(hf_checkpoints, capsys):
+    # launch.research.decode_roofline reads XLA's operation names from a profile: weight products ("dot.N") and the
+    # per-layer attention conditionals ("cond..."); a rename in XLA would silently zero them.
+    import argparse
+    from launch.research import decode_roofline
+    path, _ = hf_checkpoints["gqa2_untied_odd"]
+    args = argparse.Namespace(ckpt=path, rounds=1, context=200, new=4)  # > 128: windows to choose from
+    (row,) = decode_roofline.run(args)
+    assert row["weight_products_us"] > 0 and row["attention_us"] > 0 and row["matvec_gb_s"] > 0
+    assert row["step_us"] > 0 and 0 < row["roofline_frac"]
+    assert "weight products" in capsys.readouterr().out
