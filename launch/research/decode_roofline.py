@@ -7,7 +7,7 @@ read bandwidth the foundation benchmark's roofline takes when it is the higher r
 foundation benchmark's random 33.6M Qwen3 (512 tokens of prompt; tokens/s of --new tokens after the first, as
 launch.bench.foundation times it), then one jax.profiler trace of the same call, split per generated token into the
 weight products (the `dot` operations), the attention conditionals (one per layer: the window choice and everything
-inside it) and the rest (the timed step minus both). Why: which part keeps the loop under 80% of the roofline is a
+inside it) and the rest (the timed step minus both), with how many of each run a token. Why: which part keeps the loop under 80% of the roofline is a
 question of the same moment on this VM, whose bandwidth moves 30% between runs; numbers from different processes
 do not add up. Run it pinned (taskset) and alone. The profile's own overhead makes "rest" noisy (it can go negative).
 """
@@ -26,15 +26,9 @@ import sys
 import tempfile
 import time
 
-from launch.bench.foundation import make_checkpoint
+from launch.bench.foundation import make_checkpoint, seconds
 
 GIB = 1 << 30
-
-
-def seconds(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def step_bytes(cfg, params, context: int) -> tuple[int, int]:
@@ -48,17 +42,19 @@ def step_bytes(cfg, params, context: int) -> tuple[int, int]:
     return weights, kv
 
 
-def per_token_us(events: list, n: int) -> tuple[float, float]:
-    """(weight products, attention conditionals) in microseconds per token from a trace of a loop of n tokens."""
+def per_token(events: list, n: int) -> dict:
+    """The weight products' and the attention conditionals' microseconds and operation counts per token, from a
+    trace of a loop of n tokens."""
     total, count = collections.Counter(), collections.Counter()
     for e in events:
         if e.get("ph") == "X":
             total[e["name"]] += e["dur"]
             count[e["name"]] += 1
     looped = {name: us for name, us in total.items() if count[name] >= n}  # run once per token (or more)
-    dots = sum(us for name, us in looped.items() if re.fullmatch(r"dot\.\d+", name))
-    conds = sum(us for name, us in looped.items() if name.startswith("cond"))
-    return dots / n, conds / n
+    dots = [name for name in looped if re.fullmatch(r"dot\.\d+", name)]
+    conds = [name for name in looped if name.startswith("cond")]
+    return {"dots_us": sum(looped[k] for k in dots) / n, "conds_us": sum(looped[k] for k in conds) / n,
+            "dots": sum(count[k] for k in dots) / n, "conds": sum(count[k] for k in conds) / n}
 
 
 def run(args) -> list[dict]:
@@ -91,10 +87,12 @@ def run(args) -> list[dict]:
             gen(args.new + 1)
             jax.profiler.stop_trace()
             with gzip.open(glob.glob(f"{d}/**/*.trace.json.gz", recursive=True)[0]) as f:
-                dots, conds = per_token_us(json.load(f)["traceEvents"], args.new)
+                split = per_token(json.load(f)["traceEvents"], args.new)
+        dots, conds = split["dots_us"], split["conds_us"]
         row = {"matvec_gb_s": gb_s, "tok_s": 1e6 / step_us, "roofline_frac": (weights + kv) / (gb_s * 1e3) / step_us,
                "step_us": step_us, "weight_products_us": dots, "weight_products_gb_s": weights / dots / 1e3,
-               "attention_us": conds, "attention_at_bandwidth_us": kv / (gb_s * 1e3), "rest_us": step_us - dots - conds}
+               "attention_us": conds, "attention_at_bandwidth_us": kv / (gb_s * 1e3), "rest_us": step_us - dots - conds,
+               "weight_products_per_token": split["dots"], "attention_conditionals_per_token": split["conds"]}
         rows.append(row)
         print(f"round {r + 1}: matvec {gb_s:.1f} GB/s | loop {row['tok_s']:.1f} tok/s, {step_us:.0f} us a token, "
               f"{100 * row['roofline_frac']:.0f}% of the roofline | weight products {dots:.0f} us "
