@@ -1,4 +1,4 @@
-"""The map only: ridge + residual fitted on a token file, no evaluations (what launch/cluster/fit_distributed.py runs).
+"""The map only: ridge + residual fitted on a token file, no evaluations.
 
     python -m kvjax.launch --config=fit --config.source.path=SRC --config.target.path=TGT \
         --config.data.train_text=tokens.npy --config.output_dir=runs/map
@@ -12,7 +12,7 @@ held-out windows the calibrate stage cuts are unused (no evaluation); they come 
 import dataclasses
 
 from kvjax.gate import GateConfig
-from kvjax.mapper.residual import ResidualConfig
+from kvjax.fitting.residual_config import ResidualConfig
 from kvjax.run_config import DataConfig, EvalConfig, MapConfig, ModelConfig, RunConfig
 
 

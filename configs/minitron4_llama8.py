@@ -29,7 +29,7 @@ eval.mc.piqa at local JSONL copies when the machine has no network.
 
 from kvjax.eval.arm_settings import ArmSettings
 from kvjax.gate import GateConfig
-from kvjax.mapper.residual_config import ResidualConfig
+from kvjax.fitting.residual_config import ResidualConfig
 from kvjax.run_config import (DataConfig, DistancesEval, EvalConfig, KLEval, MapConfig, MCEval, ModelConfig,
                               NativeKLEval, RetrievalEval, RunConfig, SpeculativeEval, ThroughputEval, TTFTEval)
 

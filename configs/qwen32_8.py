@@ -11,7 +11,7 @@ the machine has no network (the defaults are hub dataset names).
 """
 
 from kvjax.gate import GateConfig
-from kvjax.mapper.residual_config import ResidualConfig
+from kvjax.fitting.residual_config import ResidualConfig
 from kvjax.run_config import (DataConfig, DistancesEval, EvalConfig, KLEval, MapConfig, MCEval, ModelConfig,
                               RetrievalEval, RunConfig, ThroughputEval)
 

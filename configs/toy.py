@@ -16,7 +16,7 @@ length; the 2-layer target none), and throughput at 256..4K with 64 new tokens a
 rounds after a compile round (9 decode runs per round: a toy decode takes milliseconds).
 """
 
-from kvjax.mapper.residual_config import ResidualConfig
+from kvjax.fitting.residual_config import ResidualConfig
 from kvjax.run_config import (DataConfig, EvalConfig, KLEval, MapConfig, MCEval, ModelConfig, RetrievalEval,
                               RunConfig, ThroughputEval)
 from kvjax.gate import GateConfig

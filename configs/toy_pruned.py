@@ -5,7 +5,7 @@
 The default toy target (2 x 64, trained from scratch) reads nothing beyond its last ~16 tokens, so no cache moves its
 answers and the default run's gate fails, correctly. The pruned target keeps three of the source's layers (0, 3, 5)
 and was fine-tuned on text (`python -m launch.toy.pruned`): it cannot read by itself, yet reads a cache in the
-source's coordinates — the regime the map is for (WORKSPACE.md, "Cache map").
+source's coordinates — the regime the map is for (docs/method.md).
 
 Settings: top-3 pairing by held-out R^2 and a rank-64 residual (the best maps fit_map measured on this pair), trained
 3000 steps at lr 3e-3 on up to 4M tokens of the standard library's train split (2.2M there; -20.3% KL vs the ridge,
@@ -14,7 +14,7 @@ sizes (256 x 512 calibration tokens, 128 KL windows) and 1000 multiple-choice it
 cache-map issue's quality goals: the ridge's key / value cosine >= 0.90 / 0.60 (the residual moves the cache away from
 the native target's on purpose), the residual >= 20% below the ridge in source-teacher KL, and on every
 multiple-choice set the mapped target ahead of the native one (paired interval above zero) by >= 60% of the
-target-to-source gap. The per-head ridge peer (kvjax.mapper.perhead, top-3 source layers per target head) is fitted
+target-to-source gap. The per-head ridge peer (kvjax.fitting.perhead, top-3 source layers per target head) is fitted
 on the same calibration windows and scored on the same items (arm "perhead"). The default run
 (configs/toy_pruned_quick.py) is this pair in minutes.
 """

@@ -7,21 +7,21 @@ working in under 10 minutes on 2 CPU cores.
 
 The pruned target keeps three of the source's layers (0, 3, 5) and was fine-tuned on text (`python -m
 launch.toy.pruned`): it cannot read its context by itself, yet reads a cache in the source's coordinates, so a map
-moves its answers — the regime the method is for (WORKSPACE.md, "Cache map"). The gate states the method's goals:
+moves its answers — the regime the method is for (docs/method.md). The gate states the method's goals:
 the ridge's key / value cosines to the native cache, the residual below the ridge in source-teacher KL, and on every
 multiple-choice set the mapped target ahead of the native one (paired 95% interval above zero) by >= 60% of the
 target-to-source gap, and the mapped target retrieving >= 50% of 1K-token needles (the source retrieves 97.5%, the
 native target nothing).
 
-Retrieval through the map (issue 22; WORKSPACE.md, "Retrieval through the mapped cache"): a residual trained only on
-256 + 64-token windows retrieves nothing at 1K (0/200), since those windows never hold a copy from far back and the
-pruned target lost the source layer whose previous-token information its reader layer needs. So every residual step
-also reads `residual.copy_batch` = 4 fact-copy windows (kvjax.mapper.copy_windows): 1,024 tokens of training text with
-a 16-token "key = digits" fact written 64-960 tokens back, then repeated, scored by KL to the source on the repeat,
-beside 8 ordinary windows from the pool. `residual.copy_weight` (the copies' share of the loss) trades retrieval
-against the ordinary KL; measured on this pair (session 12: retrieval on the shipped 1K set, 200 items; MC 300 items
-per set and KL 64 windows, paired by item against the 400-step residual without copies, HellaSwag 50.3 / PIQA 76.3 /
-KL 0.6903):
+Retrieval through the map (issue 22; docs/method.md, "Retrieval through the mapped cache"): a residual trained only on 256
++ 64-token windows retrieves nothing at 1K (0/200), since those windows never hold a copy from far back and the pruned
+target lost the source layer whose previous-token information its reader layer needs. So every residual step also reads
+`residual.copy_batch` = 4 fact-copy windows (kvjax.fitting.copy_windows): 1,024 tokens of training text with a 16-token
+"key = digits" fact written 64-960 tokens back, then repeated, scored by KL to the source on the repeat, beside 8
+ordinary windows from the pool. `residual.copy_weight` (the copies' share of the loss) trades retrieval against the
+ordinary KL; measured on this pair (2026-12-01 at 238a274: retrieval on the shipped 1K set, 200 items; MC 300 items per
+set and KL 64 windows, paired by item against the 400-step residual without copies, HellaSwag 50.3 / PIQA 76.3 / KL
+0.6903):
 
     copy_weight   retrieval   HellaSwag / PIQA vs no copies           KL vs no copies
     0.5           67.0%       -1.7 [-4.3, +0.7] / -0.7 [-3.3, +2.0]   +0.052 [+0.035, +0.069]
@@ -30,12 +30,12 @@ KL 0.6903):
 
 (a rerun of the 0.15 row: 66.5%, HellaSwag / PIQA 52.0 / 77.0%). The copies double the residual stage (800 steps,
 the copy windows' source pass ~50 s: 314 vs 164 CPU s). `--config.residual.copy_windows=0 --config.residual.steps=400
---config.gate.min_retrieval=none` is the default of session 11 (no retrieval through the map).
+--config.gate.min_retrieval=none` is the default before ec8110c (no retrieval through the map).
 
 Where the minutes go and why these sizes (the full-size config spends 35 of its 50 minutes training the residual):
   - residual: 800 steps with the copy windows above (without them the full run's KL curve flattens after ~400-600
     of its 3000 steps; 400 were enough) from a pool of 1536 windows
-    (kvjax.mapper.teacher_pool): the frozen source runs once per window (one pass gives the prefix cache and the
+    (kvjax.fitting.teacher_pool): the frozen source runs once per window (one pass gives the prefix cache and the
     teacher's outputs) instead of twice per window per step, and a step runs only the map and the target (2.9x
     cheaper than a streaming step, measured interleaved on the loaded dev machine). Each window is seen ~4 times:
     a pool of 256 windows seen 16 times overfits (training KL 0.48; held-out KL cut 8.5% after 500 steps,

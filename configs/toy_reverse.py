@@ -10,9 +10,10 @@ the 6-layer model's own layers (kvjax.builders.PartialRecompute, RunConfig.arms)
 one KV head of 32) and target = checkpoints/toy/source (6 layers x 256, two KV heads of 64).
 
 The reader: the 2-layer model, not the pruned one (3 of the 6-layer model's layers at its width, so its cache is
-already in nearly the right coordinates). Measured side by side (/tmp probe on this machine, shared and noisy: ridge
+already in nearly the right coordinates). Measured side by side on 2026-11-30 at 1d8d794 (shared, noisy machine: ridge
 maps on 64 x 512 calibration tokens, depth pairing, KL over 32 held-out windows of 256 + 64 tokens, TTFT of one 4K
-prompt, medians of 3 rounds):
+prompt, medians of 3 rounds); this job's `ttft` and `native_kl` sections measure the same, e.g. the two commands above
+with `--config.residual.steps=0 --config.map.calib_windows=64 --config.eval.native_kl.windows=32`:
 
     reader              TTFT 4K vs the 6-layer prefill   KL to native: mapped   direct reuse   mapped - direct
     2-layer x 64        5.70x (0.80 s vs 4.55 s)                   0.339         0.448          -0.109
@@ -33,10 +34,10 @@ KL: the reader as teacher) and `throughput` (the forward direction's decode spee
 6-layer model's own predictions (residual.teacher="target"). The gate holds the answerer's multiple-choice accuracy
 from the mapped cache to >= 95% of its native accuracy.
 
-Measured (session 14, `--config.output_dir=/tmp/rev_k4`, one pinned core; WORKSPACE.md "Session 14"): TTFT at 4K
-11.6x faster from the 2-layer prefill + map than the 6-layer prefill (7.5x at 1K), 1.46x with the bottom-4 repair; KL
-to the 6-layer model's own predictions (64 windows) 0.413 from the residual map vs 0.554 from direct reuse (paired
-95% CI of the difference [-0.157, -0.126]), 0.022 repaired. Multiple choice from the mapped cache collapses
+Measured (2026-12-01 at c403113, `taskset -c 1 python -m kvjax.launch --config=toy_reverse`, one pinned core): TTFT
+at 4K 11.6x faster from the 2-layer prefill + map than the 6-layer prefill (7.5x at 1K), 1.46x with the bottom-4
+repair; KL to the 6-layer model's own predictions (64 windows) 0.413 from the residual map vs 0.554 from direct reuse
+(paired 95% CI of the difference [-0.157, -0.126]), 0.022 repaired. Multiple choice from the mapped cache collapses
 (HellaSwag 29.0% vs 58.5% native, PIQA 61.0% vs 80.5%): the 2-layer reader's cache does not carry what the 6-layer
 model needs to read a context. The repair depth decides it (one run per depth, `--config.arms.partial_k=K`):
 

@@ -7,20 +7,21 @@ to the OS: so every decode step page-faults its temporaries back in, at ~2 GB/s 
 read at from memory already mapped. At batch 64 and 512 tokens a row, that was 2/3 of the step (355 vs 112 ms on the
 foundation model; `git show 74bbc21:WORKSPACE.md`, "Speed"). Keeping freed memory in one heap (no mmap'd blocks, no
 trimming, one arena) removes the faults; the single arena costs ~10% at batch 1 (its lock), which is why tcmalloc,
-where installed and preloaded (LD_PRELOAD; README, "Speed on CPU"), is better still and is left alone.
+where installed and preloaded (LD_PRELOAD; docs/performance.md), is better still and is left alone.
 
 `tune()` applies this with glibc's mallopt. It changes the whole process (memory freed is kept for reuse, so the
 resident size stays at its peak), which is right for the programs kvjax runs (the main job, the server, the
 benchmarks) and not for a library import: those programs call it first thing in main(), before XLA starts its
 threads (an arena set up earlier keeps its own behaviour). KVJAX_MALLOC=system leaves the defaults.
 
-Transparent huge pages. A decode step streams every weight once; on 4 KiB pages that is a TLB miss every 4 KiB
-(117 MB of weights: ~30,000 page walks a token). Where the kernel gives huge pages only on request (THP "madvise",
-the common default), glibc's malloc asks for them when the process starts with the tunable
-GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (glibc >= 2.35): measured on the foundation model, one core, decode at 512 /
-2,000 tokens of context +16% / +41% (the generate loop), the same logits (WORKSPACE.md, "Session 13"). Tunables
-are read once, when a process starts, so mallopt cannot set this one: `environ()` is the environment to start a kvjax
-program (or a benchmark's worker) under, and `reexec()`, called first thing by a program's entry point, restarts the
+Transparent huge pages. A decode step streams every weight once; on 4 KiB pages that is a TLB miss every 4 KiB (117 MB
+of weights: ~30,000 page walks a token). Where the kernel gives huge pages only on request (THP "madvise", the common
+default), glibc's malloc asks for them when the process starts with the tunable GLIBC_TUNABLES=glibc.malloc.hugetlb=1
+(glibc >= 2.35): measured on the foundation model, one core, decode at 512 / 2,000 tokens of context +16% / +41% (the
+generate loop), the same logits (2026-12-01 at 74bbc21, `python -m launch.bench.foundation --cpus 1`). Tunables are read
+once, when a process starts, so mallopt cannot set this one: `environ()` is the environment to start a kvjax program (or
+a benchmark's worker) under, and `reexec()`, called by a program's entry point before any work (the main job and the
+server first check their command line, which needs no JAX, so a mistake is reported without a restart), restarts the
 program under it once.
 """
 
@@ -147,8 +148,9 @@ def environ(env=None) -> dict:
 
 def reexec() -> None:
     """Restart this program under `environ()` when it did not start under it; a no-op when it did (so it restarts
-    once). For a program's entry point (`if __name__ == "__main__"`), first thing: never from a library import, and
-    never in a process that has done work it would repeat."""
+    once). For a program's entry point (`if __name__ == "__main__"`), before any work: never from a library import,
+    and never in a process that has done work it would repeat (checking the command line, which the restarted
+    process repeats in well under a second, is fine)."""
     env = environ()
     if env.get(TUNABLES) == os.environ.get(TUNABLES):
         return

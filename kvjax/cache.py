@@ -13,8 +13,9 @@ launch.research.cache_layout`). A layer's own buffer whose window is the whole c
 Keys may be held transposed, [B, Hkv, hd, T] per layer (`keys_transposed`, static): the layout kvjax.generate's decode
 loop and the server's slots run on. Why: decode's scores q . k^T read a layer's keys with the head dimension contracted; from [T, hd] rows
 XLA:CPU's batched dot repacks (transposes) the keys on every step, from [hd, T] it reads them as they lie: the eight
-layers' decode attention 1042 -> 674 us a token, the generate loop ~4% faster at batch 1, decode at batch 16 / 64
-1.47x / 1.65x (WORKSPACE.md, "Session 20"). The loop converts once on entry and back on exit (one pass over the keys);
+layers' decode attention 1.334 -> 1.073 ms a step at batch 1 (`python -m launch.research.cache_layout --batches 1
+--profile --rounds 2`), decode at batch 16 / 64 1.47x / 1.65x (`python -m launch.research.cache_layout --batches 1 4
+16 64 --rounds 4`; 2026-12-02 at 271a433). The loop converts once on entry and back on exit (one pass over the keys);
 the map, the builders and the evaluation helpers hand over and read [B, Hkv, T, hd].
 """
 

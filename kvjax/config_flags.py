@@ -240,3 +240,39 @@ def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 def describe_config(cfg) -> str:
     """One `field = value` line per setting (for --help and the log)."""
     return "\n".join(f"  {k} = {v!r}" for k, v in flatten(to_dict(cfg)).items())
+
+
+# ---- the main job's distributed flags (kvjax.distributed starts the runtime from them) -------------------------
+
+@dataclasses.dataclass(frozen=True)
+class LaunchFlags:
+    """The distributed flags of `python -m kvjax.launch` (its --name=value style; its --help says what each does)."""
+    distributed: str = "auto"
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    heartbeat_timeout: int = 30
+    init_timeout: int = 300
+    step_timeout: float = 0.0
+
+
+def split_launch_flags(argv: list[str]) -> tuple[LaunchFlags, list[str]]:
+    """(the distributed flags in argv, the other arguments). Raises ValueError saying what is wrong."""
+    fields = {f.name: f for f in dataclasses.fields(LaunchFlags)}
+    values, rest = {}, []
+    for arg in argv:
+        name, eq, value = arg[2:].partition("=")
+        name = name.replace("-", "_")
+        if not arg.startswith("--") or name not in fields:
+            rest.append(arg)
+            continue
+        if not eq:
+            raise ValueError(f"{arg}: give a value, --{name}=VALUE")
+        if name == "distributed" and value not in ("auto", "on", "off"):
+            raise ValueError(f"--distributed={value}: use auto, on or off")
+        kind = {"coordinator": str, "step_timeout": float}.get(name, int) if name != "distributed" else str
+        try:
+            values[name] = kind(value)
+        except ValueError:
+            raise ValueError(f"--{name}={value!r}: expected {kind.__name__}") from None
+    return LaunchFlags(**values), rest

@@ -93,6 +93,12 @@ def _open_weights(path: str) -> dict[str, SafetensorsFile]:
     raise CheckpointError(f"{path} has neither {SINGLE} nor {INDEX}.{hint}")
 
 
+def open_weights(path: str) -> dict[str, SafetensorsFile]:
+    """tensor name -> the open file holding it, for a checkpoint directory (model.safetensors or a sharded index);
+    a CheckpointError naming the fix otherwise. For readers of other layouts (kvjax.models.audio: Whisper, Ultravox)."""
+    return _open_weights(resolve(path))
+
+
 def load_hf(path: str, dtype=jnp.float32, shardings=None) -> Model:
     """Load an HF checkpoint directory (or hub name, with network) of a registered family into a Model, which
     unpacks as (cfg, params).

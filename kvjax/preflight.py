@@ -1,13 +1,27 @@
-"""Checks before any work: resolve model paths (flags or environment), validate every setting and input file, and
-build the device mesh. Each problem is reported with what to pass instead; all of them at once."""
+"""Checks before any work, in two rounds; each problem is reported with what to pass instead, all of a round's at once.
+
+`check_fast` needs no JAX: the commands (python -m kvjax.launch, python -m kvjax.serve) run it before they import
+JAX or restart under the allocator settings, so a wrong path is reported in well under a second. It covers the
+model paths (flags or environment, `resolve_models`), each checkpoint's header (config.json readable and of a
+model_type kvjax reads, the safetensors weights present, the target's tokenizer.json), the dtypes and the data files
+the config names. `validate` runs every check: these and those that read a model's config or a registry (layer
+counts, the pair's tokenizer, the arms, each evaluation's settings and sets). `make_mesh` builds the device mesh.
+"""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import json
 import os
 
 from kvjax.gate import GateConfig
 from kvjax.run_config import RunConfig
+
+ROLES = ("source", "target")
+CONFIG, SINGLE, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"  # as kvjax.hf reads them
+DTYPES = ("float32", "bfloat16")
 
 
 class LaunchError(Exception):
@@ -17,7 +31,7 @@ class LaunchError(Exception):
 def resolve_models(cfg: RunConfig) -> RunConfig:
     """Fill empty model paths from their environment variables; a missing checkpoint is an error naming both."""
     out = {}
-    for role in ("source", "target"):
+    for role in ROLES:
         mc = getattr(cfg, role)
         path = mc.path or (os.environ.get(mc.env, "") if mc.env else "")
         if not path:
@@ -33,33 +47,93 @@ def resolve_models(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, **out)
 
 
-def validate(cfg: RunConfig) -> None:
-    """Every check that needs no computation; all problems are reported at once."""
-    import numpy as np
+@functools.cache
+def known_model_types() -> tuple[str, ...]:
+    """The config.json model_types kvjax reads: those of the families kvjax/models/__init__.py imports, taken from
+    their source (`register(Family(..., model_types=(...)))`), since importing a family imports JAX. Empty when the
+    source does not read that way; the loader then judges the model_type once JAX is up."""
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models")
+    found: list[str] = []
+    try:
+        with open(os.path.join(here, "__init__.py"), encoding="utf-8") as f:
+            package = ast.parse(f.read())
+        families = [a.name for n in package.body if isinstance(n, ast.ImportFrom)
+                    and (n.module == "kvjax.models" or (n.level == 1 and not n.module)) for a in n.names]
+        for name in families:
+            with open(os.path.join(here, f"{name}.py"), encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Call) and "Family" in (getattr(node.func, "id", ""),
+                                                               getattr(node.func, "attr", "")):
+                    found += [t for kw in node.keywords if kw.arg == "model_types"
+                              for t in ast.literal_eval(kw.value)]
+    except (OSError, SyntaxError, ValueError):
+        return ()
+    return tuple(found)
 
-    from kvjax.corpus import CorpusError, check_source
-    from kvjax.eval import suite
-    from kvjax.hf import CheckpointError, load_hf_config, tokenizer_mismatch
-    from kvjax.models.config import ConfigError
 
+def checkpoint_problems(path: str) -> list[str]:
+    """What makes `path` unloadable as a checkpoint, read from its header files only (no weights, no JAX): a missing
+    directory, config.json missing, unreadable or of a model_type kvjax does not read, no safetensors weights."""
+    if not os.path.isdir(path):
+        return [f"checkpoint directory {path!r} does not exist; pass a directory with {CONFIG} and {SINGLE} (or "
+                f"{INDEX})"]
     problems = []
-    cfgs = {}
-    for role in ("source", "target"):
+    cfg_path = os.path.join(path, CONFIG)
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            header = json.load(f)
+        if not isinstance(header, dict):
+            raise ValueError(f"a JSON {type(header).__name__}, not an object")
+    except FileNotFoundError:
+        problems.append(f"{path} has no {CONFIG}; an HF checkpoint directory needs config.json next to its "
+                        ".safetensors files")
+    except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+        problems.append(f"{cfg_path} is not readable JSON ({e}); re-download or re-save the checkpoint")
+    else:
+        known = known_model_types()
+        if known and header.get("model_type") not in known:
+            problems.append(f"{cfg_path}: model_type {header.get('model_type')!r} is not supported; kvjax reads "
+                            f"checkpoints of model_type {', '.join(map(repr, known))}")
+    index = os.path.join(path, INDEX)
+    if os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            problems.append(f"{index} is not a valid safetensors index ({e!r}); re-save the checkpoint")
+        else:
+            missing = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
+            if missing:
+                problems.append(f"{INDEX} names shard {missing[0]!r} but {os.path.join(path, missing[0])} is "
+                                f"missing{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; the "
+                                "download is incomplete")
+    elif not os.path.isfile(os.path.join(path, SINGLE)):
+        others = sorted(n for n in os.listdir(path) if n.endswith((".bin", ".pt", ".pth", ".ckpt", ".safetensors")))
+        hint = (f" It has {others}: kvjax reads only safetensors (never pickle); re-save with "
+                "`model.save_pretrained(dir, safe_serialization=True)`." if others else "")
+        problems.append(f"{path} has neither {SINGLE} nor {INDEX}.{hint}")
+    return problems
+
+
+def model_problems(cfg: RunConfig) -> list[str]:
+    """The two checkpoints' headers (`checkpoint_problems`), their dtypes and the target's tokenizer.json."""
+    problems = []
+    for role in ROLES:
         mc = getattr(cfg, role)
-        try:
-            cfgs[role] = load_hf_config(mc.path)
-        except (CheckpointError, ConfigError) as e:
-            problems.append(f"{role}: {e}")
-        if mc.dtype not in ("float32", "bfloat16"):
+        problems += [f"{role}: {p}" for p in checkpoint_problems(mc.path)]
+        if mc.dtype not in DTYPES:
             problems.append(f"{role}.dtype={mc.dtype!r}: use float32 or bfloat16")
-    if not os.path.isfile(os.path.join(cfg.target.path, "tokenizer.json")):
+    if os.path.isdir(cfg.target.path) and not os.path.isfile(os.path.join(cfg.target.path, "tokenizer.json")):
         problems.append(f"target checkpoint {cfg.target.path} has no tokenizer.json (the pair's shared tokenizer)")
-    if len(cfgs) == 2:  # a map needs one tokenizer: equal vocab_size and tokenizer.json fingerprints
-        try:
-            if why := tokenizer_mismatch(cfg.source.path, cfg.target.path, cfgs["source"], cfgs["target"]):
-                problems.append(why)
-        except CheckpointError as e:
-            problems.append(str(e))
+    return problems
+
+
+def fast_problems(cfg: RunConfig) -> list[str]:
+    """The problems `check_fast` reports (no JAX, nothing read beyond headers and file listings): the models'
+    (`model_problems`) and the data files'."""
+    from kvjax.corpus import CorpusError, check_source
+    problems = model_problems(cfg)
     d = cfg.data
     for source in d.train_text + (d.heldout_text if not d.heldout_windows else ()):
         try:
@@ -68,11 +142,48 @@ def validate(cfg: RunConfig) -> None:
             problems.append(f"data: {e}")
     if not d.train_text:
         problems.append("data.train_text is empty: give the calibration text (e.g. stdlib:train)")
+    if d.heldout_windows and not os.path.isfile(d.heldout_windows):
+        problems.append(f"data.heldout_windows: no such file {d.heldout_windows}")
+    if cfg.residual.init_from and not os.path.isfile(os.path.join(cfg.residual.init_from, "manifest.json")):
+        problems.append(f"residual.init_from={cfg.residual.init_from!r} is not a saved map (no manifest.json): pass a "
+                        "map directory fitted on this run's ridge (e.g. an earlier run's map/), or '' for a fresh one")
+    return problems
+
+
+def check_fast(cfg: RunConfig) -> None:
+    """Raise LaunchError with every problem `fast_problems` finds (the checks `validate` adds run after it)."""
+    if problems := fast_problems(cfg):
+        raise LaunchError("the config has problems (nothing was run):\n  - " + "\n  - ".join(problems))
+
+
+def validate(cfg: RunConfig) -> None:
+    """Every check that needs no computation: `fast_problems` and those that read the models' configs, the pair's
+    tokenizer and the registries; all problems are reported at once."""
+    import numpy as np
+
+    from kvjax.eval import suite
+    from kvjax.hf import CheckpointError, load_hf_config, tokenizer_mismatch
+    from kvjax.models.config import ConfigError
+
+    problems = fast_problems(cfg)
+    cfgs = {}
+    for role in ROLES:
+        if checkpoint_problems(getattr(cfg, role).path):
+            continue  # reported above
+        try:
+            cfgs[role] = load_hf_config(getattr(cfg, role).path)
+        except (CheckpointError, ConfigError) as e:
+            problems.append(f"{role}: {e}")
+    if len(cfgs) == 2:  # a map needs one tokenizer: equal vocab_size and tokenizer.json fingerprints
+        try:
+            if why := tokenizer_mismatch(cfg.source.path, cfg.target.path, cfgs["source"], cfgs["target"]):
+                problems.append(why)
+        except CheckpointError as e:
+            problems.append(str(e))
+    d = cfg.data
     rows_needed, len_needed, readers = suite.heldout_needed(cfg)
     if d.heldout_windows:
-        if not os.path.isfile(d.heldout_windows):
-            problems.append(f"data.heldout_windows: no such file {d.heldout_windows}")
-        else:
+        if os.path.isfile(d.heldout_windows):  # (a missing file: fast_problems)
             shape = np.load(d.heldout_windows, mmap_mode="r").shape
             if len(shape) != 2 or shape[0] < rows_needed or shape[1] < len_needed:
                 problems.append(f"data.heldout_windows {d.heldout_windows} has shape {shape}; the "
@@ -94,15 +205,12 @@ def validate(cfg: RunConfig) -> None:
             problems.append(f"{name} must be >= 1, got {value}")
     if cfg.residual.steps < 0:
         problems.append(f"residual.steps must be >= 0, got {cfg.residual.steps}")
-    from kvjax.mapper.residual_config import TEACHERS
+    from kvjax.fitting.residual_config import TEACHERS
     if cfg.residual.teacher not in TEACHERS:
         problems.append(f"residual.teacher={cfg.residual.teacher!r}: use one of {', '.join(TEACHERS)}")
     if cfg.residual.pool_windows < 0 or (cfg.residual.pool_windows and cfg.residual.rollout):
         problems.append(f"residual.pool_windows={cfg.residual.pool_windows}: must be >= 0, and 0 with "
                         "residual.rollout (a rollout's continuation changes with the map, so it cannot be pooled)")
-    if cfg.residual.init_from and not os.path.isfile(os.path.join(cfg.residual.init_from, "manifest.json")):
-        problems.append(f"residual.init_from={cfg.residual.init_from!r} is not a saved map (no manifest.json): pass a "
-                        "map directory fitted on this run's ridge (e.g. an earlier run's map/), or '' for a fresh one")
     if not 0 <= cfg.residual.context <= 8:
         problems.append(f"residual.context={cfg.residual.context}: use 0 (each position alone) or 1..8 previous "
                         "positions")
@@ -126,10 +234,10 @@ def validate(cfg: RunConfig) -> None:
 
 
 def copy_window_problems(cfg: RunConfig, model_cfgs: dict) -> list[str]:
-    """The fact-copy windows' settings (residual.copy_*, kvjax.mapper.copy_windows) against the trainer, the models'
+    """The fact-copy windows' settings (residual.copy_*, kvjax.fitting.copy_windows) against the trainer, the models'
     positions, the training text and the pair's tokenizer."""
     from kvjax.hf import CheckpointError, load_tokenizer
-    from kvjax.mapper.copy_windows import MIN_GAP, fact_format
+    from kvjax.fitting.copy_windows import MIN_GAP, fact_format
     rc, problems = cfg.residual, []
     if rc.copy_windows < 0:
         problems.append(f"residual.copy_windows={rc.copy_windows}: must be >= 0 (0: off)")

@@ -19,7 +19,7 @@ from kvjax.eval.suite.throughput import ThroughputEval
 from kvjax.eval.suite.ttft import TTFTEval
 from kvjax.eval.arm_settings import ArmSettings
 from kvjax.gate import GateConfig
-from kvjax.mapper.residual_config import ResidualConfig
+from kvjax.fitting.residual_config import ResidualConfig
 
 __all__ = ["ModelConfig", "DataConfig", "MapConfig", "PeerConfig", "EvalConfig", "MeshConfig", "RunConfig",
            "DistancesEval", "KLEval", "MCEval", "RetrievalEval", "ThroughputEval", "NativeKLEval", "TTFTEval",
@@ -64,7 +64,7 @@ class MapConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PeerConfig:
-    # > 0: also fit the per-head ridge peer (kvjax.mapper.perhead: Heo et al.; each target KV head on its top-k
+    # > 0: also fit the per-head ridge peer (kvjax.fitting.perhead: Heo et al.; each target KV head on its top-k
     # source layers, fixed lambda, no residual) on the same calibration windows, as stage `perhead` and arm
     # "perhead" (score it with --config.eval.mc.arms=...,perhead); 0: not fitted
     perhead_topk: int = 0

@@ -13,6 +13,12 @@ MAP_ATOL = 5e-5  # effective ridge map (w_in @ w_out), bias, mean, scale: max er
 RESIDUAL_ATOL = 1e-4  # residual weights after 20 Adam steps at lr 1e-2
 
 
+def native_cache(params, cfg, tokens, lengths=None):
+    """A model's own cache of tokens [B, T] (capacity T; traceable): the prefill program without logits."""
+    from kvjax.models.decoder import prefill_forward
+    return prefill_forward(params, cfg, tokens, lengths, logits=False).cache
+
+
 def tiny_model(layers, hidden, heads, kv_heads, head_dim, seed, theta):
     cfg = kvjax.Qwen3Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_layers=layers,
                             num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rope_theta=theta,

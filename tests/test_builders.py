@@ -7,7 +7,6 @@ import pytest
 
 import kvjax
 from kvjax.builders import Clock, Mapped, NativePrefill, PartialRecompute, Pipelined, SourcePrefill, recompute
-from kvjax.builders.native import prefill_cache
 from kvjax.builders.partial import recompute_layers
 from kvjax.mapper.kvmap import apply_map
 from maptools import VOCAB, tiny_model, tiny_pair
@@ -71,7 +70,7 @@ def test_mapped_is_apply_map_of_the_source_cache_and_shares_one_prefill(pair, kv
     clock = Clock()
     built = Mapped(source, target, kvmap, shared=shared)(tokens, lengths, capacity=64, clock=clock)
     assert set(clock.phases) == {"source_prefill", "map"} and built.is_mapped
-    want = apply_map(kvmap, prefill_cache(source[1], source[0], jnp.asarray(tokens), jnp.asarray(lengths)),
+    want = apply_map(kvmap, NativePrefill(source)(tokens, lengths, capacity=tokens.shape[1]),
                      capacity=64, length=tokens.shape[1])
     # the map on top of the source prefill: un-rotate and re-rotate (angles up to T, 2 roundings each), features in
     map_terms = 4 * (tokens.shape[1] + 1) + kvmap.keys[0].w_in.shape[0]

@@ -1,4 +1,4 @@
-"""Issue 22 item 4: the residual's fact-copy windows (kvjax.mapper.copy_windows, ResidualConfig.copy_*), on tiny
+"""Issue 22 item 4: the residual's fact-copy windows (kvjax.fitting.copy_windows, ResidualConfig.copy_*), on tiny
 models with a character-level tokenizer, and the toy pair's own tokenizer for the default fact format."""
 
 import dataclasses
@@ -11,8 +11,8 @@ from tokenizers import Tokenizer
 from tokenizers.models import BPE
 
 import kvjax
-from kvjax.mapper.copy_windows import FactFormat, fact_format, fact_windows, gap_range
-from kvjax.mapper.residual import ResidualConfig
+from kvjax.fitting.copy_windows import FactFormat, fact_format, fact_windows, gap_range
+from kvjax.fitting.residual import ResidualConfig
 from tests.maptools import VOCAB, tiny_pair
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -101,7 +101,7 @@ def test_copy_windows_beside_streaming_text_windows_from_a_warm_start(pair, ridg
     """Without a text pool the ordinary windows stream (both models run per step) beside the copy pool: the logged
     "kl" is theirs (the streaming loss of step 0's batch under the init_from map's residual), "copy_kl" the copies';
     an iterate average rides along."""
-    from kvjax.mapper.residual import window_kl
+    from kvjax.fitting.residual import window_kl
     from kvjax.windows import step_batch
     source, target = pair
     keys = iter(jax.random.split(jax.random.key(5), 8))

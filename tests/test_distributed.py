@@ -12,10 +12,10 @@ import pytest
 
 import kvjax
 from kvjax import distributed, sharding
-from kvjax.mapper.calibrate import collect_stats
+from kvjax.fitting.calibrate import collect_stats
 from kvjax.mapper.pairing import depth_pairing
 from kvjax.mapper.ridge import reference
-from kvjax.mapper.residual import ResidualConfig
+from kvjax.fitting.residual import ResidualConfig
 from kvjax.windows import sample, step_batch, step_starts
 from maptools import VOCAB, assert_maps_match, tiny_pair
 
@@ -107,7 +107,8 @@ def test_sharded_fit_and_residual_match_single_device(setup, data, model_axis):
 
 
 def test_sharded_params_and_caches_follow_the_logical_rules(setup):
-    from kvjax.mapper.calibrate import model_on_mesh, native_cache
+    from kvjax.fitting.calibrate import model_on_mesh
+    from maptools import native_cache
     mesh = sharding.make_mesh(data=2, model=4)
     cfg, params = model_on_mesh(setup["source"], mesh)
     assert params.layers[0].q.sharding.spec == jax.sharding.PartitionSpec(None, "model", None)  # 4 heads / 4
@@ -118,7 +119,7 @@ def test_sharded_params_and_caches_follow_the_logical_rules(setup):
     assert cache.keys[0].sharding.spec[0] == "data"
     with pytest.raises(ValueError, match="multiple of 2"):
         sharding.data_sharding(mesh, (7, 40))
-    opt_sh = sharding.optimizer_shardings(kvjax.mapper.residual.make_optimizer(RC, setup["kvmap"]), setup["kvmap"],
+    opt_sh = sharding.optimizer_shardings(kvjax.fitting.residual.make_optimizer(RC, setup["kvmap"]), setup["kvmap"],
                                           kvjax.mapper.kvmap.kvmap_shardings(setup["kvmap"], mesh), mesh)
     assert all(s.mesh == mesh for s in jax.tree.leaves(opt_sh))
 

@@ -441,11 +441,12 @@ def test_arm_table():
 def test_every_arm_builds_its_cache(params):
     """Each row of the arm table gives a cache of its answering model, made as the row says."""
     from kvjax.eval import arms
+    from kvjax.mapper.injection import injection_map
     from kvjax.mapper.kvmap import apply_map
     source = (CFG, params)
     other = kvjax.init_params(CFG, jax.random.key(7))
     target = (CFG, other)
-    ridge = arms.injection_map(CFG, CFG)
+    ridge = injection_map(CFG, CFG)
     built = arms.make_arms([a.name for a in arms.TABLE], source, target,
                            {"direct": ridge, "perhead": ridge, "ridge": ridge, "residual": ridge})
     tokens, lengths = np.asarray([[5, 6, 7, 8], [9, 10, 0, 0]], np.int32), np.asarray([4, 2], np.int32)

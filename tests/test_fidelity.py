@@ -11,11 +11,11 @@ import pytest
 import kvjax
 from kvjax.eval.attention_fidelity import cache_attention, native_attention
 from kvjax.eval.distances import map_distances
-from kvjax.mapper.calibrate import native_cache
+from maptools import native_cache
 from kvjax.mapper.kvmap import apply_map
-from kvjax.mapper.perhead import fit_perhead
-from kvjax.mapper.residual import ResidualConfig, _pooled_step_fn, make_optimizer, window_kl
-from kvjax.mapper.teacher_pool import build_pool
+from kvjax.fitting.perhead import fit_perhead
+from kvjax.fitting.residual import ResidualConfig, _pooled_step_fn, make_optimizer, window_kl
+from kvjax.fitting.teacher_pool import build_pool
 
 VOCAB = 96
 
@@ -132,7 +132,7 @@ def test_attention_fidelity_is_one_on_the_native_cache_and_drops_with_a_worse_ma
     q, native = native_attention(tparams, tcfg, tokens)
     own = native_cache(tparams, tcfg, tokens)
     np.testing.assert_allclose(np.asarray(cache_attention(q, own.k, own.v)), np.asarray(native), atol=1e-5)
-    from kvjax.eval.arms import injection_map
+    from kvjax.mapper.injection import injection_map
     out = map_distances({"ridge": ridge, "raw": injection_map(source[0], tcfg)}, source, target,
                         windows(4, 40, seed=5), batch_size=2)
     for name in ("ridge", "raw"):

@@ -154,19 +154,55 @@ def test_cache_is_a_pytree_with_static_metadata(model):
     assert mapped.is_mapped and jax.tree.structure(mapped) != treedef  # origin is part of the static structure
 
 
-def test_decode_reads_each_layers_cache_buffer_in_place(model):
-    # One buffer per layer (kvjax.cache): when decode's attention window is the whole capacity, no layer's keys or
-    # values are sliced or copied before attention reads them. With one stacked [L, ...] buffer XLA copied every
-    # layer's window out of it on every step (about a quarter of a batch-16/64 step: launch.research.cache_layout).
+def cache_copies(compiled, cache) -> list[str]:
+    """Why a compiled decode step does not update `cache` in place (empty: it does). Read from the executable, not
+    from how its HLO prints: every cache buffer must be an input aliased to an output (the donated cache becomes the
+    returned one: entry parameters in the module's input_output_alias, and alias bytes >= the cache's), and the
+    step's scratch memory must be smaller than one layer's K buffer (a copy of any layer's keys or values, a slice of
+    its whole window included, would need at least that much)."""
     import re
-    from kvjax.models.decoder import decode_jit
+    text = compiled.as_text()
+    header = text[: text.index("entry_computation_layout")]  # HloModule NAME, input_output_alias={...} (if any)
+    aliased = {int(p) for p in re.findall(r"\}: \((\d+), \{\}, (?:may|must)-alias\)", header)}
+    layout = text[text.index("entry_computation_layout={(") + 27:]
+    params = re.findall(r"(\w+\[[\d,]*\])(?:\{[\d,]*\})?", layout[: layout.index(")->")])
+    leaves = [*cache.keys, *cache.values]
+    want = [f"{str(x.dtype).replace('float', 'f')}[{','.join(map(str, x.shape))}]" for x in leaves]  # f32, bf16
+    shapes = sorted(params[i] for i in aliased)
+    mem = compiled.memory_analysis()
+    layer_bytes = min(x.nbytes for x in leaves)
+    problems = []
+    if not all(shapes.count(w) >= want.count(w) for w in set(want)):
+        problems.append(f"cache buffers not aliased to outputs: aliased parameters {shapes}, cache {sorted(want)}")
+    if mem.alias_size_in_bytes < sum(x.nbytes for x in leaves):
+        problems.append(f"alias bytes {mem.alias_size_in_bytes} < the cache's {sum(x.nbytes for x in leaves)}")
+    if mem.temp_size_in_bytes >= layer_bytes:
+        problems.append(f"scratch {mem.temp_size_in_bytes} B >= one layer's buffer ({layer_bytes} B): a copy")
+    return problems
+
+
+def test_decode_updates_each_layers_cache_buffer_in_place(model, hf_checkpoints):
+    # One buffer per layer (kvjax.cache): when decode's attention window is the whole capacity, no layer's keys or
+    # values are sliced or copied before attention reads them, and the donated cache is written in place. With one
+    # stacked [L, ...] buffer XLA copied every layer's window out of it on every step (about a quarter of a
+    # batch-16/64 step: launch.research.cache_layout).
+    from kvjax.models.decoder import decode, decode_jit
     cfg, params = model
+    tokens = jnp.ones((2,), jnp.int32)
     for transposed in (False, True):  # keys [B, Hkv, T, hd] or [B, Hkv, hd, T] (kvjax.cache)
         cache = kvjax.init_cache(cfg, 2, 128, keys_transposed=transposed)  # capacity 128: one window, all of it
-        hlo = decode_jit.lower(params, cfg, jnp.ones((2,), jnp.int32), cache).compile().as_text()
-        for dims in (f"128,{cfg.head_dim}", f"{cfg.head_dim},128"):
-            layer = rf"f32\[(1,)?2,{cfg.num_kv_heads},{dims}\]\{{[^}}]*\}} (slice|dynamic-slice|copy|transpose)\("
-            assert not re.findall(layer, hlo), f"decode copies a layer's cache buffer (keys transposed: {transposed})"
+        assert cache_copies(decode_jit.lower(params, cfg, tokens, cache).compile(), cache) == [], transposed
+    # positive controls, the same check on decode steps that do copy (a 1-layer model: quicker to compile): without
+    # donation the new cache is another buffer; donated, but the old keys read after the step has written them, XLA
+    # must keep a copy of that layer
+    cfg, params = kvjax.load_hf(hf_checkpoints["gqa4_hd_big"][0])
+    cache = kvjax.init_cache(cfg, 2, 128)
+    kept = jax.jit(decode, static_argnames="cfg").lower(params, cfg, tokens, cache).compile()
+    assert [p.split(":")[0] for p in cache_copies(kept, cache)] == ["cache buffers not aliased to outputs",
+                                                                   f"alias bytes 0 < the cache's {cache.k.nbytes * 2}"]
+    reread = jax.jit(lambda p, t, c: (decode(p, cfg, t, c), c.keys[0].sum()), donate_argnums=2)
+    problems = cache_copies(reread.lower(params, tokens, cache).compile(), cache)
+    assert len(problems) == 1 and problems[0].startswith("scratch"), problems
 
 
 def test_cache_slice_and_inspect_helpers(model):
@@ -281,3 +317,32 @@ def test_decode_roofline_probe_splits_a_token_into_products_attention_and_rest(h
     assert params.lm_head is not None and row["weight_products_per_token"] == 7 * cfg.num_layers + 1
     assert row["attention_conditionals_per_token"] == cfg.num_layers
     assert "weight products" in capsys.readouterr().out
+
+
+def test_every_entry_point_prepares_prompts_alike_and_pads_with_a_pad_id_of_0(model):
+    """One prompt preparation (kvjax.generation.prepare) behind generate, generate_from (and the split path) and
+    speculative_generate: a config's pad id of 0 is a pad id, not "unset" (it once fell back to the first EOS in
+    the split path), and every entry point checks token ids against the vocabulary."""
+    import dataclasses
+
+    from kvjax.generation import prepare
+    cfg, params = model
+    assert cfg.pad_token_id == 0 and cfg.eos_token_ids == (2,)
+    assert prepare([[5, 6]], cfg, 4).pad == 0
+    assert prepare([[5, 6]], dataclasses.replace(cfg, pad_token_id=None), 4).pad == 2  # unset: the first EOS
+    assert prepare([[5, 6]], cfg, 4, pad_token_id=7).pad == 7
+    ps = prompts(cfg, [6, 9], seed=3)
+    eos = (int(np.asarray(kvjax.generate(params, cfg, ps, 1, eos_token_ids=()))[0, 0]),)  # row 0 stops at once
+    want = np.asarray(kvjax.generate(params, cfg, ps, 6, eos_token_ids=eos))
+    assert want[0, 0] == eos[0] and (want[0, 1:] == 0).all()
+    got = {"generate_from": kvjax.generate_from(kvjax.NativePrefill(model), ps, 6, eos_token_ids=eos),
+           "native_generate": kvjax.native_generate(kvjax.Model(cfg, params), ps, 6, eos_token_ids=eos),
+           "speculative_generate": kvjax.speculative_generate(model, "lookup", ps, 6, eos_token_ids=eos)}
+    for name, out in got.items():
+        np.testing.assert_array_equal(np.asarray(out), want, err_msg=name)
+    bad = [[5, cfg.vocab_size]]
+    for call in (lambda: kvjax.generate(params, cfg, bad, 2),
+                 lambda: kvjax.generate_from(kvjax.NativePrefill(model), bad, 2),
+                 lambda: kvjax.speculative_generate(model, "lookup", bad, 2)):
+        with pytest.raises(ValueError, match=f"token ids must be in \\[0, {cfg.vocab_size}\\)"):
+            call()

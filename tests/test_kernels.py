@@ -8,8 +8,8 @@ import pytest
 
 import kvjax
 from kvjax.kernels import map_insert as mi
-from kvjax.kernels.pipeline import pipelined_prefill_map
-from kvjax.mapper.calibrate import native_cache
+from kvjax.builders.pipelined import pipelined_prefill_map
+from maptools import native_cache
 from kvjax.mapper.kvmap import KVMap, LinearMap, spec_for
 
 VOCAB = 96

@@ -72,6 +72,109 @@ def write_mc_sets(root) -> list[str]:
     return [f"--config.eval.mc.hellaswag={hs}", f"--config.eval.mc.piqa={pq}"]
 
 
+def nocache_scores(model, mc_files: dict, normalize: str, limit: int, needles: dict) -> tuple[dict, dict]:
+    """`model`'s multiple-choice predictions per set and retrieval answer log-probs per length, computed without a
+    cache or a builder: one no-cache forward (kvjax.models.decoder.forward_nocache) over every context + option and
+    prompt + answer row, the continuation's log-probs summed (an option's normalized as the mc evaluation's
+    `normalize` says). `mc_files`: schema -> JSONL path; `needles`: length -> retrieval items."""
+    from kvjax.eval.multiple_choice import encode, load_mc
+    from kvjax.models.decoder import forward_nocache
+    cfg, params = model
+    tok = kvjax.load_tokenizer(TOKENIZER)
+    rows = []  # (what, token ids, first scored position, normalizer)
+    for schema, path in mc_files.items():
+        for i, it in enumerate(load_mc(path, schema=schema, limit=limit)):
+            context = encode(tok, it.context)
+            for option in it.options:
+                ids = encode(tok, option)
+                norm = {"bytes": len(option.encode()), "length": len(ids), "none": 1}[normalize]
+                rows.append((("mc", schema, i), context + ids, len(context), norm))
+    for length, items in needles.items():
+        rows += [(("retrieval", length, i), it.prompt_ids + it.answer_ids, len(it.prompt_ids), 1)
+                 for i, it in enumerate(items)]
+    tokens = np.zeros((len(rows), max(len(r[1]) for r in rows)), np.int32)  # right-padded: causal, pads come last
+    for r, (_, ids, _, _) in enumerate(rows):
+        tokens[r, : len(ids)] = ids
+    logits = jax.jit(forward_nocache, static_argnums=1)(params, cfg, tokens)
+    logp = np.asarray(jax.nn.log_softmax(logits.astype(np.float32), -1))
+    options, answers = {}, {}
+    for r, ((kind, name, i), ids, start, norm) in enumerate(rows):
+        total = sum(float(logp[r, j - 1, ids[j]]) for j in range(start, len(ids))) / norm
+        if kind == "mc":
+            options.setdefault(name, {}).setdefault(i, []).append(total)
+        else:
+            answers.setdefault(name, []).append(total)
+    return {s: [int(np.argmax(o)) for _, o in sorted(items.items())] for s, items in options.items()}, answers
+
+
+def check_real_pair_relations(out: str, source: str, target: str) -> dict:
+    """Relations a main job's metrics.json must hold on any pair (returns the metrics): the native arms' multiple
+    choice equals a computation without caches or builders; accuracies, KL ratios, distance means and throughput
+    times follow from the per-item, per-window, per-layer and per-phase numbers they are computed from; the fitted
+    ridge map is closer to the target's native cache than the unmapped source layers; the gate's checks hold the
+    numbers they read."""
+    from kvjax.eval.multiple_choice import load_mc
+    from kvjax.eval.needles import make_needle_items
+    metrics = json.load(open(os.path.join(out, "metrics.json")))
+    run_cfg = json.load(open(os.path.join(out, "config.json")))
+    mc_cfg, rt_cfg = run_cfg["eval"]["mc"], run_cfg["eval"]["retrieval"]
+    record = json.load(open(os.path.join(out, "eval", "mc.json")))
+    rt_record = json.load(open(os.path.join(out, "eval", "retrieval.json")))
+    files = {s: mc_cfg[s] for s in record}
+    heldout = np.load(os.path.join(out, "data", "heldout.npy")).reshape(-1)  # the items the job generated
+    tok = kvjax.load_tokenizer(TOKENIZER)
+    needles = {str(n): make_needle_items(heldout, tok, n, rt_cfg["limit"], run_cfg["seed"]) for n in rt_cfg["lengths"]}
+    for role, path in (("target", target), ("source", source)):
+        predictions, answers = nocache_scores(kvjax.load_hf(path), files, mc_cfg["normalize"], mc_cfg["limit"],
+                                              needles)
+        for s, p in predictions.items():
+            assert record[s]["arms"][role]["predictions"] == p, (role, s)
+        for length, lp in answers.items():  # a continuous number: which model answered shows
+            np.testing.assert_allclose(rt_record[length]["arms"][role]["answer_logprob"], lp, rtol=0, atol=2e-3,
+                                       err_msg=f"{role} at {length}")
+    for s, rec in record.items():
+        labels = [it.label for it in load_mc(files[s], schema=s, limit=mc_cfg["limit"])]
+        for arm, r in rec["arms"].items():
+            assert r["correct"] == [p == lab for p, lab in zip(r["predictions"], labels)], (s, arm)
+            assert metrics["mc"][s]["acc"][arm] == pytest.approx(np.mean(r["correct"])), (s, arm)
+    kl = metrics["kl"]
+    for arm, v in kl["per_window"].items():
+        assert kl[arm] == pytest.approx(np.mean(v)) and min(v) >= 0, arm
+    assert kl["reduction"] == pytest.approx(1 - kl["residual"] / kl["ridge"])
+    assert kl["vs_target"] == pytest.approx(kl["residual"] / kl["target"])
+    diff = np.subtract(kl["per_window"]["residual"], kl["per_window"]["ridge"])
+    assert kl["residual_minus_ridge"] == pytest.approx(diff.mean(), abs=1e-9)
+    assert kl["windows_improved"] == int(np.sum(diff < 0))
+    assert kl["residual_minus_ridge_ci95"][0] <= kl["residual_minus_ridge"] <= kl["residual_minus_ridge_ci95"][1]
+    d = metrics["distances"]
+    for m in ("key_cos", "value_cos", "key_nrmse", "value_nrmse", "attn_cos", "attn_nrmse"):
+        for arm, layers in d["per_layer"].items():
+            assert d[m][arm] == pytest.approx(np.mean([layer[m] for layer in layers])), (m, arm)
+    for kind in ("key", "value"):  # the ridge is fitted to the native cache; the unmapped source is not
+        assert d[f"{kind}_nrmse"]["ridge"] < d[f"{kind}_nrmse"]["raw"], kind
+        assert d[f"{kind}_cos"]["ridge"] > d[f"{kind}_cos"]["raw"], kind
+    for length, t in metrics["throughput"].items():
+        for arm, phases in t["phases_s"].items():
+            ttft = sum(v for k, v in phases.items() if k != "decode")
+            assert t["ttft_s"][arm] == pytest.approx(ttft), (length, arm)
+            # the map (and a transfer) occupy both devices (kvjax.eval.throughput.active_seconds)
+            active = ttft + phases["decode"] + phases.get("map", 0.0) + phases.get("transfer", 0.0)
+            assert t["active_s"][arm] == pytest.approx(active), (length, arm)
+    g = metrics["gate"]
+    final, checks = g["map"], g["checks"]
+    for kind in ("key_cos", "value_cos"):
+        assert checks[kind]["value"] == pytest.approx(d[kind][g["thresholds"]["cos_arm"] or final]), kind
+    assert checks["kl_vs_target"]["value"] == pytest.approx(kl["vs_target"])
+    assert checks["kl_reduction"]["value"] == pytest.approx(kl["reduction"])
+    retention = min(m["acc"][final] / m["acc"]["target"] for m in metrics["mc"].values() if m["acc"]["target"])
+    assert checks["mc_retention"]["value"] == pytest.approx(retention)
+    measured = [c for c in checks.values() if c["value"] is not None]
+    for c in measured:
+        assert c["passed"] == (c["value"] >= c["threshold"] if c["kind"] == "min" else c["value"] <= c["threshold"])
+    assert g["passed"] == (bool(measured) and all(c["passed"] for c in measured))
+    return metrics
+
+
 def lookup(d, path: str):
     """Values at a dotted path ("*" fans out over keys)."""
     nodes = [d]
@@ -112,10 +215,10 @@ def pair(tmp_path_factory):
 def test_default_config_is_toy_and_overrides_are_typed():
     cfg = config_flags.build("toy", [("eval.mc.limit", "50"), ("eval.throughput.lengths", "256, 1024"),
                                      ("map.rank", "8"), ("gate.max_kl", "0.5"), ("eval.kl.enabled", "false"),
-                                     ("output_dir", "/tmp/x"), ("data.train_text", "a.txt,b.jsonl")], RunConfig)
+                                     ("output_dir", "runs/x"), ("data.train_text", "a.txt,b.jsonl")], RunConfig)
     assert isinstance(cfg, RunConfig) and cfg.name == "toy"
     assert cfg.eval.mc.limit == 50 and cfg.eval.throughput.lengths == (256, 1024) and cfg.map.rank == 8
-    assert cfg.gate.max_kl == 0.5 and cfg.eval.kl.enabled is False and cfg.output_dir == "/tmp/x"
+    assert cfg.gate.max_kl == 0.5 and cfg.eval.kl.enabled is False and cfg.output_dir == "runs/x"
     assert cfg.data.train_text == ("a.txt", "b.jsonl")
     assert config_flags.build("toy", [("map.rank", "None")], RunConfig).map.rank is None
     name, overrides, rest = config_flags.parse_argv(["--config.seed", "3", "--redo=report", "--config.eval.mc.limit=2"])
@@ -276,7 +379,7 @@ def test_split_generate_falls_back_to_native_target_when_the_gate_fails(fitted, 
     prompts = [[5, 9, 300, 41, 7000, 12], [8, 1000, 3]]
     native = np.asarray(kvjax.generate(target[1], target[0], prompts, max_new_tokens=5))
     failed = evaluate_gate({"distances": {"key_cos": {"residual": 0.1}}}, GateConfig(min_value_cos=None))
-    with caplog.at_level(logging.WARNING, logger="kvjax.mapper.split"):
+    with caplog.at_level(logging.WARNING, logger="kvjax.split"):
         result = kvjax.split_generate(source, target, kvmap, prompts, 5, gate=failed, timings=True)
     assert result.path == "native_target" and result.fell_back and "key_cos 0.1 < 0.8" in result.reason
     assert "falling back to native target prefill" in caplog.text
@@ -292,7 +395,7 @@ def test_split_generate_falls_back_to_native_target_when_the_gate_fails(fitted, 
 
 def test_map_distances_match_the_one_shot_metric(fitted):
     from kvjax.eval.distances import cache_distances, map_distances
-    from kvjax.mapper.calibrate import native_cache
+    from maptools import native_cache
     source, target, kvmap = fitted
     windows = np.random.RandomState(1).randint(1, 8192, (3, 48)).astype(np.int32)  # the run's shapes: compiled
     got = map_distances({"ridge": kvmap}, source, target, windows, batch_size=2)["ridge"]["per_layer"]
@@ -376,9 +479,10 @@ def qwen_run(pair, tmp_path_factory):
     return out, argv, env, rc
 
 
-def test_qwen32_8_path_end_to_end_writes_the_report(qwen_run):
+def test_qwen32_8_path_end_to_end_writes_the_report(qwen_run, pair):
     out, _, _, rc = qwen_run
     assert rc == 0
+    check_real_pair_relations(out, *pair)
     for name in ("report.md", "metrics.json", "gate.json", "run.log", "config.json", "throughput.png",
                  "active_compute.png", "ttft.png", "distances.png", "kl_slope.png", "mc.png", "retrieval.png"):
         assert os.path.getsize(os.path.join(out, name)) > 0, name

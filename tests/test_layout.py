@@ -8,42 +8,52 @@ import ast
 import os
 import pathlib
 
-import pytest
+
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 # The floors, lowest first. A module's floor is that of the longest prefix below naming it (a package name covers
-# its modules). Lazy imports inside functions count: they are dependencies all the same, only deferred.
-FLOOR_NAMES = ("base", "models", "transfer", "eval", "job")
+# its modules); that prefix is also its unit. Lazy imports inside functions count: they are dependencies all the
+# same, only deferred.
+FLOOR_NAMES = ("base", "models", "kernels", "map", "builders", "generation", "training", "decoding", "eval", "job")
 FLOORS = {
     # 0 base: the vocabulary every floor uses; knows no kvjax type. Logical-axis rules and meshes, processes,
-    # token windows, safetensors files, text sources, dataclass <-> flags
+    # token windows, safetensors files, text sources, dataclass <-> flags, the host allocator, orbax checkpoints
     "kvjax.sharding": 0, "kvjax.distributed": 0, "kvjax.windows": 0, "kvjax.tensorfile": 0, "kvjax.corpus": 0,
     "kvjax.config_flags": 0, "kvjax.allocator": 0, "kvjax.checkpointing": 0,
-    # 1 models: the Qwen3 port (config, params, rope, forward / prefill / decode), the KVCache pytree it reads and
-    # writes, HF checkpoints <-> params
+    # 1 models: the families (config, params, rope, forward, the one prefill program, decode), the KVCache pytree
+    # they read and write, HF checkpoints <-> params
     "kvjax.models": 1, "kvjax.cache": 1, "kvjax.hf": 1,
-    # 2 transfer: everything that builds a cache or fits the map: the map's kernels, the cache builders, the mapper
-    # (pairing, ridge, the map pytree, calibration, fit, residual training, split generation), generation, LM
-    # pretraining. Builders and mapper are peers: a Mapped builder applies a KVMap, and fitting a map prefills
-    # natively through a builder
-    "kvjax.kernels": 2, "kvjax.builders": 2, "kvjax.mapper": 2, "kvjax.generation": 2, "kvjax.pretrain": 2,
-    "kvjax.pretrain_config": 2, "kvjax.speculative": 2, "kvjax.drafter": 2,
-    # 3 eval: the evaluations, their arms and registry, the report, the quality gate that judges their metrics
-    "kvjax.eval": 3, "kvjax.gate": 3,
-    # 4 job: `python -m kvjax.launch` (its config, flags, preflight, stages) and the package's public API (kvjax)
-    "kvjax.launch": 4, "kvjax.run_config": 4, "kvjax.preflight": 4, "kvjax.stages": 4,
-    "kvjax.serve": 4,  # `python -m kvjax.serve`: the OpenAI-compatible server over a run's map
+    # 2 kernels: the map's map-and-insert kernel (XLA reference and Pallas bodies) and the features it works in
+    "kvjax.kernels": 2,
+    # 3 map: the map itself: pairing, ridge solves, the KVMap pytree and apply_map, its artifact, direct injection
+    "kvjax.mapper": 3,
+    # 4 builders: every way to give an answering model the cache of a prompt (native, mapped, pipelined, partial)
+    "kvjax.builders": 4,
+    # 5 generation: sampling, the one prompt preparation, the compiled decode loop, generate / generate_from
+    "kvjax.generation": 5,
+    # 6 training: fitting the map (calibration, ridge fit, residual on source-teacher KL), LM pretraining
+    "kvjax.fitting": 6, "kvjax.pretrain": 6, "kvjax.pretrain_config": 6,
+    # 7 decoding systems: the split path, speculative decoding and speculative KV transfer, the block drafter
+    "kvjax.split": 7, "kvjax.speculative": 7, "kvjax.drafter": 7,
+    # 8 eval: the evaluations, their arms and registry, the report, the quality gate that judges their metrics
+    "kvjax.eval": 8, "kvjax.gate": 8,
+    # 9 job: `python -m kvjax.launch` (its config, flags, preflight, stages) and the package's public API (kvjax)
+    "kvjax.launch": 9, "kvjax.run_config": 9, "kvjax.preflight": 9, "kvjax.stages": 9,
+    "kvjax.serve": 9,  # `python -m kvjax.serve`: the OpenAI-compatible server over a run's map
+    "kvjax.audio": 9,  # the audio front end's public names (a facade over kvjax.models.whisper / .audio)
 }
+# floors whose units are peers: a unit there imports no other unit of its floor (only lower floors)
+STRICT = tuple(range(2, 8))
 FACADE = "kvjax"  # kvjax/__init__.py re-exports every floor: only the job may import names from it
-FACADE_FLOOR = 4
+FACADE_FLOOR = 9
 
 # launch/: entry points outside the library, one room per purpose
 ROOMS = ("cluster", "bench", "toy", "research")
 
 # modules that hold settings only: they must not import JAX (or optax, orbax, flax), directly or through what they
 # import, so that a config can be built and checked without the machinery that runs it
-JAX_FREE = ("kvjax.run_config", "kvjax.mapper.residual_config", "kvjax.pretrain_config", "kvjax.gate",
+JAX_FREE = ("kvjax.run_config", "kvjax.fitting.residual_config", "kvjax.pretrain_config", "kvjax.gate",
             "kvjax.config_flags")
 HEAVY = ("jax", "jaxlib", "flax", "optax", "orbax")
 
@@ -80,6 +90,12 @@ def imports(name: str, path: pathlib.Path, known: set[str]) -> list[tuple[int, s
     return out
 
 
+def unit_of(module: str) -> str | None:
+    """The FLOORS entry a module belongs to; a settings module NAME_config belongs to NAME's unit."""
+    best = max((p for p in FLOORS if module == p or module.startswith(p + ".")), key=len, default=None)
+    return None if best is None else best.removesuffix("_config")
+
+
 def floor_of(module: str) -> int | None:
     if module == FACADE:
         return FACADE_FLOOR
@@ -103,12 +119,51 @@ def floor_violations(root: pathlib.Path) -> list[str]:
             if target.split(".")[0] != "kvjax":
                 continue
             theirs = floor_of(target)
+            named = f"{target}.{what}" if what else target
             if theirs is not None and theirs > mine:
-                named = f"{target}.{what}" if what else target
                 out.append(f"{path.relative_to(root)}:{line}: {name} (floor {mine} {FLOOR_NAMES[mine]}) imports "
                            f"{named} (floor {theirs} {FLOOR_NAMES[theirs]}); move what it needs down a floor or "
                            "pass it in")
+            elif theirs == mine and mine in STRICT and target != FACADE and unit_of(target) != unit_of(name):
+                out.append(f"{path.relative_to(root)}:{line}: {name} imports {named}, a peer on its own floor "
+                           f"({mine} {FLOOR_NAMES[mine]}); move what both need down a floor")
     return out
+
+
+def import_cycles(root: pathlib.Path) -> list[list[str]]:
+    """The module-level import cycles of the library (lazy imports included), each as its modules sorted; a package
+    importing its own submodules (a re-exporting __init__) is no cycle."""
+    mods = modules(root, "kvjax")
+    graph = {name: {t for _, t, _, _ in imports(name, path, set(mods))
+                    if t in mods and t != name and not name.startswith(t + ".") and t != FACADE}
+             for name, path in mods.items()}
+    index, low, stack, on, cycles = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return cycles
 
 
 def room_of(module: str) -> str:
@@ -169,6 +224,30 @@ def test_every_floor_is_used_and_every_table_entry_exists():
     assert {floor_of(m) for m in mods} == set(range(len(FLOOR_NAMES)))
 
 
+def test_no_import_cycles():
+    cycles = import_cycles(REPO)
+    assert not cycles, "import cycles (break each by moving what both need into a lower module): " + "; ".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_the_checks_catch_a_sideways_import_and_a_cycle(tmp_path):
+    for pkg in ("builders", "mapper", "kernels", "models"):
+        (tmp_path / "kvjax" / pkg).mkdir(parents=True)
+        (tmp_path / "kvjax" / pkg / "__init__.py").write_text("")
+    (tmp_path / "kvjax" / "__init__.py").write_text("")
+    (tmp_path / "kvjax" / "split.py").write_text("from kvjax.speculative import api\n")  # decoding peer: sideways
+    (tmp_path / "kvjax" / "speculative.py").write_text("from kvjax.builders import base\n")  # downward: fine
+    (tmp_path / "kvjax" / "pretrain.py").write_text("from kvjax.pretrain_config import C\n")  # its own settings
+    (tmp_path / "kvjax" / "pretrain_config.py").write_text("C = 1\n")
+    (tmp_path / "kvjax" / "builders" / "base.py").write_text("X = 1\n")
+    (tmp_path / "kvjax" / "models" / "config.py").write_text("def f():\n    from kvjax.models import rope\n")
+    (tmp_path / "kvjax" / "models" / "rope.py").write_text("from kvjax.models.config import f\n")
+    problems = floor_violations(tmp_path)
+    assert len(problems) == 1 and problems[0].startswith("kvjax/split.py:1: kvjax.split imports kvjax.speculative"), \
+        problems
+    assert import_cycles(tmp_path) == [["kvjax.models.config", "kvjax.models.rope"]]
+
+
 def test_the_check_catches_a_lazy_upward_import(tmp_path):
     (tmp_path / "kvjax" / "eval").mkdir(parents=True)
     (tmp_path / "kvjax" / "__init__.py").write_text("")
@@ -180,9 +259,9 @@ def test_the_check_catches_a_lazy_upward_import(tmp_path):
     problems = floor_violations(tmp_path)
     assert len(problems) == 3, problems
     assert problems[0].startswith("kvjax/elsewhere.py: kvjax.elsewhere has no floor")
-    assert ("kvjax/sharding.py:2: kvjax.sharding (floor 0 base) imports kvjax.eval.report.X (floor 3 eval)"
+    assert ("kvjax/sharding.py:2: kvjax.sharding (floor 0 base) imports kvjax.eval.report.X (floor 8 eval)"
             in problems[1])
-    assert "kvjax/windows.py:2: kvjax.windows (floor 0 base) imports kvjax.eval.report (floor 3 eval)" in problems[2]
+    assert "kvjax/windows.py:2: kvjax.windows (floor 0 base) imports kvjax.eval.report (floor 8 eval)" in problems[2]
 
 
 def test_launch_rooms_share_no_private_names():
@@ -212,7 +291,7 @@ def test_launch_holds_rooms_only():
 def test_settings_modules_do_not_import_jax():
     problems = [chain for m in JAX_FREE for chain in heavy_imports(REPO, m)]
     assert not problems, "settings modules import JAX & co.: " + "; ".join(problems)
-    assert heavy_imports(REPO, "kvjax.mapper.residual")  # the check sees what it is meant to see
+    assert heavy_imports(REPO, "kvjax.fitting.residual")  # the check sees what it is meant to see
 
 
 def test_configs_hold_only_run_configs_of_the_main_job(monkeypatch):

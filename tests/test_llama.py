@@ -343,7 +343,11 @@ def test_minitron4_llama8_without_checkpoints_fails_fast_naming_what_to_pass(tmp
 
 
 @pytest.mark.slow  # a whole main job (every stage, tiny sizes)
-def test_minitron4_llama8_runs_end_to_end_on_tiny_llama_checkpoints(tmp_path, capsys):
+def test_minitron4_llama8_runs_end_to_end_on_an_identity_pair(tmp_path, capsys):
+    """The whole job with one tiny Llama checkpoint as both reader and answerer, where every number is known: the
+    unmapped layers are the answerer's own cache, the fitted maps reproduce it, every arm answers as the native
+    answerer does item for item, and the reader drafts exactly what the answerer would say. (Real pairs: the qwen32_8
+    and qwen30a3_sibling jobs, whose relations test_launch.check_real_pair_relations checks.)"""
     from test_launch import SMALL, run_job, write_mc_sets
     from kvjax import launch
     reader, answerer = tiny_llama_pair(str(tmp_path))
@@ -360,11 +364,12 @@ def test_minitron4_llama8_runs_end_to_end_on_tiny_llama_checkpoints(tmp_path, ca
                          "--config.eval.speculative.repeats=1", "--config.arms.partial_k=1"]
         argv = ["--config=minitron4_llama8", f"--config.output_dir={out}", "--config.source.dtype=float32",
                 "--config.target.dtype=float32", *small, *write_mc_sets(str(tmp_path))]
-        assert run_job(argv, {"KVJAX_SOURCE": reader, "KVJAX_TARGET": answerer}) == 0
+        assert run_job(argv, {"KVJAX_SOURCE": reader, "KVJAX_TARGET": reader}) == 0
         metrics = json.load(open(os.path.join(out, "metrics.json")))
         assert metrics["run"]["config"] == "minitron4_llama8"
         assert {"native_kl", "ttft", "speculative", "mc", "distances"} <= set(metrics)
         assert "throughput" not in metrics and "kl" not in metrics
+        check_identity_pair(out, metrics)
         manifest = json.load(open(os.path.join(out, "map", "manifest.json")))
         assert manifest["spec"]["target_rope"]["kind"] == "llama3"
 
@@ -381,6 +386,46 @@ def test_minitron4_llama8_runs_end_to_end_on_tiny_llama_checkpoints(tmp_path, ca
         assert "tokenizers differ" in capsys.readouterr().err and not (tmp_path / "refused").exists()
     finally:
         os.chdir(old)
+
+
+def check_identity_pair(out: str, metrics: dict) -> None:
+    """What a job on an identity pair (reader = answerer) must measure."""
+    d = metrics["distances"]
+    assert d["raw_kind"] == "copy"
+    for m in ("key", "value", "attn"):
+        assert d[f"{m}_cos"]["raw"] == pytest.approx(1, abs=1e-6) and d[f"{m}_nrmse"]["raw"] < 1e-6, m  # same cache
+        assert d[f"{m}_cos"]["ridge"] == pytest.approx(1, abs=1e-6) and d[f"{m}_nrmse"]["ridge"] < 1e-4, m  # identity
+        # the residual: a few Adam steps on a zero KL gradient move it by about the learning rate
+        assert d[f"{m}_cos"]["residual"] > 0.9999 and d[f"{m}_nrmse"]["residual"] < 1e-2, m
+    nk = metrics["native_kl"]
+    assert set(nk["kl"]) == {"direct", "ridge", "residual", "partial"}
+    for arm in nk["kl"]:
+        assert abs(nk["kl"][arm]) < 1e-4 and nk["agreement"][arm] == nk["first_agreement"][arm] == 1.0, arm
+    record = json.load(open(os.path.join(out, "eval", "mc.json")))
+    for s, rec in record.items():
+        native = rec["arms"]["target"]
+        assert set(rec["arms"]) == {"target", "source", "direct", "ridge", "residual", "partial"}
+        for arm, r in rec["arms"].items():  # item for item, not only the accuracy
+            assert r["predictions"] == native["predictions"] and r["correct"] == native["correct"], (s, arm)
+            assert metrics["mc"][s]["acc"][arm] == pytest.approx(np.mean(native["correct"])), (s, arm)
+    assert metrics["gate"]["passed"] and metrics["gate"]["checks"]["mc_retention"]["value"] == 1.0
+    for length, row in metrics["retrieval"].items():
+        lp = row["answer_logprob"]
+        assert lp["source"] == lp["target"] and lp["direct"] == pytest.approx(lp["target"], abs=1e-4), length
+        assert lp["residual"] == pytest.approx(lp["target"], abs=0.05) and row["residual"] == row["target"], length
+    for length, row in metrics["speculative"]["lengths"].items():
+        draft = int(next(a for a in row if a.startswith("plain@")).split("@")[1])
+        for arm, m in row.items():
+            assert m["matches_native"] == m["prefix_match"] == m["first_token_match"] == 1.0, (length, arm)
+            if arm.split("@")[0] in ("plain", "transfer", "repaired"):  # the reader drafts the answerer's tokens
+                assert m["acceptance_length"] == draft + 1, (length, arm)
+            if arm != "native":
+                assert m["latency_vs_native"] == pytest.approx(m["latency_s"] / row["native"]["latency_s"])
+    for length, row in metrics["ttft"]["lengths"].items():
+        for arm, t in row["ttft_s"].items():  # the whole call takes at least its phases
+            assert t >= sum(row["phases_s"][arm].values()) * (1 - 1e-9), (length, arm)
+            if arm != "target":
+                assert row["speedup"][arm] == pytest.approx(row["ttft_s"]["target"] / t), (length, arm)
 
 
 def _help(config, capsys) -> str:

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.mapper.calibrate import native_cache
+from maptools import native_cache
 from kvjax.mapper.kvmap import ridge_only
 from kvjax.mapper.pairing import depth_pairing, topk_pairing
-from kvjax.mapper.residual import ResidualConfig, evaluate_kl
+from kvjax.fitting.residual import ResidualConfig, evaluate_kl
 from kvjax.mapper.ridge import LAMBDAS, chunk_stats, mse, reference, select, solve, to_stats
 from kvjax.eval.distances import cache_distances
 from kvjax.models.rope import apply_rope, rope_angles, rope_table, unapply_rope
@@ -271,17 +271,6 @@ def test_direct_injection_baseline_copies_the_source_cache():
         direct_map(a[0], model(2, 32, 2, 2, 16, seed=0)[0], ((0,), (1,)))
 
 
-def test_calibration_tokens_from_files(tmp_path):
-    from kvjax.mapper.data import tokens_from_files
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    tok = Tokenizer(models.WordLevel({"a": 1, "b": 2, "[UNK]": 3}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    (tmp_path / "c.jsonl").write_text('{"text": "a b a"}\n{"text": "b b"}\n')
-    np.testing.assert_array_equal(tokens_from_files(str(tmp_path / "c.jsonl"), tok, eos_id=0), [1, 2, 1, 0, 2, 2, 0])
-    with pytest.raises(ValueError, match="no 'body' field"):
-        tokens_from_files(str(tmp_path / "c.jsonl"), tok, text_field="body")
-
-
 def test_next_token_agreement(pair):
     from kvjax.eval import next_token_agreement
     (cfg, params), target = pair
@@ -320,7 +309,7 @@ def per_position_map(m, x, before):
 def test_context_map_reads_the_positions_before_each_one(pair, tmp_path):
     from kvjax.kernels.map_insert import insert_layers, map_insert_reference
     from kvjax.mapper.kvmap import LinearMap, apply_map
-    from kvjax.mapper.residual import warm_start, with_context
+    from kvjax.fitting.residual import warm_start, with_context
 
     ks = jax.random.split(jax.random.key(0), 8)
     fx, fy, h, r = 12, 8, 4, 3

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.mapper.residual import ResidualConfig
+from kvjax.fitting.residual import ResidualConfig
 from maptools import assert_maps_equal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -108,7 +108,7 @@ def mapped_caches(run_dir, name):
     """The target cache the map of `run_dir` gives for 4 held-out windows (one device of this process)."""
     import jax.numpy as jnp
 
-    from kvjax.mapper.calibrate import native_cache
+    from maptools import native_cache
     scfg, sparams = kvjax.load_hf(os.path.join(ROOT, "checkpoints", "toy", "source"))
     held = np.load(os.path.join(run_dir, "data", "heldout.npy"))[:4, :128]
     cache = kvjax.apply_map(kvjax.load_map(os.path.join(run_dir, name)), native_cache(sparams, scfg, jnp.asarray(held)))

@@ -24,8 +24,8 @@ COMMON = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     import jax, jax.numpy as jnp, numpy as np
     import kvjax
-    from kvjax.mapper.calibrate import native_cache
-    from kvjax.mapper.residual import ResidualConfig
+    from maptools import native_cache
+    from kvjax.fitting.residual import ResidualConfig
     from maptools import VOCAB, tiny_pair
     out = sys.argv[1]
     source, target = tiny_pair()
@@ -82,7 +82,7 @@ def test_map_and_residual_checkpoint_saved_on_a_2x2_mesh_load_apply_and_resume_o
     assert "loaded, applied and resumed on one device" in loaded.stdout
     source, target = tiny_pair()  # the same fit and 4 steps, uninterrupted, on one device of this process
     rs = lambda seed, shape: np.random.RandomState(seed).randint(1, VOCAB, shape).astype(np.int32)  # noqa: E731
-    from kvjax.mapper.residual import ResidualConfig
+    from kvjax.fitting.residual import ResidualConfig
     rc = ResidualConfig(steps=4, batch_size=4, prefix_len=16, cont_len=8, lr=1e-2, warmup_steps=1, save_every=2)
     kvmap, _ = kvjax.fit_map(source, target, rs(0, (8, 40)), rs(1, (4, 40)), batch_size=4, residual_rank=4)
     straight, _ = kvjax.train_residual(kvmap, source, target, rs(3, 3000).astype(np.uint16), rc)

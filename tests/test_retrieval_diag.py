@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.builders.native import prefill_cache_jit
+from kvjax.builders import NativePrefill
 from kvjax.mapper.kvmap import apply_map
 from kvjax.models.decoder import forward
 from launch.research import copy_residual, retrieval_diag
@@ -22,7 +22,7 @@ def _tokens(n, t, seed):
 def test_written_out_attention_is_the_models_forward_and_its_probabilities_are_causal():
     cfg, params = tiny_model(3, 64, 4, 2, 16, seed=0, theta=1e4)
     prompt = _tokens(2, 20, 0)
-    cache = prefill_cache_jit(params, cfg, jnp.asarray(prompt), jnp.full((2,), 20, jnp.int32), 32)
+    cache = NativePrefill((cfg, params))(prompt, capacity=32)
     new = jnp.asarray(_tokens(2, 4, 1))
     want, _ = forward(params, cfg, new, cache)
     got, probs = retrieval_diag.attn_forward(params, cfg, new, cache, want_probs=True)
@@ -37,7 +37,7 @@ def test_reader_direct_writes_the_source_layer_unchanged_into_one_target_layer()
     source, target = tiny_model(3, 64, 4, 2, 16, seed=0, theta=1e4), tiny_model(2, 48, 4, 2, 16, seed=1, theta=1e4)
     kvmap, _ = kvjax.fit_map(source, target, _tokens(8, 40, 2), _tokens(4, 40, 3), pairing=((0, 1), (1, 2)),
                              batch_size=4, residual_rank=4)
-    src = prefill_cache_jit(source[1], source[0], jnp.asarray(_tokens(2, 30, 4)), jnp.full((2,), 30, jnp.int32), 32)
+    src = NativePrefill(source)(_tokens(2, 30, 4), capacity=32)
     base = apply_map(kvmap, src, length=30)
     for name, keys_from_source, values_from_source in (("map@1=2", True, True), ("map@1=2+k", True, False),
                                                        ("map@1=2+v", False, True)):
@@ -69,8 +69,8 @@ def test_copy_windows_repeat_a_far_span_and_facts_are_key_equals_digits():
                 assert 30 <= starts[0] < 60
 
 
-def test_a_missing_map_is_named_before_anything_loads(capsys):
+def test_a_missing_map_is_named_before_anything_loads(capsys, tmp_path):
     with pytest.raises(SystemExit, match="no map artifact at /nonexistent/map"):
         retrieval_diag.main(["--map", "/nonexistent/map"])
     with pytest.raises(SystemExit, match="not found"):
-        copy_residual.main(["--map", "/nonexistent/map", "--out", "/tmp/never_written"])
+        copy_residual.main(["--map", "/nonexistent/map", "--out", str(tmp_path / "never_written")])

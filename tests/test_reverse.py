@@ -13,8 +13,8 @@ import pytest
 import kvjax
 from kvjax import config_flags, launch
 from kvjax.builders import Mapped, NativePrefill, PartialRecompute
-from kvjax.eval.arms import injection_map
-from kvjax.mapper.residual_config import ADDED_LATER
+from kvjax.mapper.injection import injection_map
+from kvjax.fitting.residual_config import ADDED_LATER
 from kvjax.run_config import RunConfig
 from test_launch import REPO, TOKENIZER, lookup, run_job, write_mc_sets
 
@@ -76,16 +76,16 @@ def test_residual_learns_the_answerers_own_predictions(models, windows):
     """teacher="target": the student is pulled towards the answerer after its own prefill, not towards the reader."""
     import jax.numpy as jnp
 
-    from kvjax.builders.native import prefill_cache
+    from kvjax.builders import NativePrefill
     from kvjax.mapper.kl import kl
-    from kvjax.mapper.residual import position_kl, student_logits, window_kl
+    from kvjax.fitting.residual import position_kl, student_logits, window_kl
     from kvjax.models.decoder import forward_nocache
     small, large = models
     kvmap, _ = kvjax.fit_map(small, large, windows[:16], windows[16:], residual_rank=4, batch_size=8)
     tokens = jnp.asarray(windows[:4, :32])
     got = position_kl(kvmap, small, large, tokens, 24, teacher="target")
     native = forward_nocache(large[1], large[0], tokens[:, :-1])[:, 23:]
-    student = student_logits(kvmap, large, prefill_cache(small[1], small[0], tokens[:, :23]), tokens, 24)
+    student = student_logits(kvmap, large, NativePrefill(small)(tokens[:, :23], capacity=23), tokens, 24)
     np.testing.assert_allclose(np.asarray(got), np.asarray(kl(native, student)), rtol=1e-5, atol=1e-6)
     assert not np.allclose(np.asarray(got), np.asarray(position_kl(kvmap, small, large, tokens, 24)))
     # one small step down the residual's gradient of that loss lowers it (the residual output `up` starts at zero)

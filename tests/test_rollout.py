@@ -10,7 +10,7 @@ import kvjax
 from kvjax.builders import NativePrefill
 from kvjax.eval.rollout import rollout_divergence, rollout_table
 from kvjax.mapper.kvmap import direct_map, ridge_only
-from kvjax.mapper.residual import ResidualConfig, heldout_position_kl, rollout_windows
+from kvjax.fitting.residual import ResidualConfig, heldout_position_kl, rollout_windows
 from kvjax.windows import step_batch
 from tests.maptools import VOCAB, tiny_pair
 

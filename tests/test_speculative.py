@@ -12,7 +12,7 @@ from kvjax.generation import Sampling, sample
 from kvjax.models.decoder import forward_features, forward_nocache, verify_forward, write_block
 from kvjax.speculative import (LookupDrafter, ModelDrafter, sampling_probs, speculative_generate,
                                speculative_split_generate)
-from kvjax.speculative.api import _prefill_features, transfer_builder
+from kvjax.speculative.api import transfer_builder
 from kvjax.speculative.lookup import match_end, match_end_reference
 from kvjax.speculative.loop import verify_loop
 from maptools import VOCAB, tiny_pair
@@ -196,7 +196,7 @@ def test_a_feature_drafter_gets_the_verifiers_layer_outputs(models):
     ps = prompts([6, 3], seed=9)
     tokens, lengths = kvjax.pad_prompts(ps)
     prefix, plen, capacity = tokens[:, :-1], lengths - 1, 128
-    cache, features = _prefill_features(big.params, cfg, jnp.asarray(prefix), jnp.asarray(plen), capacity, (0, 2))
+    cache, features = kvjax.NativePrefill(big).with_features(prefix, plen, layers=(0, 2), capacity=capacity)
     state = probe.start(prefix, plen, capacity, features)
     last = tokens[np.arange(2), lengths - 1]
     run = jax.jit(verify_loop, static_argnums=(6, 7, 8, 9))

@@ -7,9 +7,10 @@
 """
 
 from kvjax.builders.base import BUCKET, CacheBuilder, Clock, bucket
-from kvjax.builders.native import NativePrefill, prefill, prefill_cache, prefill_cache_jit
-from kvjax.builders.mapped import Mapped, Pipelined, SourcePrefill
+from kvjax.builders.native import NativePrefill
+from kvjax.builders.mapped import Mapped, SourcePrefill, map_jit
+from kvjax.builders.pipelined import Pipelined
 from kvjax.builders.partial import PartialRecompute, recompute, recompute_layers
 
-__all__ = ["BUCKET", "CacheBuilder", "Clock", "bucket", "NativePrefill", "prefill", "prefill_cache", "prefill_cache_jit", "Mapped",
+__all__ = ["BUCKET", "CacheBuilder", "Clock", "bucket", "NativePrefill", "Mapped", "map_jit",
            "Pipelined", "SourcePrefill", "PartialRecompute", "recompute", "recompute_layers"]

@@ -1,7 +1,7 @@
 """Mapped caches: the source reads the prompt, a KVMap translates its cache into the target's coordinates.
 
 `Mapped` runs the source prefill and then the map (XLA, or the Pallas map-and-insert kernel); `Pipelined` runs both as
-one program, each target layer mapped as soon as its paired source layers exist (kvjax.kernels.pipeline). Several
+one program, each target layer mapped as soon as its paired source layers exist (kvjax.builders.pipelined). Several
 mapped builders over the same source share one `SourcePrefill`, so scoring arms side by side pays for the source's
 prefill (what a large source costs most) once per batch.
 """
@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.builders.base import CacheBuilder, Clock
-from kvjax.builders.native import prefill_cache_jit
 from kvjax.cache import KVCache
 from kvjax.mapper.kvmap import KVMap, apply_map, check_models
+from kvjax.models.decoder import prefill_jit
 
 map_jit = jax.jit(apply_map, static_argnames=("capacity", "dtype", "length", "impl", "interpret"))
 
@@ -30,12 +30,13 @@ class SourcePrefill(CacheBuilder):
         self._key, self._cache = None, None
 
     def build(self, tokens, lengths, capacity: int, clock: Clock) -> KVCache:
-        key = (tokens.shape, tokens.tobytes(), lengths.tobytes(), capacity) if self.memo else None
-        if key is None or key != self._key:
+        """A memoised cache serves any capacity up to its own: the map reads only the prompt's slots."""
+        key = (tokens.shape, tokens.tobytes(), lengths.tobytes()) if self.memo else None
+        if key is None or key != self._key or self._cache.capacity < capacity:
             cfg, params = self.model
-            self._cache = clock("source_prefill", prefill_cache_jit(params, cfg, jnp.asarray(tokens),
-                                                                    jnp.asarray(lengths), capacity))
-            self._key = key
+            _, cache, _, _ = prefill_jit(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths), capacity=capacity,
+                                      logits=False)
+            self._cache, self._key = clock("source_prefill", cache), key
         return self._cache
 
 
@@ -52,17 +53,3 @@ class Mapped(CacheBuilder):
         source_cache = self.source.build(tokens, lengths, tokens.shape[1], clock)  # the map reads slots 0..T-1
         return clock("map", map_jit(self.kvmap, source_cache, capacity=capacity, length=tokens.shape[1],
                                     impl=self.impl))
-
-
-class Pipelined(CacheBuilder):
-    """The source prefill with the map interleaved layer by layer, in one program (same cache as `Mapped` up to float
-    rounding); one phase, "prefill_map"."""
-
-    def __init__(self, source, target, kvmap: KVMap, name: str = "pipelined", impl: str = "auto"):
-        check_models(kvmap, source[0], target[0])
-        self.source, self.model, self.kvmap, self.name, self.impl = tuple(source), tuple(target), kvmap, name, impl
-
-    def build(self, tokens, lengths, capacity: int, clock: Clock) -> KVCache:
-        from kvjax.kernels.pipeline import pipelined_prefill_map
-        return clock("prefill_map", pipelined_prefill_map(self.source, self.kvmap, tokens, lengths,
-                                                          capacity=capacity, impl=self.impl))

@@ -22,10 +22,9 @@ import jax.numpy as jnp
 
 from kvjax.builders.base import CacheBuilder, Clock
 from kvjax.builders.mapped import Mapped, SourcePrefill
-from kvjax.builders.native import prefill_cache_jit
 from kvjax.cache import KVCache
 from kvjax.mapper.kvmap import KVMap
-from kvjax.models.decoder import causal_attention, embed, finish, head_angles, qkv
+from kvjax.models.decoder import causal_attention, embed, finish, head_angles, prefill_jit, qkv
 
 MODES = ("bottom", "top")
 
@@ -82,8 +81,9 @@ class PartialRecompute(CacheBuilder):
     def build(self, tokens, lengths, capacity: int, clock: Clock) -> KVCache:
         cfg, params = self.model
         if len(self.layers) == cfg.num_layers:  # nothing left to map: the native prefill, at its cost
-            return clock("recompute", prefill_cache_jit(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths),
-                                                        capacity))
+            _, cache, _, _ = prefill_jit(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths), capacity=capacity,
+                                      logits=False)
+            return clock("recompute", cache)
         mapped = self.mapped.build(tokens, lengths, capacity, clock)
         if not self.layers:
             return mapped

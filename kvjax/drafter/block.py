@@ -22,9 +22,8 @@ from kvjax.cache import KVCache
 from kvjax.drafter.config import DrafterConfig
 from kvjax.drafter.io import DrafterError, load_drafter
 from kvjax.drafter.model import DrafterParams, draft, draft_head, extend_context, init_context
-from kvjax.generation import Sampling
+from kvjax.generation import Sampling, draw, sampling_probs
 from kvjax.models.model import as_model
-from kvjax.speculative.loop import draw, sampling_probs
 
 
 @struct.dataclass

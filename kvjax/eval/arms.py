@@ -3,7 +3,7 @@
   target    the target reads the prompt itself (native small model)
   direct    the target answers from the source's nearest-depth layers copied as they are (no map); when the KV
             widths differ, each layer's features are cut or zero-padded to the target's width (the "raw" baseline)
-  perhead   the per-head ridge peer (kvjax.mapper.perhead, Heo et al.: each target KV head on its top-k source
+  perhead   the per-head ridge peer (kvjax.fitting.perhead, Heo et al.: each target KV head on its top-k source
             layers, fixed lambda, no residual); fitted when RunConfig.peers.perhead_topk > 0
   ridge     the target answers from the source cache mapped by the ridge map
   residual  the same with the ridge + residual map
@@ -39,9 +39,7 @@ from kvjax.eval.multiple_choice import MCItem, MCResult, PrefixFn, encode
 from kvjax.eval.retrieval import RetrievalItem, RetrievalResult
 from kvjax.generation import pad_prompts
 from kvjax.models.model import Model
-from kvjax.mapper.kvmap import KVMap, LinearMap, direct_map, spec_for
-from kvjax.mapper.pairing import depth_pairing
-from kvjax.models.config import Qwen3Config
+from kvjax.mapper.kvmap import KVMap
 from kvjax.models.decoder import forward
 
 # ---- the table -----------------------------------------------------------------------------------------------------
@@ -51,7 +49,7 @@ class ArmContext(NamedTuple):
 
     source: Model
     target: Model
-    map: Callable[[str], KVMap]  # a map by name: "direct" (injection_map) or a fitted map ("ridge", "residual")
+    map: Callable[[str], KVMap]  # a map by name: "direct" (kvjax.mapper.injection.injection_map) or a fitted map ("ridge", "residual")
     shared: SourcePrefill  # the source's prefill (a builder), shared by every arm that reads the source
     final: str  # the run's final map ("residual", or "ridge" when the residual is not trained)
     settings: ArmSettings  # RunConfig.arms
@@ -105,27 +103,6 @@ class Arm(NamedTuple):
     model: Model  # the model that scores / answers
     prefix_fn: PrefixFn  # (context_ids, rows) -> cache of context_ids[:-1], `rows` identical rows (kvjax.eval.score_mc)
     batch_fn: Callable  # (tokens int [B, T], lengths int [B]) -> that model's cache of each row's tokens[:length]
-
-
-def injection_map(source: Qwen3Config, target: Qwen3Config) -> KVMap:
-    """The direct-injection baseline as a map: each target layer gets its nearest-depth source layer's features
-    unchanged (kvjax.mapper.kvmap.direct_map) or, when widths differ, cut / zero-padded to the target's width."""
-    pairing = depth_pairing(source.num_layers, target.num_layers)
-    if (source.num_kv_heads, source.head_dim) == (target.num_kv_heads, target.head_dim):
-        return direct_map(source, target, pairing)
-    fx, fy = source.num_kv_heads * source.head_dim, target.num_kv_heads * target.head_dim
-    m = min(fx, fy)
-    f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
-    layer = LinearMap(mu=f32(np.zeros(fx)), scale=f32(1.0), w_in=f32(np.eye(fx, m)), w_out=f32(np.eye(m, fy)),
-                      bias=f32(np.zeros(fy)), down=f32(np.zeros((fx, 1))), res_bias=f32(np.zeros(1)),
-                      up=f32(np.zeros((1, fy))))
-    layers = (layer,) * target.num_layers
-    return KVMap(keys=layers, values=layers, spec=spec_for(source, target, pairing, None, 1))
-
-
-def injection_kind(source: Qwen3Config, target: Qwen3Config) -> str:
-    same = (source.num_kv_heads, source.head_dim) == (target.num_kv_heads, target.head_dim)
-    return "copy" if same else "width-matched (cut / zero-padded)"
 
 
 def repeat_rows(cache: KVCache, rows: int) -> KVCache:

@@ -35,10 +35,8 @@ def methods_for(verifier, drafters: dict, new_tokens: int) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from kvjax.builders.native import prefill_cache_jit
-    from kvjax.cache import init_cache
-    from kvjax.generation import CACHE_ALIGN, Sampling, generate
-    from kvjax.models.decoder import forward_features
+    from kvjax.builders import NativePrefill
+    from kvjax.generation import Sampling, aligned, generate
     from kvjax.models.model import as_model
     from kvjax.speculative.api import loop_verifier
     from kvjax.speculative.loop import run_loop, stats_of
@@ -48,11 +46,7 @@ def methods_for(verifier, drafters: dict, new_tokens: int) -> dict:
     cfg, params = verifier
     eos = tuple(cfg.eos_token_ids)
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0)
-    prefill_features = jax.jit(
-        lambda params, tokens, lengths, capacity, layers: forward_features(
-            params, cfg, tokens, init_cache(cfg, tokens.shape[0], capacity, params.embed.dtype), layers, lengths,
-            fresh=True)[1:],
-        static_argnames=("capacity", "layers"))
+    prefill = NativePrefill(verifier)
 
     def greedy(tokens, lengths):
         out = generate(params, cfg, tokens, new_tokens, prompt_lengths=lengths)
@@ -61,14 +55,14 @@ def methods_for(verifier, drafters: dict, new_tokens: int) -> dict:
     def speculative(drafter, tokens, lengths):
         """kvjax.speculative_generate's steps with prompt lengths, so a padded shape compiles once."""
         g = drafter.draft_len
-        capacity = math.ceil((tokens.shape[1] + new_tokens + g + 1) / CACHE_ALIGN) * CACHE_ALIGN
+        capacity = aligned(tokens.shape[1] + new_tokens + g + 1)
         prefix, plen = jnp.asarray(tokens), jnp.asarray(lengths - 1)
         last = tokens[np.arange(len(tokens)), lengths - 1]
         layers = tuple(drafter.feature_layers)
         if layers:
-            cache, feats = prefill_features(params, prefix, plen, capacity, layers)
+            cache, feats = prefill.with_features(tokens, lengths - 1, layers=layers, capacity=capacity)
         else:
-            cache, feats = prefill_cache_jit(params, cfg, prefix, plen, capacity), None
+            cache, feats = prefill(tokens, lengths - 1, capacity=capacity), None
         state = drafter.start(prefix, plen, capacity, feats)
         out, counters = run_loop(looped, drafter, cache, state, last, jax.random.key(0), new_tokens, Sampling(),
                                  eos, pad)

@@ -5,11 +5,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.builders import Mapped, NativePrefill, SourcePrefill
 from kvjax.cache import KVCache
-from kvjax.builders.mapped import map_jit
-from kvjax.builders.native import prefill_cache_jit
 from kvjax.eval.attention_fidelity import cache_attention, native_attention
-from kvjax.mapper.features import layer_features
+from kvjax.kernels.features import layer_features
 
 
 def _valid_rows(feat, lengths) -> np.ndarray:
@@ -72,22 +71,26 @@ class _Accumulator:
 def map_distances(maps: dict, source, target, windows: np.ndarray, batch_size: int = 8) -> dict:
     """Distances of mapped caches to the target's native cache on token windows int [N, T] (all positions valid).
 
-    `maps`: name -> KVMap (e.g. {"raw": kvjax.eval.arms.injection_map(...), "ridge": ..., "residual": ...}).
+    `maps`: name -> KVMap (e.g. {"raw": kvjax.mapper.injection.injection_map(...), "ridge": ..., "residual": ...}).
     Returns {name: {"mean": {key_cos, key_nrmse, value_cos, value_nrmse, attn_cos, attn_nrmse} (mean over target
     layers), "per_layer": [...]}}; keys are compared before RoPE, values as they are; attn_* compare the target's
     attention outputs from the mapped and the native cache under the same (native) queries
     (kvjax.eval.attention_fidelity)."""
-    (scfg, sparams), (tcfg, tparams) = source, target
+    tcfg, tparams = target
     acc = {name: [(_Accumulator(), _Accumulator()) for _ in range(tcfg.num_layers)] for name in maps}
     # the target's attention outputs, mapped vs native cache (kvjax.eval.attention_fidelity)
     attn_acc = {name: [_Accumulator() for _ in range(tcfg.num_layers)] for name in maps}
+    shared = SourcePrefill(source)  # one source prefill per batch: the raw features and every map's input
+    builders = {name: Mapped(source, target, kvmap, name=name, shared=shared) for name, kvmap in maps.items()}
+    native_target = NativePrefill(target)
     for i in range(0, len(windows), batch_size):
-        tokens = jnp.asarray(windows[i : i + batch_size], jnp.int32)
-        src, tgt = prefill_cache_jit(sparams, scfg, tokens), prefill_cache_jit(tparams, tcfg, tokens)
+        tokens = np.asarray(windows[i : i + batch_size], np.int32)
+        width = tokens.shape[1]  # every cache holds exactly the window: features over its positions only
+        tgt = native_target(tokens, capacity=width)
         native = [layer_features(tgt, t, tcfg.rope) for t in range(tcfg.num_layers)]
-        queries, native_out = native_attention(tparams, tcfg, tokens)
-        for name, kvmap in maps.items():
-            mapped = map_jit(kvmap, src)
+        queries, native_out = native_attention(tparams, tcfg, jnp.asarray(tokens))
+        for name, builder in builders.items():
+            mapped = builder(tokens, capacity=width)
             for t, (nk, nv) in enumerate(native):
                 mk, mv = layer_features(mapped, t, tcfg.rope)
                 flat = lambda a: np.asarray(a).reshape(-1, a.shape[-1])  # noqa: E731

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 
 from kvjax.builders.base import bucket
-from kvjax.builders.native import prefill_cache_jit
+from kvjax.builders import NativePrefill
 from kvjax.cache import KVCache, check_compatible, init_cache
 from kvjax.models.config import Qwen3Config
 from kvjax.models.params import Params
@@ -51,10 +51,10 @@ def native_prefix_cache(params: Params, cfg: Qwen3Config, context_ids, batch: in
     dtype = jnp.dtype(dtype or params.embed.dtype)
     if len(prefix) == 0:
         return init_cache(cfg, batch, capacity, dtype)
-    tokens = np.zeros((batch, bucket(len(prefix))), np.int32)  # padding past capacity is dropped on write
+    tokens = np.zeros((batch, min(bucket(len(prefix)), capacity)), np.int32)  # a handful of compiled widths
     tokens[:, : len(prefix)] = prefix
-    return prefill_cache_jit(params, cfg, jnp.asarray(tokens), jnp.full((batch,), len(prefix), jnp.int32), capacity,
-                             dtype)
+    return NativePrefill((cfg, params), dtype=dtype)(tokens, np.full((batch,), len(prefix), np.int32),
+                                                     capacity=capacity)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))

@@ -4,7 +4,7 @@ same continuation itself, scores the target's next-token distribution: KL(source
 
 Teacher-forced KL (kvjax.eval.suite.kl) scores the target on the text's own continuation; this scores it on the
 states it actually decodes from, where an error in the cache compounds through its own tokens. The continuation is a
-fixed n tokens (no stop at EOS), like the residual's rollout training (kvjax.mapper.residual.rollout_windows).
+fixed n tokens (no stop at EOS), like the residual's rollout training (kvjax.fitting.residual.rollout_windows).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from kvjax.builders import CacheBuilder, Clock, NativePrefill
 from kvjax.mapper.kvmap import KVMap
-from kvjax.mapper.split import native_generate
+from kvjax.split import native_generate
 from kvjax.models.model import Model
 
 NATIVE, PLAIN, TRANSFER, REPAIRED, LOOKUP = "native", "plain", "transfer", "repaired", "lookup"

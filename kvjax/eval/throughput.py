@@ -5,7 +5,7 @@ For each prefix length the same prompt goes through three arms, each generating 
   target  the target prefills and decodes (native small model)
   source  the source prefills and decodes (native large model)
   mapped  the source prefills, the map translates the cache, the target decodes (kvjax.split_generate)
-Phases are timed with block_until_ready (kvjax.mapper.split): prefill (source_prefill + map on the mapped path),
+Phases are timed with block_until_ready (kvjax.split): prefill (source_prefill + map on the mapped path),
 first_token (the prompt's last token: its logits give the first new token), decode (every later token).
 
   decode tok/s = (new tokens - 1) x batch / decode seconds       (tokens after the first / their time)
@@ -21,7 +21,7 @@ the medians are reported. A decode of a small model takes milliseconds, so withi
 The mapped-vs-target decode comparison is the claim that matters (the answer phase runs at the small model's
 speed), and both decodes are the same program on caches of the same shape: on a noisy machine, timing them minutes
 apart measured noise (ratios 0.89-1.19 at 256 tokens across runs). With `paired_decode` > 0 (default 15), their
-decode_tps come instead from kvjax.mapper.split.paired_decode_seconds: the two decodes timed alternately that many
+decode_tps come instead from kvjax.split.paired_decode_seconds: the two decodes timed alternately that many
 times each from two prefilled caches (medians); the rounds' own decode times stay in phases_s.
 """
 
@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from kvjax.models.model import Model
 from kvjax.mapper.kvmap import KVMap
-from kvjax.mapper.split import native_generate, paired_decode_seconds, split_generate
+from kvjax.split import native_generate, paired_decode_seconds, split_generate
 
 ARMS = ("target", "source", "mapped")
 MAP_DEVICES = 2  # devices the map and transfer phases are counted on (the seed's accounting)

@@ -1,6 +1,6 @@
 """The coordinates a cache map works in, on plain arrays: keys un-rotated to their pre-RoPE content, heads
 flattened, and back. Shared by the map's XLA implementation (kvjax.kernels.map_insert.map_insert_reference, which
-`apply_map` and the pipelined path run) and by calibration (kvjax.mapper.features), so the features a map is fitted
+`apply_map` and the pipelined path run) and by calibration (`layer_features` below, on a KVCache), so the features a map is fitted
 on are the features it is applied to.
 
 Each model's keys are un-rotated and re-rotated with its own RoPE description (kvjax.models.rope.Rope: theta and
@@ -16,6 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kvjax.cache import KVCache
 from kvjax.models.rope import apply_rope, as_rope, rope_table, unapply_rope
 
 
@@ -45,3 +46,17 @@ def cache_layout(features: jax.Array, kv_heads: int, rope, offset: int = 0) -> j
     if rope is not None:
         x = apply_rope(x, *slot_angles(n, x.shape[-1], rope, offset))
     return x
+
+
+def layer_features(cache: KVCache, layer: int, rope, t: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """(keys, values) of one layer as float32 [B, T, Hkv*hd]; keys un-rotated to their pre-RoPE content with the
+    model's `rope` (its config's .rope)."""
+    t = cache.capacity if t is None else t
+    return (content_features(cache.keys[layer][:, :, :t], rope),
+            content_features(cache.values[layer][:, :, :t], None))
+
+
+def paired_features(cache: KVCache, layers: tuple[int, ...], rope, t: int | None = None):
+    """Features of several source layers concatenated: (keys, values) [B, T, len(layers)*Hkv*hd]."""
+    feats = [layer_features(cache, s, rope, t) for s in layers]
+    return (jnp.concatenate([f[0] for f in feats], -1), jnp.concatenate([f[1] for f in feats], -1))

@@ -7,7 +7,7 @@ Per target layer, batch row and block of `bt` positions (values skip both rotati
     y   = (x - mu) @ w_in @ w_out + bias + gelu((x - mu) @ (down / scale) + res_bias) @ up   [bt, Fy]
     out = rope(y) per target head                                                  -> tgt[layer, b, :, pos, :]
 
-i.e. `kvjax.mapper.kvmap.LinearMap` applied to the features of `kvjax.mapper.features` (keys un-rotated with the
+i.e. `kvjax.mapper.kvmap.LinearMap` applied to the features of `kvjax.kernels.features` (keys un-rotated with the
 source's RoPE, rotated back with the target's). The feature concatenation and the head split are never
 materialised: the first projection is a sum of per-source-head matmuls, the second one matmul per target head.
 RoPE angles are computed in the kernel from the block's positions (slot i of a cache holds position i).
@@ -80,7 +80,7 @@ def _pad_to(a: jax.Array, axis: int, size: int) -> jax.Array:
 def pack_maps(maps: Sequence, in_heads: int, out_heads: int, *, dtype=jnp.float32,
               backend: str | None = None) -> PackedMap:
     """Per-target-layer `LinearMap`s (fields mu, scale, w_in, w_out, bias, down, res_bias, up; features head-major,
-    as kvjax.mapper.features) -> one PackedMap stacked over the layers (traceable). `dtype`: matmul operand dtype
+    as kvjax.kernels.features) -> one PackedMap stacked over the layers (traceable). `dtype`: matmul operand dtype
     (accumulation is always float32). `backend`: pad R and H as that backend's kernel needs (see padded_size)."""
     shapes = {(m.w_in.shape, m.w_out.shape, m.down.shape) for m in maps}
     if len(shapes) != 1:

@@ -8,11 +8,13 @@ every row's live part (see kvjax.cache.window_sizes), so decode cost grows with 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache import KVCache, window_sizes
+from kvjax.cache import LAYER_AXES, KVCache, init_cache, window_sizes
 from kvjax.models.family import family_of
 from kvjax.models.params import Params
 from kvjax.models.rope import rope_angles
@@ -186,8 +188,9 @@ def finish(lp, cfg, x, attn):
 
 def layer_forward(lp, cfg, x, cos, sin, cache: KVCache, layer: int, positions, kv_len,
                   fresh: bool = False):
-    """One decoder layer over cached context. x [B, T, D]; returns (x, cache with this layer's K/V written).
-    `fresh`: the cache held nothing before these tokens, so attention needs only their own K/V."""
+    """One decoder layer over cached context. x [B, T, D]; returns (x, cache with this layer's K/V written, and
+    those K/V as computed: k [B, T, Hkv, hd] after RoPE, v [B, T, Hkv, hd]). `fresh`: the cache held nothing before
+    these tokens, so attention needs only their own K/V."""
     q, k, v = qkv(lp, cfg, x, cos, sin)
     kb = _write_keys(cache.keys[layer], k, positions, cache.keys_transposed)
     vb = _write(cache.values[layer], v, positions)
@@ -196,7 +199,7 @@ def layer_forward(lp, cfg, x, cos, sin, cache: KVCache, layer: int, positions, k
         attn = causal_attention(q, k, v)
     else:
         attn = attend(q, kb, vb, positions, kv_len, cache.keys_transposed)  # [B, T, Hq, hd]
-    return finish(lp, cfg, x, attn), cache
+    return finish(lp, cfg, x, attn), cache, k, v
 
 
 def causal_attention(q, k, v, block: int = 128):
@@ -276,7 +279,16 @@ def forward_features(params: Params, cfg, tokens: jax.Array, cache: KVCache, fea
 
     `tokens` may have fewer rows (b) than the cache: they are the cache's first b rows, the others are neither read
     nor written (a server's decode step over its occupied slots only: attention reads b rows, not all of them)."""
-    b, t = tokens.shape
+    return _forward(params, cfg, tokens, cache, feature_layers, lengths, last_only, fresh)[:3]
+
+
+def _forward(params, cfg, tokens, cache, feature_layers, lengths, last_only, fresh, tap=None, tap_args=None,
+             embeds=None):
+    """forward_features, and a `tap` (see LayerTap) that sees every layer's keys and values: (logits, cache,
+    features, the tap's result or None). A tap that stops below the top layer leaves logits and cache
+    meaningless (the caller drops them). `embeds` [B, T, D], when given, are the input instead of the tokens'
+    embeddings (tokens may then be None)."""
+    b, t = (tokens if embeds is None else embeds).shape[:2]
     if lengths is None:
         lengths = jnp.full((b,), t, jnp.int32)
     rows = cache.lengths.shape[0]
@@ -284,10 +296,14 @@ def forward_features(params: Params, cfg, tokens: jax.Array, cache: KVCache, fea
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
     kv_len = start + lengths
     cos, sin = head_angles(cfg, positions)
-    x = embed(params, tokens)  # [B, T, D]
+    x = embed(params, tokens) if embeds is None else constrain(embeds.astype(params.embed.dtype),
+                                                                ("batch", None, None))  # [B, T, D]
     feats = {}
-    for i, lp in enumerate(params.layers):
-        x, cache = layer_forward(lp, cfg, x, cos, sin, cache, i, positions, kv_len, fresh)
+    tapped = None if tap is None else tap.start()
+    for i, lp in enumerate(params.layers[: len(params.layers) if tap is None else tap.depth]):
+        x, cache, k, v = layer_forward(lp, cfg, x, cos, sin, cache, i, positions, kv_len, fresh)
+        if tap is not None:
+            tapped = tap.layer(i, k, v, tapped, tap_args)
         if i in feature_layers:
             feats[i] = x
     features = jnp.concatenate([feats[i] for i in feature_layers], axis=-1) if feature_layers else None
@@ -296,13 +312,64 @@ def forward_features(params: Params, cfg, tokens: jax.Array, cache: KVCache, fea
     logits = unembed(params, rms_norm(x, params.final_norm, cfg.rms_norm_eps))
     if last_only:
         logits = logits[:, 0]
-    return logits, cache.replace(lengths=kv_len if b == rows else cache.lengths.at[:b].set(kv_len)), features
+    cache = cache.replace(lengths=kv_len if b == rows else cache.lengths.at[:b].set(kv_len))
+    return logits, cache, features, (None if tap is None else tap.result(tapped, lengths))
 
 
 # ---- public entry points (jitted, cache donated) -----------------------------------------------------------------
 
-def _prefill(params, cfg, tokens, cache, lengths, last_only, fresh):
-    return forward(params, cfg, tokens, cache, lengths, last_only, fresh)
+class Prefilled(NamedTuple):
+    """What the prefill program returns (fields None where not asked for)."""
+
+    logits: jax.Array | None  # [B, V] at each row's last real token (or [B, T, V] without last_only)
+    cache: KVCache | None
+    features: jax.Array | None  # [B, T, len(feature_layers) * D]
+    tapped: object = None  # a LayerTap's result
+
+
+class LayerTap:
+    """Something that reads each layer's keys and values while the prefill program computes them, in the same
+    compiled program (e.g. kvjax.builders.pipelined maps each target layer of a cache map as soon as its source layers
+    exist, and never stores the source's cache). A tap is static (hashable: its settings); its arrays come in as
+    `tap_args`. `depth`: layers the pass runs (below all of them, the prefill program returns no logits and no cache:
+    the upper layers were never computed). start() -> state; layer(i, k, v, state, tap_args) -> state, with k
+    [B, T, Hkv, hd] after RoPE and v [B, T, Hkv, hd]; result(state, lengths) -> what the program returns as `tapped`."""
+
+    depth: int
+
+    def start(self):
+        raise NotImplementedError
+
+    def layer(self, i, k, v, state, tap_args):
+        raise NotImplementedError
+
+    def result(self, state, lengths):
+        raise NotImplementedError
+
+
+def prefill_forward(params: Params, cfg, tokens: jax.Array, lengths: jax.Array | None = None,
+                    cache: KVCache | None = None, *, capacity: int | None = None, dtype=None, last_only: bool = True,
+                    fresh: bool = False, feature_layers: tuple[int, ...] = (), logits: bool = True,
+                    tap: LayerTap | None = None, tap_args=None, embeds: jax.Array | None = None) -> Prefilled:
+    """The library's one prefill, traceable (`prefill_jit` is it compiled, the cache donated): read tokens int
+    [B, T] (right-padded; `lengths` [B] real tokens per row, default T) after what `cache` holds or, with cache None,
+    into a new empty cache of `capacity` positions (default T) and `dtype` (default the params'), sharded by its
+    logical axes under an active mesh (batch over 'data', kv heads over 'model').
+
+    Returns Prefilled(logits, cache, features, tapped): logits [B, V] at each row's last real token with `last_only`
+    (else [B, T, V]), None when `logits` is False (XLA then drops the unembedding); features as forward_features's
+    for `feature_layers` (a drafter reading the model's hidden states); `tap` (static, a LayerTap) reads every
+    layer's keys and values as they are computed. `fresh` promises a given cache is empty (a new one always is).
+    `embeds` [B, T, D]: input embeddings read instead of the tokens' (tokens may then be None), e.g. an
+    audio-language prompt's (kvjax.models.audio)."""
+    if cache is None:
+        b, t = (tokens if embeds is None else embeds).shape[:2]
+        cache = init_cache(cfg, b, t if capacity is None else capacity, dtype or params.embed.dtype)
+        cache, fresh = cache.map_layers(lambda a: constrain(a, LAYER_AXES)), True
+    out, cache, features, tapped = _forward(params, cfg, tokens, cache, feature_layers, lengths, last_only, fresh,
+                                            tap, tap_args, embeds)
+    whole = tap is None or tap.depth >= cfg.num_layers  # a tap that stopped early left no usable logits or cache
+    return Prefilled(out if logits and whole else None, cache if whole else None, features, tapped)
 
 
 def decode(params, cfg, tokens, cache):
@@ -311,7 +378,8 @@ def decode(params, cfg, tokens, cache):
     return logits[:, 0], cache
 
 
-_prefill_jit = jax.jit(_prefill, static_argnames=("cfg", "last_only", "fresh"), donate_argnames=("cache",))
+prefill_jit = jax.jit(prefill_forward, static_argnames=("cfg", "capacity", "dtype", "last_only", "fresh",
+                                                        "feature_layers", "logits", "tap"), donate_argnames=("cache",))
 decode_jit = jax.jit(decode, static_argnames=("cfg",), donate_argnames=("cache",))
 
 
@@ -383,7 +451,9 @@ def prefill(params: Params, cfg, tokens, cache: KVCache, lengths=None, *, last_o
     if fresh is None:
         fresh = not cached.any()
     lengths = None if lengths is None else _int32(lengths, host_lengths)
-    return _prefill_jit(params, cfg, _int32(tokens, host_tokens), cache, lengths, last_only, bool(fresh))
+    out = prefill_jit(params, cfg, _int32(tokens, host_tokens), lengths, cache, last_only=last_only,
+                      fresh=bool(fresh))
+    return out.logits, out.cache
 
 
 def decode_step(params: Params, cfg, tokens, cache: KVCache):

@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from kvjax.models.hfconfig import ConfigError
+
 
 @dataclasses.dataclass(frozen=True)
 class Family:
@@ -66,7 +68,6 @@ def supported() -> str:
 
 def family_for_model_type(model_type, source: str = "config.json") -> Family:
     """The family that reads an HF config.json of this model_type, or a ConfigError naming the supported ones."""
-    from kvjax.models.config import ConfigError
     if model_type not in _BY_MODEL_TYPE:
         raise ConfigError(f"{source}: model_type {model_type!r} is not supported; kvjax reads {supported()} "
                           "checkpoints")
@@ -76,7 +77,6 @@ def family_for_model_type(model_type, source: str = "config.json") -> Family:
 def check_architectures(family: Family, d: dict, source: str) -> None:
     """A ConfigError naming the supported checkpoints when config.json's "architectures" are not this family's
     (e.g. a LlamaForSequenceClassification head under model_type 'llama')."""
-    from kvjax.models.config import ConfigError
     archs = d.get("architectures") or []
     if archs and not set(archs) & set(family.architectures):
         raise ConfigError(f"{source}: architectures {archs} are not supported (model_type "

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.models.config import ConfigError, check_shape, decoder_fields
+from kvjax.models.hfconfig import ConfigError, check_shape, decoder_fields
 from kvjax.models.decoder import rms_norm
 from kvjax.models.family import Family, check_architectures, register
 from kvjax.models.params import ParamSpec, decoder_specs, spec

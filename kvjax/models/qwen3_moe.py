@@ -44,7 +44,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from kvjax.models import qwen3

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.models.hfconfig import ConfigError, rope_settings
+
 
 KINDS = ("default", "llama3")  # HF rope_type values kvjax implements
 
@@ -90,8 +92,7 @@ def rope_from_hf(d: dict, source: str = "config.json") -> Rope:
     """The Rope of an HF config.json dict: `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (older
     files; its rope_type may be spelled `type`). A rope_type kvjax does not implement is a ConfigError naming the ones
     it does: a model run with the wrong frequencies would load fine and answer wrongly."""
-    from kvjax.models.config import ConfigError, _rope_settings
-    theta, scaling = _rope_settings(d, source)
+    theta, scaling = rope_settings(d, source)
     if scaling is None:
         return Rope(theta)
     kind = scaling.get("rope_type", scaling.get("type"))

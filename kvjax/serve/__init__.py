@@ -2,7 +2,11 @@
 
   python -m kvjax.serve --config=toy [--map PATH] [--topology serial|batched|disaggregated] [--port 8000]
 
-  engine     continuous batching over fixed decode slots; serial / batched / disaggregated topologies
+  engine     continuous batching: composes the scheduler, the slots and (disaggregated) the prefill pool
+  scheduler  the bounded queue, prefill batches of one length bucket, each request's final answer
+  slots      the decode cache's rows: insert a prefilled batch, one decode step for every occupied row
+  workers    disaggregated: the prefill worker threads and their supervision
+  config     EngineConfig and the request / event types (no JAX)
   programs   the compiled pieces: batched prefill (the builders), in-place slot insert, one decode step
   app        the HTTP endpoints (Starlette): completions, chat, models, health, metrics
   protocol   request parsing and checks, OpenAI-style errors
@@ -10,9 +14,18 @@
   chat       chat templates from the checkpoint
   metrics    Prometheus metrics
   faults     fault injection points (tests, load tooling)
-  cli        the command line
+  cli        the command line (checks its flags, config and checkpoints before JAX starts)
+
+Engine loads on first use (it imports JAX); the other names here do not need it.
 """
 
-from kvjax.serve.engine import Engine, EngineConfig, Event, QueueFull, Request, Unhealthy
+from kvjax.serve.config import EngineConfig, Event, QueueFull, Request, Unhealthy
 
 __all__ = ["Engine", "EngineConfig", "Event", "QueueFull", "Request", "Unhealthy"]
+
+
+def __getattr__(name: str):
+    if name == "Engine":
+        from kvjax.serve.engine import Engine
+        return Engine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

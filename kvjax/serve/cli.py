@@ -4,7 +4,8 @@ The same run configs as the main job (configs/NAME.py, --config.FIELD=VALUE over
 finished run (its final map in output_dir, judged by output_dir/gate.json) or --map PATH (a kvjax.save_map
 directory; its gate is PATH/../gate.json when there is one, or --gate FILE). When the gate failed, requests are served
 by the target alone ("native_target"). Problems the user can fix are one message and exit status 2, before any
-model is loaded.
+model is loaded: the flags, the config, the checkpoints' headers and the map are checked before JAX is imported (or
+the process restarts under the allocator settings), so such a mistake is reported in well under a second.
 """
 
 from __future__ import annotations
@@ -16,21 +17,28 @@ import sys
 
 from kvjax import allocator
 from kvjax.config_flags import ConfigFlagError, available_configs, build, parse_argv
-from kvjax.preflight import LaunchError, resolve_models
+from kvjax.launch import DEFAULT_CONFIG  # the main job's default run is the served one
+from kvjax.preflight import LaunchError, model_problems, resolve_models
 from kvjax.run_config import RunConfig
-from kvjax.serve.engine import TOPOLOGIES, EngineConfig
+from kvjax.serve.config import TOPOLOGIES, EngineConfig
+from kvjax.stages.plan import MAP_DIRS, final_arm
 
 log = logging.getLogger("kvjax.serve")
+MANIFEST = "manifest.json"  # a saved map's (kvjax.mapper.artifact.MANIFEST; that module imports JAX)
 
 
 class ServeError(Exception):
     """A problem the user can fix; the message names the fix."""
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line in the command's own style (main prints it), not a usage dump
+        raise ServeError(f"{message}; `python -m kvjax.serve --help` lists the flags")
+
+
 def parser() -> argparse.ArgumentParser:
-    from kvjax.launch import DEFAULT_CONFIG
     d = EngineConfig()
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m kvjax.serve", description="OpenAI-compatible server for a fitted map "
         "(source prefill -> map -> target decode). --config=NAME and --config.FIELD=VALUE as in python -m kvjax.launch "
         f"(configs: {', '.join(available_configs())}; default {DEFAULT_CONFIG}).")
@@ -58,13 +66,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def final_map_dir(cfg: RunConfig) -> str:
-    from kvjax.launch import final_arm, plan
-    return os.path.join(cfg.output_dir, plan(cfg)[final_arm(cfg)].outputs[0])
+    return os.path.join(cfg.output_dir, MAP_DIRS[final_arm(cfg)])
 
 
 def locate(cfg: RunConfig, name: str, map_arg: str, gate_arg: str) -> tuple[str, str]:
     """(map directory, gate file or '') with a message naming the command to run when there is none."""
-    from kvjax.mapper.artifact import MANIFEST
     run = f"python -m kvjax.launch --config={name}"
     if map_arg:
         if not os.path.isfile(os.path.join(map_arg, MANIFEST)):
@@ -87,7 +93,8 @@ def locate(cfg: RunConfig, name: str, map_arg: str, gate_arg: str) -> tuple[str,
 
 
 def parse(argv: list[str]):
-    from kvjax.launch import DEFAULT_CONFIG  # the main job's default run is the served one
+    """(config, args, engine settings, map directory, gate file), every check that needs no JAX passed: the flags,
+    the config's fields and types, the checkpoints' headers, the engine settings, the map and its gate."""
     name, overrides, rest = parse_argv(argv)
     args = parser().parse_args(rest)
     cfg = resolve_models(build(name or DEFAULT_CONFIG, overrides, RunConfig))
@@ -95,7 +102,7 @@ def parse(argv: list[str]):
                           max_prefill_batch=args.max_prefill_batch, max_queue=args.max_queue,
                           max_tokens_limit=args.max_tokens, request_timeout=args.request_timeout,
                           prefill_devices=args.prefill_devices)
-    problems = engine.problems()
+    problems = model_problems(cfg) + engine.problems()
     try:
         lo, _, hi = args.warmup.rpartition(":")
         args.warmup = (int(lo or 2), int(hi))
@@ -138,20 +145,23 @@ def build_server(cfg: RunConfig, args, engine_cfg: EngineConfig, map_dir: str, g
     return engine, Server(engine, cfg.name, load_chat_template(cfg.target.path), args.enable_fault_injection)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, restart: bool = False) -> int:
+    """Serve until stopped; 2 for a problem found before serving. `restart` (the entry point's): once the command
+    line passed its checks, restart the process under the allocator settings (kvjax.allocator.reexec), before JAX
+    starts."""
     argv = sys.argv[1:] if argv is None else argv
     try:
         applied = allocator.tune()  # before XLA starts its threads (kvjax.allocator says why)
     except ValueError as e:  # a bad KVJAX_MALLOC
         print(f"kvjax.serve: error: {e}", file=sys.stderr)
         return 2
-    from kvjax.hf import CheckpointError
-    from kvjax.models.config import ConfigError
     try:
         cfg, args, engine_cfg, map_dir, gate = parse(argv)
-    except (ServeError, ConfigFlagError, LaunchError, CheckpointError, ConfigError) as e:
+    except (ServeError, ConfigFlagError, LaunchError) as e:
         print(f"kvjax.serve: error: {e}", file=sys.stderr)
         return 2
+    if restart:
+        allocator.reexec()  # huge pages for the weights: a restart, once (kvjax.allocator says why)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         force=True)
     if engine_cfg.topology == "disaggregated" and "xla_force_host_platform_device_count" not in \
@@ -161,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
                                    f" --xla_force_host_platform_device_count={args.cpu_devices}").strip()
     log.info("host allocator: %s", applied)
     import uvicorn
+
+    from kvjax.hf import CheckpointError
+    from kvjax.models.config import ConfigError
     try:
         engine, server = build_server(cfg, args, engine_cfg, map_dir, gate)
     except (ValueError, CheckpointError, ConfigError, FileNotFoundError) as e:

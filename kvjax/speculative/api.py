@@ -14,20 +14,15 @@ holds.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.builders import CacheBuilder, Clock, Mapped, NativePrefill, PartialRecompute
-from kvjax.builders.mapped import map_jit
-from kvjax.builders.native import prefill_cache_jit
-from kvjax.builders.partial import recompute_jit, recompute_layers
-from kvjax.cache import init_cache
-from kvjax.generation import CACHE_ALIGN, Sampling, pad_prompts
+from kvjax.builders import CacheBuilder, Clock, Mapped, NativePrefill, PartialRecompute, SourcePrefill
+from kvjax.builders.partial import recompute_layers
+from kvjax.generation import Prepared, prepare
 from kvjax.mapper.kvmap import KVMap, check_models
-from kvjax.models.decoder import forward_features
 from kvjax.models.model import Model, as_model
 from kvjax.speculative.draft import ModelDrafter
 from kvjax.speculative.lookup import LookupDrafter
@@ -43,19 +38,6 @@ class SpecResult:
     tokens: jax.Array  # int32 [B, N]
     phases: dict  # seconds per phase: prefill (small model), map, repair, decode (empty unless timings=True)
     stats: Stats
-
-
-@dataclasses.dataclass(frozen=True)
-class _Batch:
-    tokens: np.ndarray  # [B, T] right-padded prompts
-    lengths: np.ndarray  # [B]
-    prefix: np.ndarray  # [B, T'] what the caches hold: each prompt but its last token (T' = max(T - 1, 1))
-    prefix_lengths: np.ndarray  # [B] lengths - 1
-    last: np.ndarray  # [B] each prompt's last token: the first pending token
-    capacity: int
-    sampling: Sampling
-    eos: tuple
-    pad: int
 
 
 def _is_model(x) -> bool:
@@ -95,54 +77,13 @@ def _check_draft_len(g) -> None:
         raise ValueError(f"draft_len must be an integer >= 1 (tokens drafted per round), got {g!r}")
 
 
-def _batch(prompts, max_new_tokens: int, draft_len: int, cfgs, temperature: float, top_p: float, key,
-           eos_token_ids, pad_token_id, prompt_lengths=None) -> _Batch:
-    """Checked host arrays, the cache capacity and the decoding settings (the one place inputs are validated)."""
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    sampling = Sampling(float(temperature), float(top_p))
-    if sampling.temperature > 0 and key is None:
-        raise ValueError("sampling (temperature > 0) needs an explicit key=jax.random.key(seed)")
-    if isinstance(prompts, (list, tuple)) and prompts and not np.isscalar(prompts[0]):
-        tokens, lengths = pad_prompts(prompts)
-    else:
-        tokens = np.asarray(prompts)
-        if tokens.ndim == 1:
-            tokens = tokens[None]
-        if tokens.ndim != 2 or tokens.size == 0 or not np.issubdtype(tokens.dtype, np.integer):
-            raise ValueError(f"prompts must be token lists or an integer array [B, T], got {tokens.dtype}"
-                             f"{tokens.shape}")
-        tokens = tokens.astype(np.int32)
-        lengths = np.full((tokens.shape[0],), tokens.shape[1], np.int32)
-    if prompt_lengths is not None:  # a right-padded array whose rows are shorter: one compile for many lengths
-        lengths = np.asarray(prompt_lengths, np.int32)
-        if lengths.shape != (tokens.shape[0],) or lengths.min() < 1 or lengths.max() > tokens.shape[1]:
-            raise ValueError(f"prompt_lengths must be [B] in 1..{tokens.shape[1]}, got {lengths}")
-        tokens = np.where(np.arange(tokens.shape[1])[None] < lengths[:, None], tokens, 0).astype(np.int32)
-    vcfg = cfgs[0]
-    if tokens.min() < 0 or tokens.max() >= vcfg.vocab_size:
-        raise ValueError(f"prompt token ids must be in [0, {vcfg.vocab_size}), got range [{tokens.min()}, "
-                         f"{tokens.max()}]")
-    need = tokens.shape[1] + max_new_tokens + draft_len + 1  # a round writes draft_len + 1 positions past its start
-    for cfg in cfgs:
-        if need > cfg.max_position_embeddings:
-            raise ValueError(f"prompt ({tokens.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) + draft_len + 1 "
-                             f"= {need} positions exceed the model's max_position_embeddings "
-                             f"({cfg.max_position_embeddings}); shorten the prompt or ask for fewer tokens")
-    eos = tuple(int(e) for e in (vcfg.eos_token_ids if eos_token_ids is None else eos_token_ids))
-    pad = pad_token_id if pad_token_id is not None else (vcfg.pad_token_id if vcfg.pad_token_id is not None else
-                                                          (eos[0] if eos else 0))
-    t = max(tokens.shape[1] - 1, 1)
-    return _Batch(tokens=tokens, lengths=lengths, prefix=np.ascontiguousarray(tokens[:, :t]),
-                  prefix_lengths=lengths - 1, last=tokens[np.arange(len(tokens)), lengths - 1],
-                  capacity=math.ceil(need / CACHE_ALIGN) * CACHE_ALIGN, sampling=sampling, eos=eos, pad=int(pad))
-
-
-_prefill_features = jax.jit(
-    lambda params, cfg, tokens, lengths, capacity, layers: forward_features(
-        params, cfg, tokens, init_cache(cfg, tokens.shape[0], capacity, params.embed.dtype), layers, lengths,
-        fresh=True)[1:],
-    static_argnames=("cfg", "capacity", "layers"))
+def _prepare(prompts, max_new_tokens: int, draft_len: int, cfgs, temperature: float, top_p: float, key,
+             eos_token_ids, pad_token_id, prompt_lengths=None) -> Prepared:
+    """kvjax.generation.prepare with what a speculative round needs: draft_len + 1 positions written past each row's
+    end, within every model's max_position_embeddings."""
+    return prepare(prompts, cfgs, max_new_tokens, prompt_lengths=prompt_lengths, temperature=temperature,
+                   top_p=top_p, key=key, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
+                   extra=draft_len + 1, check_positions=True, what="speculative decoding")
 
 
 def loop_verifier(verifier: Model) -> Model:
@@ -190,8 +131,8 @@ def speculative_generate(verifier, drafter, prompts, max_new_tokens: int, *, dra
     drafter = _as_drafter(drafter, draft_len, vcfg.vocab_size)
     layers = _check_layers(drafter.feature_layers, vcfg)
     cfgs = (vcfg,) + ((drafter.model.cfg,) if isinstance(drafter, ModelDrafter) else ())
-    b = _batch(prompts, max_new_tokens, drafter.draft_len, cfgs, temperature, top_p, key, eos_token_ids,
-               pad_token_id, prompt_lengths)
+    b = _prepare(prompts, max_new_tokens, drafter.draft_len, cfgs, temperature, top_p, key, eos_token_ids,
+                 pad_token_id, prompt_lengths)
     features = None
     if builder is not None:
         if builder.model[0] != vcfg:
@@ -204,25 +145,25 @@ def speculative_generate(verifier, drafter, prompts, max_new_tokens: int, *, dra
             raise ValueError("with a builder every prompt needs at least 2 tokens (the builder reads all but the last)")
         cache = builder(b.prefix, b.prefix_lengths, capacity=b.capacity)
     elif layers:
-        cache, features = _prefill_features(verifier.params, vcfg, jnp.asarray(b.prefix),
-                                            jnp.asarray(b.prefix_lengths), b.capacity, layers)
+        cache, features = NativePrefill(verifier).with_features(b.prefix, b.prefix_lengths, layers=layers,
+                                                                capacity=b.capacity)
     else:
         cache = NativePrefill(verifier)(b.prefix, b.prefix_lengths, capacity=b.capacity)
     state = drafter.start(b.prefix, b.prefix_lengths, b.capacity, features)
-    out, counters = run_loop(loop_verifier(verifier), drafter, cache, state, b.last,
-                             key if key is not None else jax.random.key(0), int(max_new_tokens), b.sampling, b.eos,
-                             b.pad)
+    out, counters = run_loop(loop_verifier(verifier), drafter, cache, state, b.last, b.key, int(max_new_tokens),
+                             b.sampling, b.eos, b.pad)
     return (out, stats_of(counters, drafter.draft_len)) if return_stats else out
 
 
-def transfer_builder(small, large, kvmap: KVMap, repair_layers: int = 0, repair_mode: str = "bottom"
-                     ) -> CacheBuilder:
+def transfer_builder(small, large, kvmap: KVMap, repair_layers: int = 0, repair_mode: str = "bottom", *,
+                     impl: str = "xla", shared: SourcePrefill | None = None) -> CacheBuilder:
     """The builder whose cache the large model verifies from in speculative_split_generate: Mapped, or
-    PartialRecompute with `repair_layers` large-model layers recomputed (`repair_mode` "bottom" or "top").
+    PartialRecompute with `repair_layers` large-model layers recomputed (`repair_mode` "bottom" or "top"); `shared`:
+    the small model's prefill, when its cache also serves another purpose (the drafter's cache).
     kvjax.generate_from(transfer_builder(...), prompts, N) is the greedy output speculative_split_generate equals."""
     if repair_layers:
-        return PartialRecompute(small, large, kvmap, repair_layers, repair_mode)
-    return Mapped(small, large, kvmap)
+        return PartialRecompute(small, large, kvmap, repair_layers, repair_mode, impl=impl, shared=shared)
+    return Mapped(small, large, kvmap, impl=impl, shared=shared)
 
 
 def speculative_split_generate(small, large, kvmap: KVMap, prompts, max_new_tokens: int, *, draft_len: int = 4,
@@ -244,26 +185,22 @@ def speculative_split_generate(small, large, kvmap: KVMap, prompts, max_new_toke
     small, large = as_model(small), as_model(large)
     check_models(kvmap, small.cfg, large.cfg)
     _check_draft_len(draft_len)
-    layers = recompute_layers(large.cfg.num_layers, int(repair_layers), repair_mode)
+    recompute_layers(large.cfg.num_layers, int(repair_layers), repair_mode)  # the placement is checked up front
     drafter = _as_drafter(small, draft_len, large.cfg.vocab_size)
-    b = _batch(prompts, max_new_tokens, draft_len, (large.cfg, small.cfg), temperature, top_p, key, eos_token_ids,
-               pad_token_id)
+    b = _prepare(prompts, max_new_tokens, draft_len, (large.cfg, small.cfg), temperature, top_p, key, eos_token_ids,
+                 pad_token_id)
     if b.prefix_lengths.min() < 1:
         raise ValueError("speculative_split_generate needs prompts of at least 2 tokens (all but the last are "
                          "prefilled and mapped)")
     clock = Clock(enabled=timings)
-    tokens, lengths, t = jnp.asarray(b.prefix), jnp.asarray(b.prefix_lengths), b.prefix.shape[1]
-    small_cache = clock("prefill", prefill_cache_jit(small.params, small.cfg, tokens, lengths, b.capacity))
-    if len(layers) == large.cfg.num_layers:  # everything recomputed: the large model's own prefill
-        clock("map", None)
-        cache = clock("repair", prefill_cache_jit(large.params, large.cfg, tokens, lengths, b.capacity))
-    else:
-        cache = clock("map", map_jit(kvmap, small_cache, capacity=b.capacity, length=t, impl=impl))
-        if layers:
-            cache = recompute_jit(large.params, large.cfg, tokens, lengths, cache, layers)
-        cache = clock("repair", cache)
+    shared = SourcePrefill(small)  # one prefill of the small model: the map's input and the drafter's cache
+    small_cache = shared(b.prefix, b.prefix_lengths, capacity=b.capacity, clock=clock)
+    builder = transfer_builder(small, large, kvmap, int(repair_layers), repair_mode, impl=impl, shared=shared)
+    cache = builder(b.prefix, b.prefix_lengths, capacity=b.capacity, clock=clock)
     state = drafter.from_cache(small_cache)  # the drafter continues from the very prefill that was mapped
-    out, counters = clock("decode", run_loop(loop_verifier(large), drafter, cache, state, b.last,
-                                             key if key is not None else jax.random.key(0), int(max_new_tokens),
-                                             b.sampling, b.eos, b.pad))
-    return SpecResult(tokens=out, phases=dict(clock.phases), stats=stats_of(counters, draft_len))
+    out, counters = clock("decode", run_loop(loop_verifier(large), drafter, cache, state, b.last, b.key,
+                                             int(max_new_tokens), b.sampling, b.eos, b.pad))
+    phases = clock.phases
+    phases = {"prefill": phases.get("source_prefill", 0.0), "map": phases.get("map", 0.0),
+              "repair": phases.get("recompute", 0.0), "decode": phases.get("decode", 0.0)} if timings else {}
+    return SpecResult(tokens=out, phases=phases, stats=stats_of(counters, draft_len))

@@ -13,11 +13,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.builders.native import prefill_cache_jit
+from kvjax.builders import NativePrefill
 from kvjax.cache import KVCache
-from kvjax.generation import Sampling
+from kvjax.generation import Sampling, draw, sampling_probs
 from kvjax.models.decoder import forward
-from kvjax.speculative.loop import draw, sampling_probs
 
 
 @struct.dataclass
@@ -46,9 +45,7 @@ class ModelDrafter:
 
     def start(self, tokens, lengths, capacity: int, features=None) -> DraftState:
         """Prefill the prompts but their last tokens (tokens [B, T], lengths [B]) into a fresh cache."""
-        cfg, params = self.model
-        cache = prefill_cache_jit(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths), int(capacity))
-        return self.from_cache(cache)
+        return self.from_cache(NativePrefill(self.model)(tokens, lengths, capacity=int(capacity)))
 
     def from_cache(self, cache: KVCache) -> DraftState:
         """A state around a cache the drafter's model already holds (e.g. the prefill a speculative KV transfer also

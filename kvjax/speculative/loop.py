@@ -65,29 +65,8 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache import KVCache
-from kvjax.generation import Sampling
+from kvjax.generation.sampling import Sampling, draw, sampling_probs
 from kvjax.models.decoder import forward_features, verify_forward, write_block
-
-
-def sampling_probs(logits: jax.Array, sampling: Sampling) -> jax.Array:
-    """The distribution kvjax.generate samples from, as probabilities [..., V] f32: softmax(logits / T), restricted
-    to the smallest set of most likely tokens whose mass reaches top_p (a token is kept when the mass of strictly
-    more likely tokens is below top_p, as kvjax.generation.sample does) and renormalised. Needs temperature > 0."""
-    probs = jax.nn.softmax(logits.astype(jnp.float32) / sampling.temperature, axis=-1)
-    if sampling.top_p >= 1.0:
-        return probs
-    order = jnp.argsort(-probs, axis=-1)
-    sorted_probs = jnp.take_along_axis(probs, order, axis=-1)
-    keep_sorted = (jnp.cumsum(sorted_probs, axis=-1) - sorted_probs) < sampling.top_p
-    keep = jnp.zeros_like(keep_sorted)
-    keep = jnp.put_along_axis(keep, order, keep_sorted, axis=-1, inplace=False)
-    probs = jnp.where(keep, probs, 0.0)
-    return probs / jnp.sum(probs, axis=-1, keepdims=True)
-
-
-def draw(probs: jax.Array, key: jax.Array) -> jax.Array:
-    """Tokens int32 [...] drawn from probabilities [..., V] (zeros are never drawn)."""
-    return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
 
 
 def accept_greedy(logits: jax.Array, drafts: jax.Array) -> tuple[jax.Array, jax.Array]:

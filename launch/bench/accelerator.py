@@ -142,7 +142,7 @@ def param_bytes(model) -> int:
 
 
 def decode_section(args, target, copy_bps: float) -> list[dict]:
-    from kvjax.builders.native import prefill_cache_jit
+    from kvjax.builders import NativePrefill
     from kvjax.cache import window_sizes
     from kvjax.models.decoder import decode_jit
     cfg, params = target
@@ -157,7 +157,7 @@ def decode_section(args, target, copy_bps: float) -> list[dict]:
     # measured faster on CPU (no repacking of the keys per step); which layout an accelerator prefers is this row
     for batch, transposed in [(b, t) for b in args.batches for t in (False, True)]:
         tokens = jax.random.randint(jax.random.key(batch), (batch, ctx), 0, cfg.vocab_size, jnp.int32)
-        cache = prefill_cache_jit(params, cfg, tokens, None, capacity).with_keys_transposed(transposed)
+        cache = NativePrefill(target)(tokens, capacity=capacity).with_keys_transposed(transposed)
         step = jnp.zeros((batch,), jnp.int32)
         logits, cache = decode_jit(params, cfg, step, cache)  # compile
         jax.block_until_ready(logits)

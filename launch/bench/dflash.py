@@ -1,7 +1,7 @@
 """Block-drafter (DFlash-style) speculative decoding on the toy source: tau, tokens/s and speed-up over the source's
 own greedy decode, side by side in one run, with the plain draft model (the toy target) beside it.
 
-    python -m launch.bench.dflash --out /tmp/dflash.json                 # 5 sets x 40 prompts x 128 tokens
+    python -m launch.bench.dflash --out runs/dflash.json                 # 5 sets x 40 prompts x 128 tokens
     python -m launch.bench.dflash --prompts 4 --new 32 --batch8 0        # a quick look
 
 Prompt sets (held-out text only, never seen by the drafter's training, which reads the train split): windows64 /
@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import statistics
 import sys
 import time
 

@@ -26,7 +26,7 @@ def worker(args) -> dict:
     import jax
     import kvjax
     from kvjax import sharding
-    from kvjax.mapper.calibrate import batches_of, collect_stats, row_batches
+    from kvjax.fitting.calibrate import batches_of, collect_stats, row_batches
     from kvjax.mapper.pairing import depth_pairing
     source = kvjax.load_hf(os.path.join(args.toy_dir, "source"))
     target = kvjax.load_hf(os.path.join(args.toy_dir, "target"))

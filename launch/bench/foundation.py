@@ -239,7 +239,7 @@ class BandwidthBench:
     """Read-only bandwidth (what bounds decode), the higher of two readers of 1 GiB float32: numpy sums in `threads`
     threads (numpy releases the GIL in reductions) and XLA's matrix-vector product, the operation decode streams its
     weights through. Why both: on this machine numpy's sum has read anywhere from 32 to 46 GB/s in runs where XLA's
-    product read 43-47 GB/s, and a roofline from the lower reader overstated decode's share of it (session 19)."""
+    product read 43-47 GB/s, and a roofline from the lower reader overstated decode's share of it (2026-12-02)."""
 
     def __init__(self, args):
         from concurrent.futures import ThreadPoolExecutor

@@ -17,7 +17,7 @@ TTFT mode: the shipped toy pair (checkpoints/toy), a map fitted on random tokens
 token (from host tokens to the token id on the host) of the source alone (native prefill of the whole prompt into
 its cache, argmax of the last logits) against the split path: as kvjax.split_generate runs it today (source
 prefill of all but the last token, apply_map, target forward on the last token) and pipelined
-(kvjax.kernels.pipeline.pipelined_prefill_map, then the target's forward). Interleaved repeats, medians, and the
+(kvjax.builders.pipelined.pipelined_prefill_map, then the target's forward). Interleaved repeats, medians, and the
 share of the pinned CPUs other processes used meanwhile ("other load": trust numbers taken with little), and the
 ratio of the process's CPU time per call (less sensitive to other load on a single pinned CPU).
 """
@@ -134,7 +134,8 @@ def bench_device(args) -> list[dict]:
         for name, t, wbytes, err in variants:
             moved = io + wbytes
             row = {"tokens": n, "impl": name, "ms": t * 1e3, "GB/s": moved / t / 1e9, "bw_frac": moved / t / bw,
-                   "TFLOP/s": flops / t / 1e12, "rel_err_vs_xla": err}
+                   "TFLOP/s": flops / t / 1e12, "rel_err_vs_xla": err, "bytes": moved, "weight_bytes": wbytes,
+                   "copy_GBps": bw / 1e9}
             rows.append(row)
             check = "" if err is None else f"  max|kernel - xla| / max|xla| = {err:.2e}" + \
                 ("  OK" if err < args.tolerance else "  MISMATCH")
@@ -156,7 +157,8 @@ def cpus_busy_seconds(cpus) -> float:
 
 def bench_ttft(args) -> list[dict]:
     import kvjax
-    from kvjax.builders import Mapped, Pipelined, prefill
+    from kvjax.builders import Mapped, Pipelined
+    from kvjax.models.decoder import prefill_forward
     from kvjax.generation import CACHE_ALIGN
     from kvjax.windows import sample
     from kvjax.models.decoder import decode_jit
@@ -178,7 +180,7 @@ def bench_ttft(args) -> list[dict]:
 
     @functools.partial(jax.jit, static_argnames="capacity")
     def native(params, prompt, capacity):  # the cache made inside the jit: ~5% faster than kvjax.prefill's
-        logits, cache = prefill(params, scfg, prompt, capacity=capacity)  # donated one: the stricter baseline
+        logits, cache, _, _ = prefill_forward(params, scfg, prompt, capacity=capacity)  # donated one: stricter
         return jnp.argmax(logits[0]), cache
 
     def run_native(prompt, capacity):

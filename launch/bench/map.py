@@ -40,7 +40,7 @@ def fit_one(args) -> dict:
     import jax
 
     import kvjax
-    from kvjax.mapper.calibrate import batches_of, collect_stats
+    from kvjax.fitting.calibrate import batches_of, collect_stats
     from kvjax.windows import sample
     from kvjax.mapper.pairing import depth_pairing
     source, target = load_pair(args)
@@ -87,7 +87,7 @@ def bench_apply(args) -> dict:
     import jax.numpy as jnp
 
     import kvjax
-    from kvjax.mapper.calibrate import native_cache
+    from kvjax.models.decoder import prefill_forward
     from kvjax.windows import sample
     source, target = load_pair(args)
     (scfg, sparams) = source
@@ -97,7 +97,7 @@ def bench_apply(args) -> dict:
                              sample(tokens, 8, 256, seed=2), pairing=pairing_arg(args),
                              residual_rank=args.residual_rank)
     prompt = jnp.asarray(tokens[None, : args.apply_tokens])
-    prefill = jax.jit(lambda p, t: native_cache(p, scfg, t))
+    prefill = jax.jit(lambda p, t: prefill_forward(p, scfg, t, logits=False).cache)
     apply = jax.jit(lambda m, c: kvjax.apply_map(m, c))
     cache = jax.block_until_ready(prefill(sparams, prompt))
     jax.block_until_ready(apply(kvmap, cache))

@@ -21,15 +21,15 @@ import numpy as np
 import optax
 
 import kvjax
-from kvjax.mapper.calibrate import native_cache
 from kvjax.mapper.kl import kl
-from kvjax.models.decoder import forward, forward_nocache
+from kvjax.models.decoder import forward, forward_nocache, prefill_forward
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--toy-dir", default="checkpoints/toy")
-    p.add_argument("--map", default="runs/toy_map/map", help="a map fitted for the pair (python -m launch.toy.fit_map)")
+    p.add_argument("--map", default="runs/toy/map",
+                   help="a map fitted for the pair (python -m kvjax.launch --config=toy)")
     p.add_argument("--target", default="target", help="the target's folder under --toy-dir (e.g. pruned)")
     p.add_argument("--windows", type=int, default=16, help="the last N held-out windows")
     p.add_argument("--prefix", type=int, default=256)
@@ -38,7 +38,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-2)
     args = p.parse_args()
     if not os.path.isdir(args.map):
-        raise SystemExit(f"no map at {args.map}: fit one with `python -m launch.toy.fit_map` or pass --map")
+        raise SystemExit(f"no map at {args.map}: fit one with `python -m kvjax.launch --config=toy` or pass --map")
     source, target = (kvjax.load_hf(os.path.join(args.toy_dir, r)) for r in ("source", args.target))
     (scfg, sparams), (tcfg, tparams) = source, target
     kvmap = kvjax.load_map(args.map, scfg, tcfg)
@@ -48,8 +48,8 @@ def main() -> None:
     teacher = forward_nocache(sparams, scfg, w[:, :-1])[:, P - 1 :]
     native = forward_nocache(tparams, tcfg, w[:, :-1])[:, P - 1 :]
     print(f"native target KL {float(kl(teacher, native).mean()):.4f} nats/token ({args.windows} windows)")
-    mapped = kvjax.apply_map(kvmap, native_cache(sparams, scfg, w[:, : P - 1]), capacity=P + C, length=P - 1)
-    own = native_cache(tparams, tcfg, w[:, : P - 1])
+    mapped = kvjax.apply_map(kvmap, prefill_forward(sparams, scfg, w[:, : P - 1], logits=False).cache, capacity=P + C, length=P - 1)
+    own = prefill_forward(tparams, tcfg, w[:, : P - 1], logits=False).cache
     pad = ((0, 0),) * 3 + ((0, C + 1),) + ((0, 0),)
     own = own.with_stacked(jnp.pad(own.k, pad), jnp.pad(own.v, pad))
     opt = optax.adam(args.lr)

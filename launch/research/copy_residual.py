@@ -4,7 +4,7 @@
     python -m launch.research.retrieval_diag --map RUN/map --extra copy=DIR --arms map copy          # retrieval
     python -m launch.research.retrieval_diag --map RUN/map --extra copy=DIR --part mc --arms copy     # MC vs map
 
-The residual's own training windows (256 + 64 tokens of text, kvjax.mapper.teacher_pool) hold no copy from more
+The residual's own training windows (256 + 64 tokens of text, kvjax.fitting.teacher_pool) hold no copy from more
 than 320 tokens back, while the needle sits ~870 back (`retrieval_diag --part copies`). Here each step adds
 `--copy-batch` windows of `--prefix` tokens of training text followed by a repeat of a `--span`-token span that
 started 10-20% into the window (the needle's depth), and scores source-teacher KL only on the repeat after its first
@@ -13,11 +13,12 @@ beside it. The source runs once per window (a pool, as the library's trainer doe
 target. Only the residual moves (the ridge stays frozen); it starts from --map's residual (or fresh with --fresh).
 Writes DIR (a map artifact) and DIR/log.jsonl.
 
-Session 11 (pruned pair, session-11 quick map; retrieval = the shipped 1K set, 200 items; source 195/200): generic
-repeats (800 steps) 0/50 (digits 40%); `--facts --span 16 --copy-batch 4 --copy-windows 256 --lr 2e-3
---steps 800` 129/200, with `--text-windows 1536` 131/200 (MC within today's paired interval, KL +0.047), `--only k1`
-(the reader's keys alone) 116/200. The first digit does not transfer to a separator the windows never showed
-("key: value": 0-1/50, source 49/50).
+Measured 2026-12-01 at cf52193 (pruned pair; --map: the default run's map as it was then, without copy windows,
+`python -m kvjax.launch --config.residual.copy_windows=0 --config.residual.steps=400`; retrieval = the shipped 1K set,
+200 items; source 195/200): generic repeats (800 steps) 0/50 (digits 40%); `--facts --span 16 --copy-batch 4
+--copy-windows 256 --lr 2e-3 --steps 800` 129/200, with `--text-windows 1536` 131/200 (MC within the map's paired
+interval, KL +0.047), `--only k1` (the reader's keys alone) 116/200. The first digit does not transfer to a separator
+the windows never showed ("key: value": 0-1/50, source 49/50).
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ from kvjax.cache import init_cache
 from kvjax.mapper.artifact import read_manifest
 from kvjax.mapper.kl import kl
 from kvjax.mapper.kvmap import apply_map, ridge_only
-from kvjax.mapper.residual import make_optimizer
-from kvjax.mapper.residual_config import ResidualConfig
+from kvjax.fitting.residual import make_optimizer
+from kvjax.fitting.residual_config import ResidualConfig
 from kvjax.models.decoder import forward, forward_features, rms_norm, unembed
 from kvjax.windows import sample
 from launch.toy.config import DIGITS, EQUALS_SPACE
@@ -120,10 +121,11 @@ def make_step(opt, source, target, copy_prefix: int, text_prefix: int, skip: int
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--map", default="/tmp/team/fidelity/quick1/map")
+    p.add_argument("--map", default="runs/toy_pruned_quick/map", help="a map artifact of the pair (a run's map/)")
     p.add_argument("--source", default=os.path.join(REPO, "checkpoints/toy/source"))
     p.add_argument("--target", default=os.path.join(REPO, "checkpoints/toy/pruned"))
-    p.add_argument("--train-tokens", default="/tmp/team/fidelity/quick1/data/train_tokens.npy")
+    p.add_argument("--train-tokens", default="",
+                   help="training tokens (default: RUN/data/train_tokens.npy of --map's run)")
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -141,6 +143,8 @@ def main(argv=None) -> None:
     p.add_argument("--fresh", action="store_true", help="start the residual at zero (the ridge) instead of --map's")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    args.train_tokens = args.train_tokens or os.path.join(os.path.dirname(os.path.abspath(args.map)), "data",
+                                                          "train_tokens.npy")
     for path in (args.map, args.train_tokens):
         if not os.path.exists(path):
             raise SystemExit(f"{path}: not found (--map RUN/map, --train-tokens RUN/data/train_tokens.npy)")

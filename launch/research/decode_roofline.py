@@ -24,7 +24,6 @@ import re
 import statistics
 import sys
 import tempfile
-import time
 
 from launch.bench.foundation import make_checkpoint, seconds
 

@@ -2,7 +2,7 @@
 
     python -m launch.research.needle_probe                                      # 48 items at 1K, the sets' own format
     python -m launch.research.needle_probe --needle $'{key}: {value}\n' --query '{key}:'    # another separator
-    python -m launch.research.needle_probe --value-letters 4 --models v21=/tmp/v21_source   # other values, other models
+    python -m launch.research.needle_probe --value-letters 4 --models v21=DIR               # other values, other models
 
 Items come from launch.toy.evalsets' generator with their own seed (123; not the shipped sets), so a probe can try
 formats the shipped sets do not have. Every needle option of launch.toy.evalsets is accepted (--needle, --query,

@@ -23,7 +23,7 @@ import numpy as np
 import kvjax
 from kvjax.eval import bootstrap_ci, paired_bootstrap_ci, reading_gaps
 from kvjax.mapper.kvmap import ridge_only
-from kvjax.mapper.residual import evaluate_kl
+from kvjax.fitting.residual import evaluate_kl
 
 
 def main(argv=None) -> None:
@@ -32,8 +32,9 @@ def main(argv=None) -> None:
     p.add_argument("--prefix", type=int, nargs="+", default=(256, 960), help="prefix lengths P")
     p.add_argument("--short", type=int, nargs="+", default=(16,), help="tokens of the prefix read in the local view")
     p.add_argument("--cont", type=int, default=64)
-    p.add_argument("--windows", type=int, default=128, help="held-out windows (those fit_map scores KL on)")
-    p.add_argument("--map", help="a map for this pair (python -m launch.toy.fit_map): score it at each prefix too")
+    p.add_argument("--windows", type=int, default=128, help="held-out windows (those the toy config's KL reads)")
+    p.add_argument("--map", help="a map for this pair (python -m kvjax.launch --config=toy writes runs/toy/map): "
+                                  "score it at each prefix too")
     p.add_argument("--by-position", action="store_true",
                    help="with --map: the KLs by continuation position (where along the continuation the map helps)")
     args = p.parse_args(argv)
@@ -48,7 +49,7 @@ def main(argv=None) -> None:
     if args.by_position and not args.map:
         raise SystemExit("--by-position scores a map along the continuation: give it one with --map")
     if args.map and not os.path.isdir(args.map):
-        raise SystemExit(f"no map at {args.map}: fit one with `python -m launch.toy.fit_map` or drop --map")
+        raise SystemExit(f"no map at {args.map}: fit one with `python -m kvjax.launch --config=toy` or drop --map")
     source, target = (kvjax.load_hf(os.path.join(args.toy_dir, r)) for r in ("source", "target"))
     kvmap = kvjax.load_map(args.map, source[0], target[0]) if args.map else None
     maps, positions = [], []

@@ -49,7 +49,7 @@ import optax
 
 import kvjax
 from kvjax.builders.base import bucket
-from kvjax.builders.native import prefill_cache_jit
+from kvjax.builders import NativePrefill
 from kvjax.builders.partial import recompute_jit
 from kvjax.cache import KVCache
 from kvjax.eval.retrieval import load_retrieval
@@ -157,19 +157,17 @@ class Recipes:
         self.source, self.target, self.maps, self.capacity = source, target, maps, capacity
 
     def source_cache(self, prompts) -> KVCache:
-        cfg, params = self.source
         t = prompts.shape[1] - 1
-        return prefill_cache_jit(params, cfg, jnp.asarray(prompts[:, :-1]), jnp.full((len(prompts),), t, jnp.int32),
-                                 self.capacity)
+        return NativePrefill(self.source)(prompts[:, :-1], np.full((len(prompts),), t, np.int32),
+                                          capacity=self.capacity)
 
     def __call__(self, name: str, prompts) -> KVCache:
         t = prompts.shape[1] - 1
         if name == "source":
             return self.source_cache(prompts)
         if name == "target":
-            cfg, params = self.target
-            return prefill_cache_jit(params, cfg, jnp.asarray(prompts[:, :-1]),
-                                     jnp.full((len(prompts),), t, jnp.int32), self.capacity)
+            return NativePrefill(self.target)(prompts[:, :-1], np.full((len(prompts),), t, np.int32),
+                                              capacity=self.capacity)
         if name.startswith("direct:"):
             layers = [int(s) for s in name.split(":", 1)[1].split(",")]
             src = self.source_cache(prompts)
@@ -442,7 +440,7 @@ def run_kl(names, source, target, maps: dict, windows: int, baseline: str) -> No
     """Source-teacher KL of each map on the run's held-out windows (prefix 256, continuation 64: the job's `kl`
     evaluation), paired against `baseline`."""
     from kvjax.eval.stats import paired_bootstrap_ci
-    from kvjax.mapper.residual import evaluate_kl
+    from kvjax.fitting.residual import evaluate_kl
     w = np.load(os.path.join(REPO, "checkpoints/toy/eval/heldout_windows.npy"))[:windows, : 256 + 64].astype(np.int32)
     base = evaluate_kl(map_recipe(baseline, maps), source, target, w, 256)
     print(f"\nSource-teacher KL, {windows} held-out windows (256 + 64), paired difference to `{baseline}`\n")
@@ -460,7 +458,7 @@ def main(argv=None) -> None:
     p.add_argument("--part", choices=("arms", "layers", "attention", "optimise", "copies", "mc"), default="arms")
     p.add_argument("--source", default=os.path.join(REPO, "checkpoints/toy/source"))
     p.add_argument("--target", default=os.path.join(REPO, "checkpoints/toy/pruned"))
-    p.add_argument("--map", default="/tmp/team/fidelity/quick1/map", help="a map artifact of the pair")
+    p.add_argument("--map", default="runs/toy_pruned_quick/map", help="a map artifact of the pair (a run's map/)")
     p.add_argument("--extra", nargs="*", default=[], metavar="NAME=MAPDIR", help="more maps, usable as recipes")
     p.add_argument("--arms", nargs="*", help="recipes to score (default per part)")
     p.add_argument("--length", type=int, default=1024)
@@ -469,7 +467,8 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=150, help="optimise: Adam steps")
     p.add_argument("--lr", type=float, default=0.05, help="optimise: Adam learning rate")
     p.add_argument("--width", type=int, default=6, help="optimise: needle tokens freed before the value")
-    p.add_argument("--train-tokens", default="/tmp/team/fidelity/quick1/data/train_tokens.npy")
+    p.add_argument("--train-tokens", default="",
+                   help="copies: training tokens (default: RUN/data/train_tokens.npy of --map's run)")
     p.add_argument("--pool-windows", type=int, default=1536)
     p.add_argument("--pool-prefix", type=int, default=256)
     p.add_argument("--pool-cont", type=int, default=64)
@@ -482,6 +481,8 @@ def main(argv=None) -> None:
                                for i, a in enumerate(needle_args)):
         p.error(f"unrecognised arguments {needle_args}")
     if args.part == "copies":
+        args.train_tokens = args.train_tokens or os.path.join(os.path.dirname(os.path.abspath(args.map)), "data",
+                                                              "train_tokens.npy")
         if not os.path.isfile(args.train_tokens):
             raise SystemExit(f"--train-tokens {args.train_tokens}: no such file (a run's data/train_tokens.npy)")
         return run_copies(args.train_tokens, args.pool_windows, args.pool_prefix, args.pool_cont, 0, args.ngram)

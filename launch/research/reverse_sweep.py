@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     import kvjax
-    from kvjax.eval.arms import injection_map
+    from kvjax.mapper.injection import injection_map
     from kvjax.eval.speculative import NATIVE, _agreement, _run
     from kvjax.speculative import speculative_split_generate
 

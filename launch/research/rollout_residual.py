@@ -73,7 +73,7 @@ def train(name: str, ridge, source, target, tokens, rc, workdir: str):
     """The residual `name` trained to rc.steps in `workdir` (resuming), with the wall time its runs took in total.
     A finished training is saved as <workdir>/map and loaded from there."""
     import kvjax
-    from kvjax.mapper.residual import train_residual
+    from kvjax.fitting.residual import train_residual
     clock_path, map_dir = os.path.join(workdir, "train_seconds.json"), os.path.join(workdir, "map")
     spent = json.load(open(clock_path)) if os.path.isfile(clock_path) else {"seconds": 0.0, "steps": 0}
     if spent["steps"] >= rc.steps and os.path.isdir(map_dir):
@@ -97,7 +97,7 @@ def cache_metrics(maps: dict, source, target, heldout, skip: int, windows: int, 
     main job's distance windows) and teacher-forced source KL over `cont` tokens after `prefix` (rows skip..)."""
     from kvjax.builders import Mapped, NativePrefill, SourcePrefill
     from kvjax.eval.distances import cache_distances
-    from kvjax.mapper.residual import evaluate_kl
+    from kvjax.fitting.residual import evaluate_kl
     dist = np.asarray(heldout[:skip, :512])
     kl_rows = np.asarray(heldout[skip : skip + windows, : prefix + cont])
     native, shared = NativePrefill(target), SourcePrefill(source)
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
 
     import kvjax
     from kvjax.eval.stats import paired_bootstrap_ci
-    from kvjax.mapper.residual_config import ResidualConfig
+    from kvjax.fitting.residual_config import ResidualConfig
 
     run_cfg = json.load(open(cfg_path))
     out = args.out or os.path.join(args.run, "rollout_residual")

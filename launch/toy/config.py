@@ -45,7 +45,7 @@ class PrunedTargetConfig:
     """A target made from the trained source: keep some of its layers (with its embedding, final norm and tied
     head), then fine-tune that stack on text. It keeps the source's attention "readers" but not the layers that
     feed them, so it cannot read text by itself yet can read a cache in the source's coordinates: a target that can
-    use what the source read, which is what the cache map needs (WORKSPACE.md, "Cache map"). Shipped beside the
+    use what the source read, which is what the cache map needs (docs/method.md). Shipped beside the
     from-scratch pair (which stays within its 40 MB) in bfloat16, 8.9 MB; rebuilt in minutes from the shipped
     source."""
 
@@ -62,8 +62,8 @@ class MoeSiblingConfig:
     attention, norms and embedding with each layer's MLP split into `num_experts` experts of its neurons (clustered
     by their gate vectors; the router starts at the cluster centroids) of which `top_k` run per token, then trained
     on text with the source's data pipeline. Upcycled rather than from scratch because the toy models learn to copy
-    only after ~8M tokens at the source's width (WORKSPACE.md, toy pair), far more than this budget, and a sibling
-    that cannot read context says little about cache transfer."""
+    only after ~8M tokens at the source's width (`git show ce69783:WORKSPACE.md`, "Toy pair"), far more than this
+    budget, and a sibling that cannot read context says little about cache transfer."""
 
     num_experts: int = 8  # the source's ffn (768) split evenly: 96 neurons per expert
     top_k: int = 2  # a quarter of the MLP runs per token

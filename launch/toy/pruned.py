@@ -6,9 +6,9 @@
 
 Why: the pair's target (2 x 64, trained from scratch) cannot read text, so no cache, mapped or its own, changes its
 answers much. This target keeps the source's attention readers but not the layers that build their inputs: it
-cannot read by itself, yet reads a cache in the source's coordinates — the regime the map is for (WORKSPACE.md,
-"Cache map"). Resumable (orbax checkpoints every `save_every` steps); a rerun of a finished build only re-exports.
-Trained in float32, exported in `export_dtype` (bfloat16 halves the shipped size; kvjax.load_hf computes in float32).
+cannot read by itself, yet reads a cache in the source's coordinates — the regime the map is for (docs/method.md).
+Resumable (orbax checkpoints every `save_every` steps); a rerun of a finished build only re-exports. Trained in
+float32, exported in `export_dtype` (bfloat16 halves the shipped size; kvjax.load_hf computes in float32).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ def windows_of(heldout: np.ndarray, ec: DistancesEval) -> np.ndarray:
 
 
 def run(ec: DistancesEval, ctx) -> dict:
-    from kvjax.eval.arms import injection_kind
+    from kvjax.mapper.injection import injection_kind
     from kvjax.eval.distances import map_distances
     windows = windows_of(ctx.heldout, ec)
     maps = {RAW: ctx.map(RAW), **{m: ctx.map(m) for m in ctx.fitted}}

@@ -42,7 +42,7 @@ def run(ec: KLEval, ctx) -> dict:
     prefix itself) and the final map's next-token agreement come from one pass of the final map."""
     from kvjax.eval.agreement import next_token_agreement
     from kvjax.eval.arms import TARGET
-    from kvjax.mapper.residual import evaluate_kl
+    from kvjax.fitting.residual import evaluate_kl
     windows = windows_of(ctx.heldout, ec, first_row(ctx.cfg))
     maps = {m: ctx.map(m) for m in ctx.fitted}
     final = ctx.final

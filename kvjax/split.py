@@ -7,9 +7,7 @@ cache capacity): the baseline of throughput measurements and the fallback of a m
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
-import math
 import time
 
 import jax
@@ -17,17 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.builders import CacheBuilder, Clock, Mapped, NativePrefill, Pipelined
-from kvjax.generation import CACHE_ALIGN, Sampling, decode_loop, pad_prompts
-from kvjax.models.model import Model
+from kvjax.generation import decode_from, generate_from, prepare
 from kvjax.mapper.kvmap import KVMap, check_models
 from kvjax.models.decoder import decode_jit
+from kvjax.models.model import Model
 
 log = logging.getLogger(__name__)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "n", "sampling", "eos", "pad"))
-def _decode(params, cfg, cache, logits, key, n, sampling, eos, pad):
-    return decode_loop(params, cfg, cache, logits, n, key, sampling, eos, pad)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,57 +35,6 @@ class SplitResult:
     @property
     def fell_back(self) -> bool:
         return self.path != "split"
-
-
-def _prepare(prompts, max_new_tokens: int, eos_ids, pad_id, cfg, temperature: float, key):
-    if temperature > 0 and key is None:
-        raise ValueError("sampling (temperature > 0) needs an explicit key=jax.random.key(seed)")
-    tokens, lengths = pad_prompts(prompts) if isinstance(prompts, (list, tuple)) else (
-        np.asarray(prompts, np.int32), np.full((len(prompts),), np.shape(prompts)[1], np.int32))
-    if lengths.min() < 2:
-        raise ValueError("split_generate / native_generate need prompts of at least 2 tokens (all but the last are "
-                         "prefilled)")
-    eos = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
-    pad = pad_id if pad_id is not None else (cfg.pad_token_id or (eos[0] if eos else 0))
-    capacity = math.ceil((tokens.shape[1] + max_new_tokens) / CACHE_ALIGN) * CACHE_ALIGN
-    last = jnp.asarray(tokens[np.arange(len(tokens)), lengths - 1])
-    return tokens, lengths, eos, int(pad), capacity, last
-
-
-def _timed_decode(clock: Clock, repeats: int, *args):
-    """The decode phase; with timings and repeats > 1 it is re-run from the same cache (not donated) and the median
-    time kept: short decodes are too brief to time once. The tokens are the first run's."""
-    phases = clock.phases
-    out = clock("decode", _decode(*args))
-    if repeats > 1 and "decode" in phases:
-        times = [phases["decode"]]
-        for _ in range(repeats - 1):
-            t0 = time.perf_counter()
-            jax.block_until_ready(_decode(*args))
-            times.append(time.perf_counter() - t0)
-        phases["decode"] = float(np.median(times))
-    return out
-
-
-def generate_from(builder: CacheBuilder, prompts, max_new_tokens: int, *, temperature: float = 0.0,
-                  top_p: float = 1.0, key=None, eos_token_ids=None, pad_token_id: int | None = None,
-                  clock: Clock | None = None, decode_repeats: int = 1):
-    """The answering model of `builder` generates after each prompt from the cache the builder makes: the builder
-    reads all but each prompt's last token, the model runs that token (the first new token's logits), then decodes.
-    `prompts`: list of token lists (>= 2 tokens each) or int array [B, T]. Returns tokens int32 [B, N]. With an
-    enabled `clock` (kvjax.builders.Clock) each phase is timed with block_until_ready into clock.phases (the
-    builder's phases, first_token, decode); `decode_repeats` > 1 then re-runs the decode phase from the same cache
-    and keeps its median time."""
-    cfg, params = builder.model
-    clock = clock if clock is not None else Clock(enabled=False)
-    tokens, lengths, eos, pad, capacity, last = _prepare(prompts, max_new_tokens, eos_token_ids, pad_token_id, cfg,
-                                                         temperature, key)
-    t = tokens.shape[1] - 1
-    cache = builder(tokens[:, :t], lengths - 1, capacity=capacity, clock=clock)
-    logits, cache = clock("first_token", decode_jit(params, cfg, last, cache))
-    return _timed_decode(clock, decode_repeats, params, cfg, cache, logits,
-                         key if key is not None else jax.random.key(0), int(max_new_tokens),
-                         Sampling(float(temperature), float(top_p)), eos, pad)
 
 
 def _run(builder: CacheBuilder, prompts, max_new_tokens: int, timings: bool, **kwargs):
@@ -141,7 +83,7 @@ def split_generate(source: Model, target: Model, kvmap: KVMap, prompts, max_new_
     "native_target".
 
     `pipeline`: run the source prefill and the map as one program, each target layer mapped as soon as its paired
-    source layers exist and the source stopped at the deepest paired layer (kvjax.kernels.pipeline; same tokens);
+    source layers exist and the source stopped at the deepest paired layer (kvjax.builders.pipelined; same tokens);
     its timings have one phase "prefill_map" instead of source_prefill + map. `impl`: how the map runs, "xla",
     "pallas" (the fused map-and-insert kernel) or "auto" (kernel on GPU/TPU, XLA on CPU).
     """
@@ -171,18 +113,18 @@ def paired_decode_seconds(source: Model, target: Model, kvmap: KVMap, prompts, m
     target, ...) from the same two prefilled caches, so that drifts in machine speed hit both arms alike: the paired
     measurement behind "mapped decode runs at native target speed". Compiles first (not timed)."""
     tcfg, tparams = target
-    tokens, lengths, eos, pad, capacity, last = _prepare(prompts, max_new_tokens, (), None, tcfg, 0.0, None)
-    t = tokens.shape[1] - 1
+    p = prepare(prompts, tcfg, max_new_tokens, eos_token_ids=(), min_length=2, what="paired_decode_seconds")
     builders = {"target": NativePrefill(target), "mapped": Mapped(source, target, kvmap)}
     args = {}
     for arm, builder in builders.items():
-        logits, cache = decode_jit(tparams, tcfg, last, builder(tokens[:, :t], lengths - 1, capacity=capacity))
-        args[arm] = (tparams, tcfg, cache, logits, jax.random.key(0), int(max_new_tokens), Sampling(), eos, pad)
-        jax.block_until_ready(_decode(*args[arm]))  # compile
+        logits, cache = decode_jit(tparams, tcfg, jnp.asarray(p.last),
+                                   builder(p.prefix, p.prefix_lengths, capacity=p.capacity))
+        args[arm] = (tparams, tcfg, cache, logits, p.key, int(max_new_tokens), p.sampling, p.eos, p.pad)
+        jax.block_until_ready(decode_from(*args[arm]))  # compile
     times = {arm: [] for arm in args}
     for r in range(repeats):
         for arm in (("target", "mapped") if r % 2 == 0 else ("mapped", "target")):
             t0 = time.perf_counter()
-            jax.block_until_ready(_decode(*args[arm]))
+            jax.block_until_ready(decode_from(*args[arm]))
             times[arm].append(time.perf_counter() - t0)
     return times

@@ -1,6 +1,6 @@
 """The residual's training windows with everything the frozen models say about them computed once (a pool).
 
-The residual trainer (kvjax.mapper.residual) spends most of a step in the two frozen models: the teacher's pass over
+The residual trainer (kvjax.fitting.residual) spends most of a step in the two frozen models: the teacher's pass over
 the whole window and the source's prefill of the prefix (on the toy pair ~75% of the FLOPs of a step; the target
 reading the mapped cache, forward and backward, is the rest). Neither depends on the map, so with
 `ResidualConfig.pool_windows = N` the trainer draws N windows once, runs the source once per window (one pass gives
@@ -27,10 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from kvjax.cache import KVCache, init_cache
-from kvjax.models.decoder import forward_features, rms_norm, unembed
+from kvjax.cache import KVCache
+from kvjax.models.decoder import prefill_forward, rms_norm, unembed
 from kvjax.models.model import Model
-from kvjax.builders.native import prefill
 from kvjax.windows import sample
 
 
@@ -68,10 +67,10 @@ def _pool_batch(sparams, tparams, scfg, tcfg, tokens, prefix: int, teacher: str)
     the source as teacher one pass gives both (causal: its cache of the first prefix - 1 positions is the prefix's)."""
     inputs = tokens[:, :-1]
     model_params, model_cfg = (sparams, scfg) if teacher == "source" else (tparams, tcfg)
-    fresh = init_cache(model_cfg, tokens.shape[0], inputs.shape[1], model_params.embed.dtype)
-    _, cache, h = forward_features(model_params, model_cfg, inputs, fresh, (model_cfg.num_layers - 1,), fresh=True)
+    _, cache, h, _ = prefill_forward(model_params, model_cfg, inputs, last_only=False, logits=False,
+                                     feature_layers=(model_cfg.num_layers - 1,))
     if teacher != "source":
-        _, cache = prefill(sparams, scfg, inputs[:, : prefix - 1])
+        cache = prefill_forward(sparams, scfg, inputs[:, : prefix - 1], logits=False).cache
     return cache.k[:, :, :, : prefix - 1], cache.v[:, :, :, : prefix - 1], h[:, prefix - 1 :]
 
 
@@ -84,7 +83,7 @@ def build_pool(source: Model, target: Model, tokens: np.ndarray, n: int, prefix:
 
 def pool_of(source: Model, target: Model, windows: np.ndarray, prefix: int, teacher: str = "source",
             batch_size: int = 8) -> Pool:
-    """The Pool of given windows int32 [N, prefix + cont] (e.g. kvjax.mapper.copy_windows' fact-copy windows)."""
+    """The Pool of given windows int32 [N, prefix + cont] (e.g. kvjax.fitting.copy_windows' fact-copy windows)."""
     (scfg, sparams), (tcfg, tparams) = source, target
     n = len(windows)
     ks, vs, hs = [], [], []

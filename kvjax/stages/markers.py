@@ -1,4 +1,4 @@
-"""A run directory's stages: each finished stage leaves a marker (stages/NAME.json) holding a hash of everything
+"""A run directory's stage markers: each finished stage leaves a marker (stages/NAME.json) holding a hash of everything
 it depends on (its settings, the identity of the models, upstream stages). A rerun skips a stage whose marker
 matches, redoes one that never finished, and refuses (before any work) one made with other settings, unless the
 user asks to redo it.

@@ -1,5 +1,5 @@
 """The residual training's settings, in a module without JAX, optax or orbax, so that a run config
-(``kvjax.run_config``) can hold them without importing the trainer (``kvjax.mapper.residual``)."""
+(``kvjax.run_config``) can hold them without importing the trainer (``kvjax.fitting.residual``)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class ResidualConfig:
     # when it is the stronger model: large reads, small answers) or "target" (the answerer's own native predictions,
     # having read the prefix itself: small reads, large answers, where the reader is the weaker model)
     teacher: str = "source"
-    # > 0: draw this many windows once and run the frozen models on them once (kvjax.mapper.teacher_pool); each step
+    # > 0: draw this many windows once and run the frozen models on them once (kvjax.fitting.teacher_pool); each step
     # then reads a batch of them (epochs in a seeded order) and runs only the map and the target: ~4x cheaper steps on
     # the toy pair, fewer distinct windows. 0: fresh windows every step, both models run per step
     pool_windows: int = 0
@@ -41,7 +41,7 @@ class ResidualConfig:
     # (launch/research/cache_oracle.py); a target that lost the source's previous-token layer needs keys that
     # carry their neighbours. The Pallas map kernel maps positions alone: context maps run the XLA map. 0: off
     context: int = 0
-    # > 0: fact-copy windows (kvjax.mapper.copy_windows) mixed into every step, this many drawn once into a pool as
+    # > 0: fact-copy windows (kvjax.fitting.copy_windows) mixed into every step, this many drawn once into a pool as
     # pool_windows does: `copy_len` tokens of training text with a `copy_span`-token "key<separator>value" fact
     # written 64..copy_len-64 tokens before the end, then repeated; KL to the teacher on the repeat. The ordinary
     # windows never hold a copy from further than prefix_len back, so without these the map learns nothing a needle

@@ -13,21 +13,21 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 from kvjax import distributed, sharding
-from kvjax.builders.native import prefill_cache as native_cache  # the models' own caches (traceable)
-from kvjax.mapper.features import layer_features, paired_features
+from kvjax.kernels.features import layer_features, paired_features
 from kvjax.mapper.pairing import Pairing
 from kvjax.mapper.ridge import Stats, chunk_stats, to_stats
 from kvjax.models.config import Qwen3Config
+from kvjax.models.decoder import prefill_forward
+from kvjax.models.model import Model
 from kvjax.models.params import shard_params
 
-from kvjax.models.model import Model  # noqa: F401  (re-exported for callers that import it from here)
 log = logging.getLogger(__name__)
 
 
 @functools.partial(jax.jit, static_argnames=("scfg", "tcfg", "pairing"))
 def _window_stats(sparams, tparams, scfg, tcfg, pairing: Pairing, tokens, mask, refs):
-    src = native_cache(sparams, scfg, tokens)
-    tgt = native_cache(tparams, tcfg, tokens)
+    src = prefill_forward(sparams, scfg, tokens, logits=False).cache  # the models' own caches
+    tgt = prefill_forward(tparams, tcfg, tokens, logits=False).cache
     flat_mask = mask.reshape(-1)
     out = []
     for t, layers in enumerate(pairing):
@@ -141,8 +141,8 @@ def _sharded_stats_fn(scfg, tcfg, pairing: Pairing, mesh: Mesh, s_shardings, t_s
     out = NamedSharding(mesh, P(sharding.RULES["batch"]))
 
     def fn(sparams, tparams, tokens, mask, refs):
-        src = native_cache(sparams, scfg, tokens)
-        tgt = native_cache(tparams, tcfg, tokens)
+        src = prefill_forward(sparams, scfg, tokens, logits=False).cache
+        tgt = prefill_forward(tparams, tcfg, tokens, logits=False).cache
         split = lambda a: a.reshape(shards, -1, a.shape[-1])  # noqa: E731  [B, T, F] -> [S, B/S*T, F]
         m = mask.reshape(shards, -1)
         stats = jax.vmap(chunk_stats, in_axes=(0, 0, 0, None))
@@ -206,7 +206,7 @@ def _collect_stats_sharded(source: Model, target: Model, pairing: Pairing, batch
                 shape = (-(-len(rows) // shards) * shards, rows.shape[1])
             if len(rows) > shape[0] or rows.shape[1] != shape[1]:
                 raise ValueError(f"calibration batch of shape {rows.shape} after batches of {shape}: batches must "
-                                 "not grow (use kvjax.mapper.calibrate.row_batches)")
+                                 "not grow (use kvjax.fitting.calibrate.row_batches)")
             data = sharding.data_sharding(mesh, shape)
             if acc is None:
                 mine = distributed.local_rows(data, shape)

@@ -1,6 +1,6 @@
 """Fact-copy windows: training windows whose continuation is a long-range copy of a "key = value" fact.
 
-Why the residual needs them (WORKSPACE.md, "Retrieval through the mapped cache"): the target answers a needle by
+Why the residual needs them (docs/method.md, "Retrieval through the mapped cache"): the target answers a needle by
 attending from the repeated key back to the fact, far up the prompt, through one "reader" layer whose keys must carry
 previous-token information. The ridge fits the target's *native* keys, and a pruned target may have lost the layer
 that writes that information (the toy's pruned target lost source layer 1); the residual can write it, but only if

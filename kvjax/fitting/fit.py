@@ -8,7 +8,7 @@ from jax.sharding import Mesh
 
 from kvjax import distributed, sharding
 from kvjax.models.model import Model
-from kvjax.mapper.calibrate import batches_of, collect_stats, row_batches
+from kvjax.fitting.calibrate import batches_of, collect_stats, row_batches
 from kvjax.mapper.kvmap import KVMap, kvmap_shardings, linear_map, spec_for
 from kvjax.mapper.pairing import Pairing, check_pairing, depth_pairing, topk_pairing
 from kvjax.mapper.ridge import LAMBDAS, Stats, r2, reference, select

@@ -1,7 +1,7 @@
 """The per-head ridge peer (Heo et al., NVIDIA 2026): each target KV head regressed, in closed form, on the
 concatenated heads of its own top-k source layers, keys with RoPE stripped, one fixed lambda, no residual.
 
-It differs from kvjax's ridge (kvjax.mapper.fit) in three ways, each a choice the comparison is about: the source
+It differs from kvjax's ridge (kvjax.fitting.fit) in three ways, each a choice the comparison is about: the source
 layers are chosen per target head (kvjax pairs per target layer), lambda is fixed instead of chosen on held-out
 tokens, and nothing is trained on top. One calibration pass collects statistics of every source layer against every
 target layer (x = all source layers' features concatenated); each (target layer, key/value, head) then ranks the
@@ -20,7 +20,7 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.mapper.calibrate import batches_of, collect_stats
+from kvjax.fitting.calibrate import batches_of, collect_stats
 from kvjax.mapper.kvmap import KVMap, LinearMap, spec_for
 from kvjax.mapper.ridge import Stats, r2, solve
 from kvjax.models.model import Model

@@ -29,16 +29,15 @@ from tqdm import tqdm
 from kvjax import checkpointing, distributed, sharding
 from kvjax.distributed import TokenWindows
 from kvjax.generation import Sampling, decode_loop
-from kvjax.builders.native import prefill_cache
 from kvjax.mapper.artifact import load_map, read_manifest
-from kvjax.mapper.calibrate import model_on_mesh
-from kvjax.mapper.copy_windows import COPY_SKIP, fact_format, fact_windows
+from kvjax.fitting.calibrate import model_on_mesh
+from kvjax.fitting.copy_windows import COPY_SKIP, fact_format, fact_windows
 from kvjax.models.model import Model
 from kvjax.mapper.kl import kl
 from kvjax.mapper.kvmap import KVMap, apply_map, kvmap_shardings
-from kvjax.mapper.residual_config import ResidualConfig
-from kvjax.mapper.teacher_pool import Pool, build_pool, pool_of, teacher_logits
-from kvjax.models.decoder import forward, forward_nocache
+from kvjax.fitting.residual_config import ResidualConfig
+from kvjax.fitting.teacher_pool import Pool, build_pool, pool_of, teacher_logits
+from kvjax.models.decoder import forward, forward_nocache, prefill_forward
 from kvjax.windows import step_batch, step_starts
 
 log = logging.getLogger(__name__)
@@ -74,7 +73,7 @@ def position_kl(kvmap: KVMap, source: Model, target: Model, tokens: jax.Array, p
     tmodel = {"source": source, "target": target}[teacher]
     teacher_logits = forward_nocache(tmodel[1], tmodel[0], tokens[:, :-1])[:, prefix - 1 :]
     teacher = jax.lax.stop_gradient(teacher_logits)
-    src_cache = jax.lax.stop_gradient(prefill_cache(sparams, scfg, tokens[:, : prefix - 1]))
+    src_cache = jax.lax.stop_gradient(prefill_forward(sparams, scfg, tokens[:, : prefix - 1], logits=False).cache)
     return kl(teacher, student_logits(kvmap, target, src_cache, tokens, prefix))
 
 
@@ -89,7 +88,8 @@ def rollout_windows(kvmap: KVMap, source: Model, target: Model, prefix_tokens: j
     """prefix + the target's greedy continuation of n tokens from the mapped prefix cache (traceable)."""
     (scfg, sparams), (tcfg, tparams) = source, target
     b, p = prefix_tokens.shape
-    mapped = apply_map(kvmap, prefill_cache(sparams, scfg, prefix_tokens[:, :-1]), capacity=p + n, length=p - 1)
+    source_cache = prefill_forward(sparams, scfg, prefix_tokens[:, :-1], logits=False).cache
+    mapped = apply_map(kvmap, source_cache, capacity=p + n, length=p - 1)
     logits, mapped = forward(tparams, tcfg, prefix_tokens[:, -1:], mapped)
     out, _, _ = decode_loop(tparams, tcfg, mapped, logits[:, 0], n, jax.random.key(0), Sampling(), (), 0)
     return jnp.concatenate([prefix_tokens, out], axis=1)
@@ -144,7 +144,7 @@ def pooled_kl(kvmap: KVMap, source: Model, target: Model, batch, prefix: int, te
 
 
 def _pooled_step_fn(opt: optax.GradientTransformation, rc: ResidualConfig, scfg, tcfg):
-    """The step on a batch of a Pool (kvjax.mapper.teacher_pool): the frozen models' outputs are read, not run."""
+    """The step on a batch of a Pool (kvjax.fitting.teacher_pool): the frozen models' outputs are read, not run."""
     def step(kvmap, opt_state, sparams, tparams, batch):
         source, target = (scfg, sparams), (tcfg, tparams)
         loss, grads = jax.value_and_grad(lambda m: pooled_kl(m, source, target, batch, rc.prefix_len,
@@ -173,7 +173,7 @@ def _copy_step_fn(opt: optax.GradientTransformation, rc: ResidualConfig, scfg, t
 
 
 def copy_pool(source: Model, target: Model, tokens: np.ndarray, rc: ResidualConfig, tokenizer) -> Pool:
-    """rc.copy_windows fact-copy windows (kvjax.mapper.copy_windows) of `tokens` with the frozen models' outputs; the
+    """rc.copy_windows fact-copy windows (kvjax.fitting.copy_windows) of `tokens` with the frozen models' outputs; the
     fact's separator and value alphabet are rc's text under the pair's `tokenizer`."""
     if tokenizer is None:
         raise ValueError("residual.copy_windows needs the pair's tokenizer to write its facts (train_residual(..., "
@@ -312,7 +312,7 @@ def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarra
     process calls this (checkpoints are written jointly through orbax, `workdir` must be on a shared filesystem);
     only process 0 writes the log file.
 
-    With `rc.copy_windows`, each step also reads `rc.copy_batch` fact-copy windows (kvjax.mapper.copy_windows; their
+    With `rc.copy_windows`, each step also reads `rc.copy_batch` fact-copy windows (kvjax.fitting.copy_windows; their
     fact format is tokenized with `tokenizer`, the pair's) from a pool made once, on one process; the log's "kl" is
     then the ordinary windows' KL and "copy_kl" the copies'."""
     if rc.context:

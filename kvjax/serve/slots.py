@@ -1,0 +1,151 @@
+"""The decode slots: one batched target cache of `slots` rows on the decode device, the request each row holds and
+its sampling state. Prefilled batches are written into free rows (in place); every step advances each occupied row
+by one token and answers the requests that end (EOS, stop text, max_tokens, timeout, cancel, error), whose rows are
+free again before the next step. Only the decode thread calls these methods."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.serve import programs
+from kvjax.serve.config import EngineConfig, Event, Request
+from kvjax.serve.faults import Faults
+from kvjax.serve.metrics import Metrics
+from kvjax.serve.scheduler import Scheduler
+
+log = logging.getLogger("kvjax.serve")
+
+
+class Slots:
+    """`target`: (config, params) placed on `device`; `answers`: the scheduler that ends requests."""
+
+    def __init__(self, target, config: EngineConfig, device, answers: Scheduler, metrics: Metrics, faults: Faults):
+        self.cfg, self.params = target
+        self.config, self.device, self.answers, self.metrics, self.faults = config, device, answers, metrics, faults
+        self.eos = frozenset(self.cfg.eos_token_ids)
+        self.row_buckets = programs.row_buckets(config.slots)  # the decode step's compiled row counts
+        self.cache = programs.empty_slots(self.cfg, config.slots, config.capacity, jnp.dtype(self.params.embed.dtype),
+                                          device)
+        s = config.slots
+        self.req: list[Request | None] = [None] * s
+        self._next_in = np.zeros(s, np.int32)
+        self._temp = np.zeros(s, np.float32)
+        self._top_p = np.ones(s, np.float32)
+        self._seed = np.zeros(s, np.int32)
+        self._count = np.zeros(s, np.int32)
+
+    def active(self) -> int:
+        return sum(r is not None for r in self.req)
+
+    def free(self) -> int:
+        return sum(r is None for r in self.req)
+
+    def held(self) -> list[Request]:
+        return [r for r in self.req if r is not None]
+
+    def insert(self, reqs: list[Request], cache) -> None:
+        """Write a prefilled batch into free slots."""
+        free = [i for i, r in enumerate(self.req) if r is None]
+        slots = np.full((cache.batch_size,), self.config.slots, np.int32)  # padding and dropped rows: nowhere
+        for row, r in enumerate(reqs):
+            if r.finished:
+                continue
+            if r.cancelled:
+                self.answers.fail(r, 499, "cancelled by the client")
+                continue
+            s = free.pop(0)
+            slots[row] = s
+            self.req[s] = r
+            self._next_in[s] = r.prompt[-1]
+            self._temp[s], self._top_p[s], self._seed[s], self._count[s] = r.temperature, r.top_p, r.seed, 0
+        if any(slots < self.config.slots):
+            self.cache = programs.insert(self.cache, cache, jnp.asarray(slots))
+
+    def compile_insert(self, cache) -> None:
+        """Run the insert of a batch like `cache` with every row dropped (warm-up: compiles it, changes nothing)."""
+        slots = jnp.full((cache.batch_size,), self.config.slots, jnp.int32)
+        self.cache = programs.insert(self.cache, cache, slots)
+
+    def run_step(self, rows: int | None = None):
+        active = np.array([r is not None for r in self.req])
+        if rows is None:  # the smallest compiled row count that holds every occupied slot
+            need = int(np.flatnonzero(active).max()) + 1 if active.any() else 1
+            rows = next(b for b in self.row_buckets if b >= need)
+        out, self.cache = programs.step(self.params, self.cfg, self.cache, self._next_in, active,
+                                        self._temp, self._top_p, self._seed, self._count, rows=rows)
+        return np.asarray(out)
+
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            out = self.run_step()
+        except Exception as e:  # noqa: BLE001 - the batch step itself failed: every slot in it fails, the cache is rebuilt
+            log.exception("decode step failed")
+            for s, r in enumerate(self.req):
+                if r is not None:
+                    self.answers.fail(r, 500, f"decode step failed: {type(e).__name__}: {e}")
+                    self.req[s] = None
+            self.cache = programs.empty_slots(self.cfg, self.config.slots, self.config.capacity, self.cache.dtype,
+                                              self.device)
+            return
+        now = time.perf_counter()
+        self.metrics.step_seconds.observe(now - t0)
+        produced = 0
+        for s, r in enumerate(self.req):
+            if r is None:
+                continue
+            try:
+                self.faults.check("step", r)
+                produced += 1
+                self._emit(s, r, int(out[s]), now)
+            except Exception as e:  # noqa: BLE001 - one request's failure is its own
+                log.exception("request %d failed in its decode step", r.id)
+                self.answers.fail(r, 500, f"generation failed: {type(e).__name__}: {e}")
+            if r.finished:
+                self.req[s] = None
+        self.metrics.produced(produced, now)
+
+    def _emit(self, s: int, r: Request, tok: int, now: float) -> None:
+        if r.cancelled:
+            self.answers.fail(r, 499, "cancelled by the client")
+            return
+        if not r.generated:
+            r.first_token_at = now
+            self.metrics.ttft.observe(now - r.submitted)
+        else:
+            self.metrics.token_latency.observe(now - r.last_token_at)
+        r.last_token_at = now
+        r.generated.append(tok)
+        self._count[s] += 1
+        self._next_in[s] = tok
+        eos = tok in self.eos
+        delta, stopped = r.text.push(tok, final=eos)
+        r.sink(Event("token", ids=(tok,), text=delta))
+        if eos or stopped:
+            self.answers.finish(r, "stop")
+        elif len(r.generated) >= r.max_tokens:
+            tail = r.text.flush()
+            if tail:
+                r.sink(Event("token", ids=(), text=tail))
+            self.answers.finish(r, "length")
+        elif now > r.deadline:
+            self.answers.fail(r, 504, f"timed out after {now - r.submitted:.0f} s ({len(r.generated)} tokens "
+                                      "generated)")
+
+    def sweep(self) -> None:
+        """Free the slots of requests cancelled or past their deadline (between steps)."""
+        now = time.perf_counter()
+        for s, r in enumerate(self.req):
+            if r is None:
+                continue
+            if r.cancelled:
+                self.answers.fail(r, 499, "cancelled by the client")
+            elif now > r.deadline:
+                self.answers.fail(r, 504, f"timed out after {now - r.submitted:.0f} s ({len(r.generated)} tokens "
+                                          "generated)")
+            if r.finished:
+                self.req[s] = None

@@ -1,0 +1,67 @@
+"""Stage calibrate -> data/: the calibration text tokenized with the pair's tokenizer, the calibration and
+lambda-selection windows drawn from it, and the held-out windows (given, or cut from the held-out text)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import numpy as np
+
+from kvjax import corpus
+from kvjax.hf import load_hf_config
+from kvjax.preflight import LaunchError
+from kvjax.stages.markers import Stage, write_json
+from kvjax.windows import consecutive, sample
+
+log = logging.getLogger("kvjax.launch")
+
+
+def run(job, stage: Stage) -> None:
+    """`job`: the run's kvjax.stages.context.Context."""
+    cfg, d = job.cfg, job.cfg.data
+    tcfg = load_hf_config(cfg.target.path)
+    eos = tcfg.eos_token_ids[0] if tcfg.eos_token_ids else (tcfg.pad_token_id or 0)
+    tok = job.tokenizer()
+    train = corpus.read_tokens(d.train_text, tok, eos, d.max_train_tokens, d.manifest, d.text_field)
+    rc = cfg.residual
+    copies = rc.copy_len + rc.copy_span if rc.copy_windows else 0  # the fact-copy windows' length
+    need = max(cfg.map.window_len, rc.prefix_len + rc.cont_len, copies) + 2
+    if len(train) < 2 * need:
+        raise LaunchError(f"data.train_text gave {len(train)} tokens; calibration and residual windows need at "
+                          f"least {2 * need}; add text or raise data.max_train_tokens")
+    calib = sample(train, cfg.map.calib_windows, cfg.map.window_len, seed=cfg.seed + 1)
+    select = sample(train, cfg.map.select_windows, cfg.map.window_len, seed=cfg.seed + 2)
+    if d.heldout_windows:
+        heldout = np.asarray(np.load(d.heldout_windows), np.int32)
+    else:
+        flat = corpus.read_tokens(d.heldout_text, tok, eos, d.max_heldout_tokens, d.manifest, d.text_field)
+        if len(flat) < d.heldout_window_len:
+            raise LaunchError(f"data.heldout_text gave {len(flat)} tokens, less than one held-out window of "
+                              f"{d.heldout_window_len}; add text or lower data.heldout_window_len")
+        heldout = consecutive(flat, d.heldout_window_len)
+    for name, arr in (("train text", train), ("held-out windows", heldout)):
+        if arr.min() < 0 or arr.max() >= tcfg.vocab_size:
+            raise LaunchError(f"{name} hold token ids outside the vocabulary [0, {tcfg.vocab_size}): "
+                              "they were made with another tokenizer")
+    out = job.run.path("data")
+    tmp = out + ".tmp"
+    os.makedirs(tmp, exist_ok=True)
+    for name, arr in (("train_tokens", train), ("calib", calib), ("select", select), ("heldout", heldout)):
+        np.save(os.path.join(tmp, f"{name}.npy"), np.asarray(arr, np.int32))
+    write_json(os.path.join(tmp, "data.json"), {
+        "train_text": list(d.train_text), "train_tokens": int(len(train)), "calib_windows": list(calib.shape),
+        "select_windows": list(select.shape), "heldout_windows": list(heldout.shape),
+        "heldout_from": d.heldout_windows or list(d.heldout_text),
+        "sha256": {"train": corpus.sha256(train), "calib": corpus.sha256(calib), "heldout": corpus.sha256(heldout)}})
+    replace_dir(tmp, out)
+    log.info("calibration text: %d tokens from %s; calib %s, select %s, held-out windows %s", len(train),
+             list(d.train_text), calib.shape, select.shape, heldout.shape)
+
+
+def replace_dir(tmp: str, out: str) -> None:
+    """Put the finished directory `tmp` in place of `out` (a reader never sees half of it)."""
+    if os.path.isdir(out):
+        shutil.rmtree(out)
+    os.replace(tmp, out)

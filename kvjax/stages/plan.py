@@ -1,0 +1,63 @@
+"""The main job's plan: which stages a config runs, what each depends on (its hash, known before any work) and
+where each writes. No JAX here: the command line and the server read it before JAX starts.
+
+MAP_DIRS is the one table of the fitted maps' directories in a run directory, by arm name (kvjax.eval.arms): the
+plan's outputs, the job's loading and sizing of maps and the server's final map all read it.
+"""
+
+from __future__ import annotations
+
+from kvjax.config_flags import to_dict
+from kvjax.eval import suite
+from kvjax.run_config import RunConfig
+from kvjax.stages.markers import Stage, model_identity
+
+MAP_DIRS = {"ridge": "map_ridge", "residual": "map", "perhead": "map_perhead"}
+EVALS = suite.NAMES  # the evaluation registry (kvjax.eval.suite), one stage each
+STAGES = ("calibrate", "ridge", "residual", "perhead", *EVALS, "report")  # every stage there is, in order
+COLLECTIVE = ("ridge", "residual")  # the data-parallel stages: every process of a multi-process run takes part
+
+
+def fitted_maps(cfg: RunConfig) -> tuple[str, ...]:
+    """The maps this run fits, each named after the stage that fits it (and its arm in kvjax.eval.arms), the final
+    map last: the one the gate judges and throughput times."""
+    peers = ("perhead",) if cfg.peers.perhead_topk > 0 else ()  # before the run's own maps: the final one is last
+    return (*peers, "ridge", "residual") if cfg.residual.steps > 0 else (*peers, "ridge")
+
+
+def final_arm(cfg: RunConfig) -> str:
+    return fitted_maps(cfg)[-1]
+
+
+def plan(cfg: RunConfig) -> dict[str, Stage]:
+    """Every stage with the settings it depends on (hashes are known before any work). A stage's hash is that of
+    its settings and its upstream stages' hashes (kvjax.stages.markers.Stage): what is written here decides whether
+    a rerun reuses a finished stage, so a change to it makes every earlier run directory recompute."""
+    models = {role: {"path": getattr(cfg, role).path, "dtype": getattr(cfg, role).dtype,
+                     "identity": model_identity(getattr(cfg, role).path)} for role in ("source", "target")}
+    d = to_dict(cfg)
+    calibrate = Stage("calibrate", {"data": d["data"], "tokenizer": models["target"]["identity"].get("tokenizer.json"),
+                                    "windows": {k: d["map"][k] for k in ("calib_windows", "select_windows",
+                                                                          "window_len")},
+                                    "seed": cfg.seed}, [], ["data"])
+    ridge = Stage("ridge", {"models": models, "map": d["map"], "seed": cfg.seed}, [calibrate], [MAP_DIRS["ridge"]])
+    stages = {"calibrate": calibrate, "ridge": ridge}
+    final = ridge
+    if cfg.residual.steps > 0:
+        final = stages["residual"] = Stage("residual", {"residual": cfg.residual.hashed()}, [ridge],
+                                           [MAP_DIRS["residual"], "residual"])
+    peers = []
+    if cfg.peers.perhead_topk > 0:  # the per-head ridge peer (kvjax.fitting.perhead), on the same calibration windows
+        peers.append(Stage("perhead", {"models": models, "peers": d["peers"], "batch_size": cfg.map.batch_size},
+                           [calibrate], [MAP_DIRS["perhead"]]))
+        stages["perhead"] = peers[-1]
+    evals = []
+    for ev in suite.EVALUATIONS:
+        if getattr(cfg.eval, ev.name).enabled:
+            stages[ev.name] = Stage(ev.name, suite.stage_settings(ev, cfg, fitted_maps(cfg)),
+                                    [calibrate, ridge, final, *peers], [f"eval/{ev.name}.json"])
+            evals.append(stages[ev.name])
+    stages["report"] = Stage("report", {"gate": cfg.gate.hashed(), "bootstrap": cfg.eval.bootstrap,
+                                        "names": [cfg.source.name, cfg.target.name]},
+                             evals + [final], ["report.md", "metrics.json", "gate.json"])
+    return stages

@@ -1,0 +1,123 @@
+"""The documentation serves users: README.md is a short guide with the two quick-start commands, every link and
+every `python -m` module the docs name exists, and no tracked file names a machine-local temporary path or an
+internal session number a reader cannot look up. Reads files only (no JAX): well under a second."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+TMP = "/" + "tmp" + "/"  # spelled in pieces so that this file does not name it
+SESSION = re.compile(r"\b[Ss]essions?[- ]?\d+")
+QUICK_START = ("launch/venv python -m kvjax.launch", "launch/venv python -m pytest")
+README_MAX_LINES = 220
+# tracked files allowed to contain TMP, each with its reason; keep this tiny
+TMP_ALLOWED = {
+    "checkpoints/toy/eval/hellaswag.jsonl": "an eval item's text quotes Python's documentation (data, not our path)",
+}
+# `python -m NAME` modules the docs may name that live outside the tree
+EXTERNAL_MODULES = {"pytest"}
+DOC_CODE_SUFFIXES = {".py", ".md", ".json", ".toml", ".cfg", ".txt", ".yaml", ".yml", ".sh", ".sbatch"}
+DOC_CODE_FILES = {"launch/venv", ".ci/run"}
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+PYTHON_M = re.compile(r"python3?\s+-m\s+([A-Za-z_][\w.]*)")
+
+
+def tracked_text_files() -> dict[str, str]:
+    """Tracked files present in the work tree (a file deleted but not yet committed is skipped), text only."""
+    names = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    out = {}
+    for name in names.decode().split("\0"):
+        path = REPO / name
+        if not name or not path.is_file() or path.is_symlink():
+            continue
+        data = path.read_bytes()
+        if b"\0" in data[:8192]:
+            continue  # binary: weights, arrays, images
+        out[name] = data.decode("utf-8", errors="replace")
+    return out
+
+
+def tmp_paths(files: dict[str, str]) -> list[str]:
+    return [f"{name}:{i}" for name, text in files.items() if name not in TMP_ALLOWED
+            for i, line in enumerate(text.splitlines(), 1) if TMP in line]
+
+
+def session_numbers(files: dict[str, str]) -> list[str]:
+    return [f"{name}:{i}: {m.group(0)}" for name, text in files.items()
+            if pathlib.PurePath(name).suffix in DOC_CODE_SUFFIXES or name in DOC_CODE_FILES
+            for i, line in enumerate(text.splitlines(), 1) for m in SESSION.finditer(line)]
+
+
+def broken_links(doc: pathlib.Path, text: str) -> list[str]:
+    bad = []
+    for target in LINK.findall(text):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue  # a URL or an anchor in the same page
+        if not (doc.parent / target.split("#", 1)[0]).exists():
+            bad.append(f"{doc.relative_to(REPO)}: ({target})")
+    return bad
+
+
+def missing_modules(doc: pathlib.Path, text: str) -> list[str]:
+    bad = []
+    for module in PYTHON_M.findall(text):
+        module = module.rstrip(".")
+        base = REPO.joinpath(*module.split("."))
+        if module in EXTERNAL_MODULES or base.with_suffix(".py").is_file() or (base / "__main__.py").is_file():
+            continue
+        bad.append(f"{doc.relative_to(REPO)}: python -m {module}")
+    return bad
+
+
+def docs() -> list[pathlib.Path]:
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+@pytest.fixture(scope="module")
+def files() -> dict[str, str]:
+    return tracked_text_files()
+
+
+def test_no_tracked_file_names_a_temporary_path(files):
+    assert files, "git ls-files found nothing"
+    found = tmp_paths(files)
+    assert not found, f"tracked files name a path under {TMP} (use runs/, which git ignores, or --out): {found}"
+
+
+def test_no_doc_or_code_cites_a_session_number(files):
+    found = session_numbers(files)
+    assert not found, f"name a measurement by its date and commit, not by a session number: {found}"
+
+
+def test_readme_is_a_short_guide_with_the_quick_start():
+    text = (REPO / "README.md").read_text()
+    lines = text.count("\n")
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines (at most {README_MAX_LINES}): move detail to docs/"
+    for command in QUICK_START:
+        assert command in text, f"README.md lost the quick-start command `{command}`"
+
+
+def test_every_relative_link_in_the_docs_exists():
+    bad = [b for doc in docs() for b in broken_links(doc, doc.read_text())]
+    assert not bad, f"links to files that do not exist: {bad}"
+
+
+def test_every_python_m_module_in_the_docs_exists():
+    bad = [b for doc in docs() for b in missing_modules(doc, doc.read_text())]
+    assert not bad, f"`python -m` names a module that is not in the tree: {bad}"
+
+
+def test_the_checks_catch_what_they_look_for():
+    """Each checker finds a planted problem (so a passing run means something)."""
+    readme = REPO / "README.md"
+    assert tmp_paths({"x.py": f"out = '{TMP}x'\n"}) == ["x.py:1"]
+    assert session_numbers({"x.md": "measured in session 12\n", "y.jsonl": "session 3\n"}) == ["x.md:1: session 12"]
+    assert broken_links(readme, "[a](docs/no_such_page.md) [b](https://x.org/y) [c](#top)") == [
+        "README.md: (docs/no_such_page.md)"]
+    assert missing_modules(readme, "python -m kvjax.no_such_module and python -m pytest") == [
+        "README.md: python -m kvjax.no_such_module"]
