@@ -53,7 +53,7 @@ import numpy as np
 from flax import struct
 
 from kvjax.hf import CheckpointError, load_hf, open_weights, resolve
-from kvjax.models.decoder import Prefilled, embed, prefill_forward, prefill_jit, rms_norm
+from kvjax.models.decoder import embed, prefill_jit, rms_norm
 from kvjax.models.family import family_for_model_type
 from kvjax.models.hfconfig import ConfigError
 from kvjax.models.model import Model
@@ -290,18 +290,7 @@ def prompt_embeddings_forward(alm: AudioLM, tokens: jax.Array, audio_mask: jax.A
     return merge_audio(alm.lm.params, tokens, audio_mask, audio, audio_token_count(frames, alm.stack_factor))
 
 
-def prefill_audio_forward(alm: AudioLM, tokens: jax.Array, lengths: jax.Array | None, audio_mask: jax.Array,
-                          features: jax.Array, frames: jax.Array, *, capacity: int | None = None, dtype=None,
-                          last_only: bool = True) -> Prefilled:
-    """The decoder's one prefill (kvjax.models.decoder.prefill_forward) over the audio-language prompt's embeddings:
-    the ordinary Prefilled(logits, cache, ...) of a new cache of `capacity` positions (traceable)."""
-    x = prompt_embeddings_forward(alm, tokens, audio_mask, features, frames)
-    return prefill_forward(alm.lm.params, alm.lm.cfg, None, lengths, capacity=capacity, dtype=dtype,
-                           last_only=last_only, embeds=x)
-
-
 prompt_embeddings_jit = jax.jit(prompt_embeddings_forward)
-prefill_audio_jit = jax.jit(prefill_audio_forward, static_argnames=("capacity", "dtype", "last_only"))
 
 
 def _prompt_inputs(alm: AudioLM, tokens, input_features, frames, audio_mask, lengths, what: str):
@@ -371,12 +360,10 @@ def prefill_audio(alm: AudioLM, tokens, input_features=None, frames=None, *, aud
     if capacity is not None and capacity < t:
         raise ValueError(f"prefill_audio: the prompt has {t} positions but capacity is {capacity}; pass capacity >= "
                          "prompt + new tokens")
-    if features is None:
-        out = prefill_jit(alm.lm.params, alm.lm.cfg, tokens, lengths, capacity=capacity, dtype=dtype,
-                          last_only=last_only)
-    else:
-        out = prefill_audio_jit(alm, tokens, lengths, mask, features, frames, capacity=capacity, dtype=dtype,
-                                last_only=last_only)
+    # the encoder, projector and merge in one program, then the library's one prefill program over the embeddings
+    embeds = None if features is None else prompt_embeddings_jit(alm, tokens, mask, features, frames)
+    out = prefill_jit(alm.lm.params, alm.lm.cfg, None if embeds is not None else tokens, lengths, capacity=capacity,
+                      dtype=dtype, last_only=last_only, embeds=embeds)
     return out.logits, out.cache
 
 
@@ -513,6 +500,10 @@ def load_ultravox(path: str, dtype=jnp.float32, text_path: str | None = None,
     if d.get("model_type") != "ultravox":
         raise CheckpointError(f"{source}: model_type {d.get('model_type')!r} is not 'ultravox'; load_ultravox reads "
                               "Ultravox checkpoints (a plain LM: kvjax.load_hf; a Whisper encoder: load_audio_encoder)")
+    if d.get("audio_latency_block_size") is not None:
+        raise CheckpointError(f"{source}: audio_latency_block_size {d['audio_latency_block_size']!r} (Ultravox's "
+                              "block-causal streaming mask in the encoder) is not supported; kvjax's encoder attends "
+                              "over the whole clip (audio_latency_block_size null)")
     tensors = open_weights(path)
     has = {p: any(n.startswith(p) for n in tensors) for p in ("audio_tower.", "language_model.")}
 
@@ -563,5 +554,5 @@ def load_ultravox(path: str, dtype=jnp.float32, text_path: str | None = None,
 
 __all__ = ["AudioLM", "Projector", "ProjectorConfig", "ProjectorParams", "audio_chunks", "audio_embeddings_forward",
            "audio_prompt", "audio_token_count", "expand_audio", "init_projector", "load_audio_encoder", "load_ultravox",
-           "log_mel", "merge_audio", "prefill_audio", "prefill_audio_forward", "project_forward", "projector_specs",
+           "log_mel", "merge_audio", "prefill_audio", "project_forward", "projector_specs",
            "prompt_embeddings", "prompt_embeddings_forward", "stack_frames"]
