@@ -293,6 +293,10 @@ def test_ultravox_layout_loads_the_pieces_that_were_written(ultravox, tmp_path):
         json.dump({k: v for k, v in released.items() if k != "projector_ln_mid"}, f)
     with pytest.raises(kvjax.CheckpointError, match='"projector_ln_mid": true'):
         kvjax.load_ultravox(tmp_path / "released", text_path=ultravox["llama_dir"])
+    with open(tmp_path / "released" / "config.json", "w") as f:
+        json.dump({**released, "audio_latency_block_size": 100}, f)
+    with pytest.raises(kvjax.CheckpointError, match="streaming mask"):
+        kvjax.load_ultravox(tmp_path / "released", text_path=ultravox["llama_dir"])
 
 
 # ---- the audio-language prefill --------------------------------------------------------------------------------------

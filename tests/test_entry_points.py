@@ -1,6 +1,6 @@
-"""The former standalone pipelines are flags over the main job: launch.cluster.fit_distributed and launch.toy.fit_map
-translate into `python -m kvjax.launch` arguments that it accepts (checked by its own parser and preflight), with
-the settings they used to stand for."""
+"""The main job's command line as the former standalone pipelines used it (their shims are gone: these are the
+`python -m kvjax.launch` arguments they forwarded): the map-only `fit` config with the distributed flags, and the
+toy config with its evaluations selected by flags; and the distributed flags checked before anything runs."""
 
 import os
 
@@ -13,39 +13,41 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = os.path.join(REPO, "checkpoints", "toy")
 
 
-def test_fit_distributed_is_the_fit_config(tmp_path):
-    from launch.cluster import fit_distributed
+def test_fit_config_with_distributed_flags(tmp_path):
     np.save(tmp_path / "tokens.npy", np.random.RandomState(0).randint(1, 8000, 5000).astype(np.uint16))
-    args = fit_distributed.parse_args([
-        "--source", f"{TOY}/source", "--target", f"{TOY}/target", "--tokens", str(tmp_path / "tokens.npy"),
-        "--out", str(tmp_path / "run"), "--pairing", "3", "--window", "64", "--heldout-windows", "4",
-        "--residual-steps", "7", "--mesh-data", "2", "--mesh-model", "1", "--seed", "5", "--distributed", "off",
-        "--step-timeout", "600"])
-    argv = fit_distributed.launch_args(args)
-    assert "--distributed=off" in argv and "--step_timeout=600.0" in argv
+    tokens, run = str(tmp_path / "tokens.npy"), str(tmp_path / "run")
+    argv = ["--config=fit", f"--config.source.path={TOY}/source", f"--config.target.path={TOY}/target",
+            f"--config.data.train_text={tokens}", f"--config.data.heldout_text={tokens}",
+            "--config.data.max_train_tokens=5000", f"--config.output_dir={run}", "--config.map.pairing=top3",
+            "--config.map.window_len=64", "--config.data.heldout_window_len=64", "--config.map.select_windows=4",
+            "--config.residual.steps=7", "--config.residual.seed=5", "--config.seed=5", "--config.mesh.data=2",
+            "--config.mesh.model=1", "--distributed=off", "--step_timeout=600"]
     from kvjax.distributed import split_launch_flags
     flags, rest = split_launch_flags(argv)
     assert flags.distributed == "off" and flags.step_timeout == 600.0
     cfg, redo, _ = launch.parse(rest)
-    assert cfg.name == "fit" and cfg.output_dir == str(tmp_path / "run") and redo == ()
-    assert cfg.data.train_text == (str(tmp_path / "tokens.npy"),) and cfg.data.max_train_tokens == 5000
+    assert cfg.name == "fit" and cfg.output_dir == run and redo == ()
+    assert cfg.data.train_text == (tokens,) and cfg.data.max_train_tokens == 5000
     assert (cfg.map.pairing, cfg.map.window_len, cfg.map.select_windows) == ("top3", 64, 4)
     assert (cfg.residual.steps, cfg.residual.seed, cfg.seed) == (7, 5, 5)
     assert (cfg.mesh.data, cfg.mesh.model) == (2, 1)
     assert list(launch.plan(cfg)) == ["calibrate", "ridge", "residual", "report"]  # the map only
 
 
-def test_toy_fit_map_is_the_toy_config():
-    from launch.toy import fit_map
-    argv = fit_map.launch_args(fit_map.parse_args(["--target", f"{TOY}/pruned", "--pairing", "3", "--mc", "50",
-                                                   "--residual-lr", "3e-3", "--rollout", "--out", "runs/x"]))
+def test_toy_config_with_evaluations_selected_by_flags():
+    argv = ["--config=toy", f"--config.target.path={TOY}/pruned", "--config.map.pairing=top3",
+            "--config.residual.lr=3e-3", "--config.residual.rollout=true", "--config.output_dir=runs/x",
+            "--config.eval.mc.limit=50", "--config.eval.throughput.enabled=false",
+            "--config.eval.distances.windows=32", "--config.eval.kl.windows=128"]
     cfg, _, _ = launch.parse(argv)
     assert cfg.name == "toy" and cfg.target.path == f"{TOY}/pruned" and cfg.output_dir == "runs/x"
     assert cfg.map.pairing == "top3" and cfg.residual.lr == 3e-3 and cfg.residual.rollout
     assert cfg.eval.mc.enabled and cfg.eval.mc.limit == 50 and not cfg.eval.throughput.enabled
     assert (cfg.eval.distances.windows, cfg.eval.kl.windows) == (32, 128)  # held-out rows 0:32 and 32:160
-    with pytest.raises(SystemExit, match="--pairing 'best'"):
-        fit_map.launch_args(fit_map.parse_args(["--pairing", "best"]))
+    assert "throughput" not in launch.plan(cfg) and {"mc", "kl", "distances"} <= set(launch.plan(cfg))
+    from kvjax.preflight import LaunchError
+    with pytest.raises(LaunchError, match="map.pairing='best'"):
+        launch.parse(["--config=toy", "--config.map.pairing=best"])
 
 
 def test_distributed_flags_are_checked_before_anything_runs(tmp_path, capsys, monkeypatch):

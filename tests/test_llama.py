@@ -411,7 +411,8 @@ def check_identity_pair(out: str, metrics: dict) -> None:
     assert metrics["gate"]["passed"] and metrics["gate"]["checks"]["mc_retention"]["value"] == 1.0
     for length, row in metrics["retrieval"].items():
         lp = row["answer_logprob"]
-        assert lp["source"] == lp["target"] and lp["direct"] == pytest.approx(lp["target"], abs=1e-4), length
+        assert lp["source"] == pytest.approx(lp["target"], abs=1e-5), length  # the same model reads and answers
+        assert lp["direct"] == pytest.approx(lp["target"], abs=1e-4), length
         assert lp["residual"] == pytest.approx(lp["target"], abs=0.05) and row["residual"] == row["target"], length
     for length, row in metrics["speculative"]["lengths"].items():
         draft = int(next(a for a in row if a.startswith("plain@")).split("@")[1])
