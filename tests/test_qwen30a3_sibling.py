@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import jax
-import numpy as np
 import pytest
 
 import kvjax
@@ -70,6 +69,6 @@ def test_runs_end_to_end_on_tiny_moe_and_dense_checkpoints(tmp_path, capsys):
     assert metrics["run"]["config"] == "qwen30a3_sibling" and metrics["run"]["source"]["name"] == "Qwen3-30B-A3B"
     manifest = json.load(open(os.path.join(out, "map", "manifest.json")))
     assert [list(p) for p in manifest["spec"]["pairing"]] == [[0], [1], [1], [2]]  # depth: 3 MoE layers -> 4
-    source, target = kvjax.load_hf(reader), kvjax.load_hf(answerer)
-    kvmap = kvjax.load_map(os.path.join(out, "map"), source[0], target[0])
-    assert np.asarray(kvjax.split_generate(source, target, kvmap, [[5, 9, 300, 41, 12]], 4)).shape == (1, 4)
+    # the saved map loads for the pair (the throughput stage decoded from it through kvjax.split_generate)
+    kvmap = kvjax.load_map(os.path.join(out, "map"), kvjax.load_hf(reader)[0], kvjax.load_hf(answerer)[0])
+    assert kvmap.spec.pairing == ((0,), (1,), (1,), (2,))
