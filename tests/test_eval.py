@@ -424,6 +424,115 @@ def test_adding_an_evaluation_is_one_module_and_one_registry_line(monkeypatch, t
     assert text.index("- echo 6.0") < text.index("## Echo") < text.index("## Quality gate")
 
 
+def _spec_arm(latency: float, native: float, tau, matches: float, prefix: float, first: float) -> dict:
+    """One arm of metrics.json `speculative.lengths.<len>` as kvjax.eval.suite.speculative.metrics writes it."""
+    m = {"latency_s": latency, "decode_tps": 64 / latency, "phases_s": {"prefill": 0.1, "decode": latency - 0.1},
+         "acceptance_length": tau, "matches_native": matches, "prefix_match": prefix, "first_token_match": first}
+    if tau is not None:
+        m["latency_vs_native"] = latency / native
+        m["latency_vs_native_rounds"] = [latency / native] * 3
+    return m
+
+
+def test_summaries_rank_by_speed_only_arms_with_the_native_answer():
+    """Issue 43: the fastest speculative arm (a transfer, answering from the mapped cache, 0% of requests equal to
+    native greedy) is not the summary's best arm; the fastest arm whose output equals native greedy is, and every
+    arm answering from another cache is quoted with its latency beside its agreement and its cache's quality. The
+    same for dflash (a faster method that answered differently), TTFT and throughput (the mapped cache's quality
+    beside its speed)."""
+    from kvjax.eval import suite
+    from kvjax.eval.suite import dflash, speculative, throughput, ttft
+
+    native = 1.0
+    lengths = {"1024": {"native": _spec_arm(0.9, 0.9, None, 1.0, 1.0, 1.0)},
+               "4096": {"native": _spec_arm(native, native, None, 1.0, 1.0, 1.0),
+                        "plain@4": _spec_arm(1.30, native, 2.1, 1.0, 1.0, 1.0),  # lossless, slower than native
+                        "transfer@4": _spec_arm(0.418, native, 1.78, 0.0, 0.375, 1.0),  # fastest, answers differ
+                        "repaired@4": _spec_arm(0.60, native, 2.4, 0.0, 0.5, 1.0),
+                        "lookup@4": _spec_arm(0.80, native, 1.5, 1.0, 1.0, 1.0)}}  # the fastest same answer
+    lengths["1024"].update({a: dict(m) for a, m in lengths["4096"].items() if a != "native"})
+    metrics = {
+        "schema_version": 1,
+        "run": {"config": "toy_reverse", "source": {"name": "S", "params_m": 1.0, "layers": 2, "path": "s",
+                                                     "dtype": "f"},
+                "target": {"name": "T", "params_m": 3.0, "layers": 6, "path": "t"},
+                "map": {"residual_rank": 4, "residual_steps": 3, "final": "residual", "pairing": "depth",
+                        "rank": None, "lambdas": []},
+                "data": {"calib_tokens": 10, "train_text": ["x"]}, "devices": "1 x cpu",
+                "versions": {"kvjax": "0", "jax": "0"}, "stage_seconds": {}},
+        "native_kl": {"kl": {"residual": 0.2456, "partial": 0.1798},
+                      "kl_ci95": {"residual": [0.19, 0.31], "partial": [0.13, 0.24]},
+                      "agreement": {"residual": 0.25, "partial": 0.5},
+                      "first_agreement": {"residual": 0.0, "partial": 0.0}, "final": "residual", "windows": 4,
+                      "prefix_len": 24, "cont_len": 8},
+        "mc": {"hellaswag": {"acc": {"target": 0.5, "residual": 0.4, "partial": 0.45},
+                             "acc_ci95": {"target": [0.4, 0.6], "residual": [0.3, 0.5], "partial": [0.35, 0.55]},
+                             "items": 200, "normalize": "length",
+                             "delta_vs_target": {"residual": {"mean": -0.1, "ci95": [-0.2, -0.01]},
+                                                 "partial": {"mean": -0.05, "ci95": [-0.12, 0.02]}},
+                             "delta_vs_target_ci95": [-0.2, -0.01]}},
+        "ttft": {"lengths": {"4096": {"ttft_s": {"target": 0.5, "mapped": 0.1, "partial": 0.15},
+                                      "speedup": {"mapped": 5.0, "partial": 3.33},
+                                      "speedup_rounds": {"mapped": [4.9, 5.0, 5.1], "partial": [3.3, 3.33, 3.4]},
+                                      "phases_s": {}}},
+                 "final": "residual", "batch_size": 1, "repeats": 3, "repair": {"k": 1, "mode": "bottom"}},
+        "speculative": {"lengths": lengths, "final": "residual", "new_tokens": 64, "batch_size": 1, "repeats": 3,
+                        "repair": {"k": 1, "mode": "bottom"}},
+        "gate": {"passed": True, "map": "residual", "thresholds": {}, "checks": {}},
+    }
+    text = suite.render_report(metrics, {})
+    summary = text[text.index("## Summary"): text.index("\n## ", text.index("## Summary") + 1)]
+    lines = [line for line in summary.splitlines() if "Speculative decoding" in line or "transfer@4" in line]
+    best = [line for line in lines if "best arm" in line]
+    assert len(best) == 1 and "best arm lookup@4 at -20.0% end-to-end latency" in best[0], summary
+    assert "transfer@4" not in best[0] and "repaired@4" not in best[0], best[0]
+    # the transfer: its own line, latency beside its agreement with native greedy and its cache's quality
+    transfer = [line for line in summary.splitlines() if "transfer@4 at" in line]
+    assert len(transfer) == 1 and "best" not in transfer[0], summary
+    assert "transfer@4 at -58.2% end-to-end latency vs native" in transfer[0]
+    assert "native greedy on 0% of requests, 37.5% of tokens before the first difference" in transfer[0]
+    assert "quality of the residual cache: next-token agreement with native 25.0%" in transfer[0]
+    assert "hellaswag accuracy -10.0 pts vs native target (95% CI [-20.0, -1.0] pts)" in transfer[0]
+    repaired = next(line for line in summary.splitlines() if "repaired@4 at" in line)
+    assert "best" not in repaired and "quality of the partial cache: next-token agreement with native 50.0%" in repaired
+    # the report's table keeps every arm; the note under it says which rows are ranked
+    assert "| 4K | transfer@4 | 0.418 |" in text and "Ranked by speed (the summary's best arm)" in text
+
+    # no lossless arm reproduced native greedy (numerical drift): nothing is ranked, everything quoted with agreement
+    drift = {**metrics["speculative"], "lengths": {"4096": {
+        a: {**m, "matches_native": 0.0} if a != "native" else m for a, m in lengths["4096"].items()}}}
+    from kvjax.eval.suite.evaluation import ReportContext
+    ctx = ReportContext(metrics, {}, "residual", "S", "T")
+    out = speculative.summary(drift, ctx)
+    assert not any("best arm" in line for line in out) and "none is ranked by speed" in out[0]
+    assert any("lookup@4 at -20.0% end-to-end latency vs native, output equal to native greedy on 0%" in line
+               for line in out)
+
+    # dflash: the faster block size answered differently on one prompt group: the identical one is the best
+    dm = {"verifier": "source", "drafter": "d", "new_tokens": 64, "prompt_len": 256, "batch_size": 1,
+          "methods": {"greedy": {"tok_s": 100.0, "median_s": 1.0, "speedup": 1.0, "identical": 16, "groups": 16},
+                      "dflash-8": {"tok_s": 150.0, "median_s": 0.7, "speedup": 1.5, "identical": 16, "groups": 16,
+                                   "tau": 3.0},
+                      "dflash-16": {"tok_s": 200.0, "median_s": 0.5, "speedup": 2.0, "identical": 15, "groups": 16,
+                                    "tau": 5.0}}}
+    out = dflash.summary(dm, ctx)
+    assert out[0].startswith("- Block drafting (dflash-8) for the source: 1.50x") and "dflash-16" not in out[0]
+    assert out[1] == ("- Not ranked by speed: dflash-16 answered differently from greedy (output identical on 15/16 "
+                      "prompts) at 2.00x its greedy decoding (tau 5.00).")
+
+    # TTFT: each built cache's ratio with its answers' quality beside it
+    out = ttft.summary(metrics["ttft"], ctx)
+    assert len(out) == 2 and "S prefill + map 5.00x the speed of T's own prefill" in out[0]
+    assert "answering from the residual cache" in out[0] and "next-token agreement with native 25.0%" in out[0]
+    assert "answering from the partial cache" in out[1] and "hellaswag accuracy -5.0 pts vs native target" in out[1]
+
+    # throughput: the split path's decode speed with the final map's quality beside it
+    tp = {"4096": {"mapped_over_target_decode": 1.01, "mapped_over_source_decode": 2.0,
+                   "active_saving_vs_source": 0.3}}
+    out = throughput.summary(tp, ctx)
+    assert "answering from the residual cache" in out[0] and "hellaswag accuracy -10.0 pts vs native target" in out[0]
+
+
 def test_arm_table():
     from kvjax import config_flags
     from kvjax.eval import arms

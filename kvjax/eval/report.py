@@ -21,6 +21,31 @@ def length_label(x: int) -> str:
     return f"{x // 1024}K" if x >= 1024 and x % 1024 == 0 else str(x)
 
 
+def quality_cost(metrics: dict, arm: str) -> str:
+    """How far answers from the cache arm `arm` (kvjax.eval.arms: the final map, "partial", ...) are from the
+    answerer's own, from whatever this run measured: next-token agreement with the answerer's native predictions and
+    its KL to them (native_kl) and each multiple-choice set's accuracy difference to the native target (mc, paired
+    95% CI). An arm that answers from another cache is not faster at the same answer, so every summary line or chart
+    that quotes its speed quotes this beside it."""
+    parts = []
+    nk = metrics.get("native_kl") or {}
+    if arm in (nk.get("agreement") or {}):
+        parts.append(f"next-token agreement with native {pct(nk['agreement'][arm])} (KL {nk['kl'][arm]:.4f} "
+                     "nats/token)")
+    for name, m in (metrics.get("mc") or {}).items():
+        d = (m.get("delta_vs_target") or {}).get(arm)
+        if d:
+            parts.append(f"{name} accuracy {100 * d['mean']:+.1f} pts vs native target (95% CI {pts(d['ci95'])})")
+    return "; ".join(parts) if parts else "answer quality not measured in this run"
+
+
+def quality_tag(metrics: dict | None, arm: str) -> str:
+    """quality_cost's short form for a chart legend: the next-token agreement with native where measured."""
+    agreement = ((metrics or {}).get("native_kl") or {}).get("agreement") or {}
+    return (f"answers differ: {pct(agreement[arm], 0)} next-token agreement" if arm in agreement
+            else "answers differ from native")
+
+
 def header(metrics: dict) -> list[str]:
     run = metrics["run"]
     src, tgt = run["source"]["name"], run["target"]["name"]

@@ -146,7 +146,7 @@ def _in_report_order() -> list[Evaluation]:
 def draw_charts(metrics: dict, out_dir: str, source: str, target: str) -> dict[str, str]:
     """Every chart the metrics allow, in report order; returns {chart name: file name in out_dir}. `source`,
     `target`: the models' display names."""
-    ctx, drawn = ChartContext(source, target), {}
+    ctx, drawn = ChartContext(source, target, metrics), {}
     for e in _in_report_order():
         section = metrics.get(e.name)
         for chart in e.charts:

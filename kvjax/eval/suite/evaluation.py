@@ -63,6 +63,9 @@ class Chart(NamedTuple):
 class ChartContext(NamedTuple):
     source: str  # display names of the two models
     target: str
+    # the whole metrics.json: a chart that draws the speed of an arm answering from another cache
+    # labels it with that arm's quality, which other evaluations measure (kvjax.eval.report.quality_tag)
+    metrics: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,8 @@ verifier checks drafts from the mapped cache; kvjax.speculative.speculative_spli
 draft length: acceptance length, decode tokens/s, end-to-end latency (cache + `new_tokens` tokens) and the transfer's
 agreement with the answerer's native greedy output; with `lookup`, also the answerer drafting for itself by prompt
 lookup (no reader: kvjax.speculative.LookupDrafter). For small reads, large answers; off by default. metrics.json
-`speculative`."""
+`speculative`. The summary's best arm is the fastest whose output equals native greedy (plain, lookup); a transfer
+answers from another cache, so its latency is only ever quoted beside its agreement and its cache's quality."""
 
 from __future__ import annotations
 
@@ -14,11 +15,16 @@ import logging
 
 import numpy as np
 
-from kvjax.eval.report import length_label, pct
+from kvjax.eval.report import length_label, pct, quality_cost
 from kvjax.eval.suite.evaluation import Chart, Evaluation, at_least_one
 
 log = logging.getLogger(__name__)
 NATIVE = "native"
+# arm kinds whose verifier reads the answerer's own native prefill: lossless, so their output is native greedy's and
+# their latency is a speed-up of the same answer. transfer / repaired verify from the mapped cache: their latency buys
+# a different answer, so they are never ranked against native (kvjax.eval.speculative)
+SAME_CACHE = ("plain", "lookup")
+CACHE_ARM = {"transfer": None, "repaired": "partial"}  # the kvjax.eval.arms cache each reads (None: the final map)
 COLOURS = {"native": "#4C72B0", "plain": "#8172B3", "transfer": "#55A868", "repaired": "#C44E52", "lookup": "#DD8452"}
 
 
@@ -82,16 +88,60 @@ def _kind(arm: str) -> str:
     return arm.split("@")[0]
 
 
+def same_answer(arm: str, m: dict) -> bool:
+    """Whether `arm` may be ranked against native decoding by speed: it verifies from the answerer's own cache AND
+    its output equalled native greedy on every request (a lossless arm that drifted numerically is not ranked
+    either). A transfer that happened to match on the timed prompts still answers from another cache: never ranked."""
+    return _kind(arm) in SAME_CACHE and m["matches_native"] == 1.0
+
+
+def _cache_of(kind: str, sp: dict) -> str | None:
+    """The kvjax.eval.arms cache a transfer kind's verifier reads (whose quality mc / native_kl measure); None for the
+    kinds that read the answerer's own cache."""
+    if kind not in CACHE_ARM:
+        return None
+    return CACHE_ARM[kind] or sp["final"]
+
+
+def _answers_from(kind: str, sp: dict, ctx) -> str:
+    rep = sp["repair"]
+    if kind == "transfer":
+        return f"answers from the {sp['final']}-mapped cache, not {ctx.target}'s own"
+    if kind == "repaired" and rep:
+        return (f"answers from the {sp['final']}-mapped cache with {rep['mode']} {rep['k']} layer(s) recomputed, "
+                f"not {ctx.target}'s own")
+    return f"verifies from {ctx.target}'s own cache, but its output differed from native greedy"
+
+
 def summary(sp: dict, ctx) -> list[str]:
+    """The fastest arm whose output equals native greedy (the reference its latency is compared with), then every
+    other arm in its own line: its latency beside its agreement with native greedy and, for a transfer, the quality
+    of the cache it reads (kvjax.eval.report.quality_cost)."""
     longest = max(sp["lengths"], key=int)
     row = sp["lengths"][longest]
+    at = f"at {length_label(int(longest))} ({sp['new_tokens']} tokens)"
     arms = [a for a in row if a != NATIVE]
-    best = min(arms, key=lambda a: row[a]["latency_vs_native"])
-    r = row[best]
-    return [f"- Speculative decoding at {length_label(int(longest))} ({sp['new_tokens']} tokens): best arm {best} at "
-            f"{pct(r['latency_vs_native'] - 1)} end-to-end latency vs native {ctx.target} decoding (acceptance "
-            f"length {r['acceptance_length']:.2f}; output matches native greedy {pct(r['prefix_match'])} of tokens "
-            "before the first difference)."]
+    same = [a for a in arms if same_answer(a, row[a])]
+    if same:
+        best = min(same, key=lambda a: row[a]["latency_vs_native"])
+        r = row[best]
+        out = [f"- Speculative decoding {at}: best arm {best} at {pct(r['latency_vs_native'] - 1)} end-to-end "
+               f"latency vs native {ctx.target} decoding, output identical to native greedy (acceptance length "
+               f"{r['acceptance_length']:.2f}; ranked among the arms with native greedy's output: {', '.join(same)})."]
+    else:
+        out = [f"- Speculative decoding {at}: no arm's output equalled native {ctx.target} greedy on every request, "
+               "so none is ranked by speed."]
+    differ = [a for a in arms if a not in same]
+    for kind in dict.fromkeys(_kind(a) for a in differ):  # one line per kind, in the table's order
+        cells = [f"{a} at {pct(row[a]['latency_vs_native'] - 1)} end-to-end latency vs native, output equal to "
+                 f"native greedy on {pct(row[a]['matches_native'], 0)} of requests, {pct(row[a]['prefix_match'])} of "
+                 "tokens before the first difference" for a in differ if _kind(a) == kind]
+        line = f"- Not ranked by speed {at}: {kind}@G {_answers_from(kind, sp, ctx)}. " + "; ".join(cells)
+        cache = _cache_of(kind, sp)
+        if cache:
+            line += f"; quality of the {cache} cache: {quality_cost(ctx.metrics, cache)}"
+        out.append(line + ".")
+    return out
 
 
 def report(sp: dict, ctx) -> list[str]:
@@ -121,6 +171,15 @@ def report(sp: dict, ctx) -> list[str]:
                        f"| {tau} | {pct(m['matches_native'], 0)} / {pct(m['prefix_match'], 0)} / "
                        f"{pct(m['first_token_match'], 0)} |")
     out.append("")
+    # a latency is a speed-up only of the same answer: say which rows are ranked and what the others' answers cost
+    kinds = list(dict.fromkeys(_kind(a) for row in sp["lengths"].values() for a in row))
+    lossless = " and ".join(f"{k}@G" for k in kinds if k in SAME_CACHE)
+    kinds = [k for k in kinds if k in CACHE_ARM]
+    out += ["Ranked by speed (the summary's best arm): only arms whose output equals native greedy on every request"
+            + (f" ({lossless} verify from {ctx.target}'s own cache)." if lossless else ".")
+            + "".join(f" {k}@G {_answers_from(k, sp, ctx)}: its latency buys a different answer (matches columns; "
+                      f"quality of the {_cache_of(k, sp)} cache: {quality_cost(ctx.metrics, _cache_of(k, sp))})."
+                      for k in kinds), ""]
     if "speculative" in ctx.charts:
         out += [f"![speculative decoding latency]({ctx.charts['speculative']})", ""]
     return out
@@ -135,15 +194,22 @@ def chart(sp: dict, path: str, ctx) -> str:
     width = 0.8 / len(arms)
     for i, arm in enumerate(arms):
         x = np.arange(len(lengths)) + (i - (len(arms) - 1) / 2) * width
-        ys = [sp["lengths"][ln][arm]["latency_s"] for ln in lengths]
-        bars = ax.bar(x, ys, width, color=COLOURS.get(_kind(arm), "#8C8C8C"), label=arm,
+        ms = [sp["lengths"][ln][arm] for ln in lengths]
+        # an arm whose output differs from native greedy is not faster at the same answer: hatched, its legend says
+        # so and each bar carries its share of tokens matching native before the first difference
+        same = [arm == NATIVE or same_answer(arm, m) for m in ms]
+        bars = ax.bar(x, [m["latency_s"] for m in ms], width, color=COLOURS.get(_kind(arm), "#8C8C8C"),
+                      label=arm if all(same) else f"{arm} (answers differ from native greedy)",
+                      **({} if all(same) else {"hatch": "//", "edgecolor": "black"}),
                       alpha=1.0 if arm == NATIVE or arm.endswith(f"@{arms[-1].split('@')[-1]}") else 0.75)
-        ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=2)
+        ax.bar_label(bars, labels=[f"{m['latency_s']:.2f}" if ok else f"{m['latency_s']:.2f}\n"
+                                   f"{pct(m['prefix_match'], 0)} prefix match" for m, ok in zip(ms, same)],
+                     fontsize=7, padding=2)
     ax.set_xticks(range(len(lengths)), [f"{length_label(int(ln))} prompt" for ln in lengths])
     ax.set(ylabel="end-to-end seconds (median)",
            title=f"Latency of {sp['new_tokens']} tokens: native {ctx.target} vs speculative decoding")
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8, ncol=min(len(arms), 4))
+    ax.legend(fontsize=8, ncol=min(len(arms), 3), loc="upper center", bbox_to_anchor=(0.5, -0.12))
     return charts.save(fig, path)
 
 
