@@ -37,6 +37,14 @@ class GateConfig:
     # the arm whose cache distances min_key_cos / min_value_cos check (None: the gated map). A KL-trained residual
     # moves the cache away from the native target's on purpose, so a gate may hold the ridge to the cosine bounds
     cos_arm: str | None = None
+    # audio transfer (evaluation `audio`): the paired 95% interval of (answerer on the mapped audio cache - the
+    # answerer's own audio path), its lower end; the share of the gap to the listening source it recovers; each
+    # model's spoken margin over chance kept from its transcript margin (the encoder hears, so the transfer is what is
+    # measured); mapped decode tokens/s / the answerer's own audio path's, side by side
+    min_audio_gain_ci_lo: float | None = None
+    min_audio_gap_recovered: float | None = None
+    min_audio_margin_kept: float | None = None
+    min_audio_decode_ratio: float | None = None
 
     def hashed(self) -> dict:
         """The thresholds as the report stage's hash records them: checks added later only when set, so that runs
@@ -44,7 +52,8 @@ class GateConfig:
         return {k: v for k, v in dataclasses.asdict(self).items() if not (k in ADDED_LATER and v is None)}
 
 
-ADDED_LATER = ("min_attn_cos", "min_retrieval")  # checks that did not exist in earlier runs (see GateConfig.hashed)
+ADDED_LATER = ("min_attn_cos", "min_retrieval", "min_audio_gain_ci_lo", "min_audio_gap_recovered",
+               "min_audio_margin_kept", "min_audio_decode_ratio")  # checks that did not exist in earlier runs (see GateConfig.hashed)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -487,13 +487,13 @@ def _text_config(d: dict, source: str):
 
 
 def load_ultravox(path: str, dtype=jnp.float32, text_path: str | None = None,
-                  audio_path: str | None = None) -> AudioLM:
+                  audio_path: str | None = None, lm: Model | None = None) -> AudioLM:
     """An Ultravox checkpoint directory as an AudioLM (encoder, projector, language model).
 
     The language model comes from the directory's language_model.* tensors with its `text_config`, or, when given
     (and always when the directory has none, as in the released checkpoints, which name it by `text_model_id`), from
-    the HF checkpoint `text_path`; likewise the encoder from audio_tower.* or `audio_path`. `dtype`: the parameter
-    dtype of all three."""
+    the HF checkpoint `text_path`, or `lm`, a language model already loaded (e.g. the job's own); likewise the
+    encoder from audio_tower.* or `audio_path`. `dtype`: the parameter dtype of all three (`lm` is taken as it is)."""
     path = resolve(path)
     d = _read_config(path)
     source = os.path.join(path, "config.json")
@@ -519,7 +519,9 @@ def load_ultravox(path: str, dtype=jnp.float32, text_path: str | None = None,
         raise CheckpointError(f"{path} holds no audio_tower.* tensors (audio_model_id {d.get('audio_model_id')!r}); "
                               "pass audio_path= a local directory of that Whisper checkpoint")
 
-    if text_path is not None:
+    if lm is not None:
+        pass
+    elif text_path is not None:
         lm = load_hf(text_path, dtype)
     elif has["language_model."]:
         if not d.get("text_config"):
@@ -552,7 +554,43 @@ def load_ultravox(path: str, dtype=jnp.float32, text_path: str | None = None,
     return AudioLM(encoder, projector, lm, None if index is None else int(index))
 
 
+def save_ultravox(path: str, encoder: AudioEncoder, projector: Projector, text_model_id: str | None = None,
+                  audio_token_index: int | None = None, vocab_size: int | None = None, extra: dict | None = None,
+                  dtype=None) -> None:
+    """Write an encoder and projector in Ultravox's layout (config.json with `audio_config` inlined, the LM named by
+    `text_model_id` as the released checkpoints name it; model.safetensors with audio_tower.* and
+    multi_modal_projector.*), so load_ultravox(path, text_path=...) reads them back. `extra`: more config fields
+    (e.g. how it was trained). Written to a temporary name, then renamed: never half-written."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    from kvjax.models.params import to_hf_tensors
+    from kvjax.models.whisper import encoder_to_flat
+    pc = projector.cfg
+    tensors = {}
+    for specs, flat in ((encoder_specs(encoder.cfg, "audio_tower."), encoder_to_flat(encoder.params)),
+                        (projector_specs(pc), {k: getattr(projector.params, k) for k in projector_specs(pc)})):
+        for name, s in specs.items():
+            a = np.asarray(jax.device_get(flat[name]))
+            for n, t in to_hf_tensors(s, a if dtype is None else a.astype(np.dtype(jnp.dtype(dtype)))).items():
+                tensors[n] = np.ascontiguousarray(t)  # safetensors writes a transposed view's memory as it lies
+    config = {"model_type": "ultravox", "architectures": ["UltravoxModel"], "audio_config": encoder.cfg.to_hf_dict(),
+              "text_model_id": text_model_id, "hidden_size": pc.hidden_size, "stack_factor": pc.stack_factor,
+              "projector_act": pc.act, "projector_ln_mid": pc.ln_mid, "norm_init": pc.norm_init,
+              "audio_token_index": audio_token_index, "audio_latency_block_size": None,
+              **({} if vocab_size is None else {"vocab_size": vocab_size}), **(extra or {})}
+    tmp = path.rstrip("/") + ".partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    shutil.rmtree(path, ignore_errors=True)
+    os.rename(tmp, path)
+
+
 __all__ = ["AudioLM", "Projector", "ProjectorConfig", "ProjectorParams", "audio_chunks", "audio_embeddings_forward",
            "audio_prompt", "audio_token_count", "expand_audio", "init_projector", "load_audio_encoder", "load_ultravox",
            "log_mel", "merge_audio", "prefill_audio", "project_forward", "projector_specs",
-           "prompt_embeddings", "prompt_embeddings_forward", "stack_frames"]
+           "prompt_embeddings", "prompt_embeddings_forward", "save_ultravox", "stack_frames"]

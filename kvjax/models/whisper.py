@@ -80,6 +80,13 @@ class WhisperEncoderConfig:
     def num_params(self) -> int:
         return int(sum(np.prod(s.shape) for s in encoder_specs(self).values()))
 
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The encoder's fields of a Whisper config.json (what from_hf_dict reads; an Ultravox `audio_config`)."""
+        return {"model_type": "whisper", "num_mel_bins": self.num_mel_bins, "d_model": self.d_model,
+                "encoder_layers": self.num_layers, "encoder_attention_heads": self.num_heads,
+                "encoder_ffn_dim": self.ffn_dim, "max_source_positions": self.max_source_positions,
+                "activation_function": self.activation}
+
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> "WhisperEncoderConfig":
         """From a Whisper config.json (WhisperModel / WhisperForConditionalGeneration; an Ultravox `audio_config`)."""

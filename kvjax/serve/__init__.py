@@ -10,6 +10,7 @@
   programs   the compiled pieces: batched prefill (the builders), in-place slot insert, one decode step
   app        the HTTP endpoints (Starlette): completions, chat, models, health, metrics
   protocol   request parsing and checks, OpenAI-style errors
+  audio      spoken chat requests (input_audio parts): WAV checks, features, the audio prompt, the audio map
   text       incremental detokenization with stop strings
   chat       chat templates from the checkpoint
   metrics    Prometheus metrics

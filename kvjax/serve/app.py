@@ -1,7 +1,8 @@
 """The HTTP face of the engine: an OpenAI-compatible Starlette app.
 
   POST /v1/completions        prompt as text or token ids; stream=true answers as server-sent events
-  POST /v1/chat/completions   where the tokenizer has a chat template (else 400 saying so)
+  POST /v1/chat/completions   where the tokenizer has a chat template (else 400 saying so); with an audio config,
+                              also spoken requests (input_audio parts; kvjax.serve.audio), without the template
   GET  /v1/models             the served model (the run config's name)
   GET  /health                200 while the engine takes work, else 503 with the reason
   GET  /metrics               Prometheus text (kvjax.serve.metrics)
@@ -67,7 +68,8 @@ class Server:
             "id": self.model, "object": "model", "created": 0, "owned_by": "kvjax",
             "kvjax": {"path": self.engine.path, "reason": self.engine.reason,
                       "topology": self.engine.config.topology, "max_model_len": self.limits.capacity,
-                      "chat": self.chat_template is not None}}]})
+                      "chat": self.chat_template is not None,
+                      "audio": self.engine.audio.info() if self.engine.audio is not None else None}}]})
 
     async def health(self, request: HttpRequest):
         ok, why = self.engine.healthy
@@ -101,22 +103,45 @@ class Server:
         return await self._generate(request, params, ids, chat=False)
 
     async def chat(self, request: HttpRequest):
-        body = protocol.parse_body(await request.body())
+        audio = self.engine.audio
+        if audio is not None:  # spoken requests are large: refuse an oversized body before reading it
+            size = request.headers.get("content-length", "")
+            if size.isdigit() and int(size) > audio.max_body:
+                raise ApiError(413, f"the request body is {size} bytes; this server takes at most {audio.max_body} "
+                                    f"(at most {audio.max_parts} audio parts of {audio.max_bytes} bytes each)")
+        raw = await request.body()
+        if audio is not None and len(raw) > audio.max_body:
+            raise ApiError(413, f"the request body is {len(raw)} bytes; this server takes at most {audio.max_body}")
+        params = protocol.parse_chat(protocol.parse_body(raw), self.limits)
+        if params.audio:
+            return await self._spoken(request, params)
         if self.chat_template is None:
-            protocol.parse_chat(body, self.limits)  # a malformed request is still told what is wrong with it
             raise ApiError(400, f"model {self.model!r} has no chat template (its tokenizer_config.json has no "
-                                "chat_template); use /v1/completions with the prompt text")
-        params = protocol.parse_chat(body, self.limits)
+                                "chat_template); use /v1/completions with the prompt text"
+                                + (", or send audio (input_audio parts)" if audio is not None else ""))
         try:
             text = self.chat_template.render(params.messages)
         except Exception as e:  # noqa: BLE001 - a template rejecting the messages (raise_exception) is the client's
             raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
         return await self._generate(request, params, self._encode(text), chat=True)
 
+    async def _spoken(self, request: HttpRequest, params: protocol.GenerationParams):
+        """A chat request with input_audio parts: the adapter's prompt template (kvjax.serve.audio), the clips'
+        features computed off the event loop."""
+        audio = self.engine.audio
+        if audio is None:
+            raise ApiError(400, f"this server does not take audio input: {self.engine.audio_reason}",
+                           param="messages")
+        clips = await asyncio.to_thread(audio.clips, params.audio)
+        text = "\n".join(params.texts)
+        ids = audio.prompt(clips, self.engine.tokenizer.encode(text, add_special_tokens=False).ids if text else [])
+        return await self._generate(request, params, ids, chat=True, audio=tuple(clips))
+
     def _encode(self, text: str) -> list[int]:
         return self.engine.tokenizer.encode(text).ids
 
-    async def _generate(self, http: HttpRequest, params: protocol.GenerationParams, ids: list[int], chat: bool):
+    async def _generate(self, http: HttpRequest, params: protocol.GenerationParams, ids: list[int], chat: bool,
+                        audio: tuple = ()):
         protocol.check_prompt(ids, params.max_tokens, self.limits)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Event] = asyncio.Queue()
@@ -128,7 +153,7 @@ class Server:
                 pass
 
         req = Request(prompt=ids, max_tokens=params.max_tokens, sink=sink, temperature=params.temperature,
-                      top_p=params.top_p, seed=params.seed, stop=params.stop, timeout=params.timeout)
+                      top_p=params.top_p, seed=params.seed, stop=params.stop, timeout=params.timeout, audio=audio)
         try:
             self.engine.submit(req)
         except QueueFull as e:

@@ -6,6 +6,10 @@ directory; its gate is PATH/../gate.json when there is one, or --gate FILE). Whe
 by the target alone ("native_target"). Problems the user can fix are one message and exit status 2, before any
 model is loaded: the flags, the config, the checkpoints' headers and the map are checked before JAX is imported (or
 the process restarts under the allocator settings), so such a mistake is reported in well under a second.
+
+A config whose `audio` evaluation is enabled (--config=toy_audio) also answers spoken chat requests (input_audio
+parts; kvjax.serve.audio): the source's adapter (cfg.eval.audio.source_adapter) listens and the run's audio map
+(OUTPUT_DIR/eval/audio/audio_map; the final text map, with a warning, when the run has none) translates its cache.
 """
 
 from __future__ import annotations
@@ -102,7 +106,7 @@ def parse(argv: list[str]):
                           max_prefill_batch=args.max_prefill_batch, max_queue=args.max_queue,
                           max_tokens_limit=args.max_tokens, request_timeout=args.request_timeout,
                           prefill_devices=args.prefill_devices)
-    problems = model_problems(cfg) + engine.problems()
+    problems = model_problems(cfg) + engine.problems() + audio_problems(cfg)
     try:
         lo, _, hi = args.warmup.rpartition(":")
         args.warmup = (int(lo or 2), int(hi))
@@ -114,6 +118,16 @@ def parse(argv: list[str]):
         raise ServeError("; ".join(problems))
     map_dir, gate = locate(cfg, name or DEFAULT_CONFIG, args.map, args.gate)
     return cfg, args, engine, map_dir, gate
+
+
+def audio_problems(cfg: RunConfig) -> list[str]:
+    """An audio config's adapter, checked before JAX starts."""
+    ec = getattr(cfg.eval, "audio", None)
+    if ec is None or not ec.enabled or os.path.isfile(os.path.join(ec.source_adapter, "config.json")):
+        return []
+    return [f"eval.audio.source_adapter: {ec.source_adapter!r} is not an audio adapter directory (config.json in "
+            "Ultravox's layout; the toy's: python -m launch.toy.speech_train), and spoken requests need it: pass "
+            "--config.eval.audio.source_adapter=DIR, or serve text only with --config.eval.audio.enabled=false"]
 
 
 def build_server(cfg: RunConfig, args, engine_cfg: EngineConfig, map_dir: str, gate_path: str):
@@ -136,8 +150,14 @@ def build_server(cfg: RunConfig, args, engine_cfg: EngineConfig, map_dir: str, g
         log.warning("no gate result for %s: serving the split path ungated", map_dir)
     if not split:
         log.warning("%s: serving the native target path", reason)
-    engine = Engine(tuple(source), tuple(target), kvmap, kvjax.load_tokenizer(cfg.target.path), engine_cfg,
-                    split=split, reason=reason)
+    tokenizer = kvjax.load_tokenizer(cfg.target.path)
+    audio = None
+    if cfg.eval.audio.enabled and split:  # (the native path takes no audio: the engine says so to such requests)
+        from kvjax.serve.audio import load as load_audio
+        audio = load_audio(cfg, source, target.cfg, tokenizer, kvmap)
+        log.info("spoken requests: %s listens, map %s", cfg.eval.audio.source_adapter, audio.map_path)
+    engine = Engine(tuple(source), tuple(target), kvmap, tokenizer, engine_cfg, split=split, reason=reason,
+                    audio=audio)
     if args.warmup[1]:
         log.info("warming up (compiling prefill for %d..%d-token prompts) ...", *args.warmup)
         log.info("warm-up done in %.1fs", engine.warmup(args.warmup[1], args.warmup[0]))

@@ -71,7 +71,9 @@ _ids = itertools.count()
 
 @dataclasses.dataclass(eq=False)
 class Request:
-    """One generation. `prompt`: token ids (>= 2). `sink(Event)` is called from engine threads."""
+    """One generation. `prompt`: token ids (>= 2). `sink(Event)` is called from engine threads. `audio`: a spoken
+    request's clips (log-mel features float32 [M, frames] each, in the order of their placeholder runs in `prompt`;
+    kvjax.serve.audio), answered through the audio map; empty: a text request."""
 
     prompt: list[int]
     max_tokens: int
@@ -81,6 +83,7 @@ class Request:
     seed: int = 0
     stop: tuple[str, ...] = ()
     timeout: float | None = None
+    audio: tuple = ()
     id: int = dataclasses.field(default_factory=lambda: next(_ids))
     submitted: float = 0.0
     deadline: float = 0.0

@@ -11,6 +11,10 @@ between two steps and its slot is free for the next. Topologies (EngineConfig.to
   disaggregated   prefill workers (kvjax.serve.workers: one thread per prefill device) run source + map and move each
                   mapped cache to the decode device, where one thread inserts and decodes; prefill and decode overlap
 
+Spoken requests (Request.audio, with `audio`: kvjax.serve.audio.AudioServing) are prefilled in batches of their
+own: the source's audio adapter listens to the batch's clips (in row order), the AUDIO map translates the cache, the
+target decodes in the same slots as every other request. They need the split path (the source listens).
+
 JAX runs only on the engine's own threads; callers (the asyncio server) submit requests and receive events through
 the request's `sink`, a thread-safe callable. A prefill worker that dies or hangs is detected by the decode thread:
 its in-flight requests fail with a clear error, and it is restarted (or, past `max_worker_restarts`, the engine
@@ -41,11 +45,12 @@ __all__ = ["Engine", "EngineConfig", "Event", "QueueFull", "Request", "Unhealthy
 
 class Engine:
     """See the module docstring. `source`/`target`: (config, params); `kvmap`: the map; `split`: serve the split
-    path (False: the map's gate failed, the target prefills itself); `tokenizer`: a tokenizers.Tokenizer."""
+    path (False: the map's gate failed, the target prefills itself); `tokenizer`: a tokenizers.Tokenizer; `audio`:
+    spoken requests' adapter, map and prompt template (kvjax.serve.audio.AudioServing; None: text only)."""
 
     def __init__(self, source, target, kvmap, tokenizer, config: EngineConfig = EngineConfig(), split: bool = True,
                  reason: str = "", faults: Faults | None = None, metrics: Metrics | None = None,
-                 devices=None):
+                 devices=None, audio=None):
         problems = config.problems()
         if problems:
             raise ValueError("engine settings: " + "; ".join(problems))
@@ -71,12 +76,23 @@ class Engine:
             self.prefill_devices, self.decode_device = devices[:1], devices[0]
         place = lambda tree, dev: jax.device_put(tree, dev)  # noqa: E731
         self.target = (tcfg, place(target[1], self.decode_device))
+        # spoken requests: the source listens, so only on the split path
+        self.audio = audio if split else None
+        self.audio_reason = ("" if self.audio is not None else
+                             f"spoken requests need the split path (the source listens), and {reason}" if not split
+                             else "this server's config takes no audio (serve an audio config, e.g. python -m "
+                             "kvjax.serve --config=toy_audio)")
         # each prefill device holds what its path runs: source + map, or (gate failed) the target
-        self._builders = {}
+        self._builders, self._listeners = {}, {}
         for dev in self.prefill_devices:
             src = (source[0], place(source[1], dev)) if split else None
             tgt = self.target if dev == self.decode_device else (tcfg, place(target[1], dev))
             self._builders[dev] = programs.prefill_builder(src, tgt, place(kvmap, dev) if split else None, split)
+            if self.audio is not None:  # the adapter around this device's source; the audio map
+                alm = self.audio.alm
+                alm = alm.replace(encoder=place(alm.encoder, dev), projector=place(alm.projector, dev),
+                                  lm=type(alm.lm)(*src))
+                self._listeners[dev] = (src, tgt, place(self.audio.kvmap, dev), alm)
         self.scheduler = Scheduler(config, lambda n: programs.bucket_for(n, self.buckets), self.metrics, self.path)
         self._lock = self.scheduler.lock  # the one lock of the engine's shared state
         self.slots = Slots(self.target, config, self.decode_device, self.scheduler, self.metrics, self.faults)
@@ -185,13 +201,22 @@ class Engine:
         bucket = programs.bucket_for(max(len(r.prompt) - 1 for r in reqs), self.buckets)
         batch = programs.batch_size_for(len(reqs), self.config.max_prefill_batch)
         t0 = time.perf_counter()
-        cache = programs.prefill_batch(self._builders[device], [r.prompt for r in reqs], bucket, batch)
+        builder = self._audio_builder(reqs, device) if reqs[0].audio else self._builders[device]
+        cache = programs.prefill_batch(builder, [r.prompt for r in reqs], bucket, batch)
         if device != self.decode_device:
             cache = jax.device_put(cache, self.decode_device)  # the mapped cache moves to the decode pool
         jax.block_until_ready(cache)
         self.metrics.prefill_seconds.observe(time.perf_counter() - t0)
         self.metrics.prefill_tokens.inc(sum(len(r.prompt) - 1 for r in reqs))
         return cache
+
+    def _audio_builder(self, reqs: list[Request], device):
+        """The builder of a spoken batch (the scheduler never mixes spoken and text requests): the source's adapter
+        given this batch's clips, row by row (a new one per batch: prefill threads never share its clips)."""
+        if device not in self._listeners:
+            raise ValueError(f"a spoken request reached an engine that takes no audio: {self.audio_reason}")
+        src, tgt, kvmap, alm = self._listeners[device]
+        return programs.audio_builder(src, tgt, kvmap, alm, [c for r in reqs for c in r.audio])
 
     # ---- decode ------------------------------------------------------------------------------------------------
 

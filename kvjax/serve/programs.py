@@ -46,6 +46,18 @@ def prefill_builder(source, target, kvmap, split: bool):
     return Mapped(source, target, kvmap) if split else NativePrefill(target)
 
 
+def audio_builder(source, target, kvmap, alm, clips: list[np.ndarray]):
+    """The cache builder of a batch of spoken prompts: the source's audio-language model (alm, around `source`)
+    listens to `clips` (log-mel [M, frames] each, in the order of their placeholder runs, row by row), `kvmap` (the
+    audio map) translates its cache: offline `Mapped(source, target, kvmap, shared=AudioPrefill(alm).set_audio(..))`.
+    The clips are zero-padded to a multiple of 128 frames (kvjax.eval.audio.clip_inputs; per-clip frames are passed,
+    so padding is masked): a few encoder programs cover every length."""
+    from kvjax.builders.audio import AudioPrefill
+    from kvjax.eval.audio import clip_inputs
+    features, frames, _ = clip_inputs(clips, alm.stack_factor, alm.encoder.cfg.max_frames)
+    return Mapped(source, target, kvmap, name="audio", shared=AudioPrefill(alm, memo=False).set_audio(features, frames))
+
+
 def prefill_batch(builder, prompts: list[list[int]], bucket: int, batch: int) -> KVCache:
     """The answering model's cache of every prompt but its last token, rows padded to `batch` (padding rows hold one
     token) and positions to `bucket`: KVCache [L, batch, Hkv, bucket, hd]."""

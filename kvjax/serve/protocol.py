@@ -53,6 +53,18 @@ class GenerationParams:
     stream: bool
     include_usage: bool
     timeout: float | None  # seconds for this request (None: the server's request timeout)
+    audio: tuple["AudioPart", ...] = ()  # chat: the input_audio parts, in order (kvjax.serve.audio answers them)
+    texts: tuple[str, ...] = ()  # chat: every text part and string content, in message order
+
+
+@dataclasses.dataclass(frozen=True)
+class AudioPart:
+    """A chat content part {"type": "input_audio", "input_audio": {"data": base64, "format": "wav"}}; checked and
+    decoded by kvjax.serve.audio. `where`: its place in the request (messages[i].content[j]), for error messages."""
+
+    data: str
+    format: str
+    where: str
 
 
 # field -> its neutral value; a request may send them only with that value (the openai client sends none by default)
@@ -168,17 +180,50 @@ def parse_completion(body: dict, limits: Limits) -> GenerationParams:
 
 
 def parse_chat(body: dict, limits: Limits) -> GenerationParams:
-    """POST /v1/chat/completions: `messages` [{role, content}] with string contents."""
+    """POST /v1/chat/completions: `messages` [{role, content}], content a string or a list of parts: {"type": "text",
+    "text"} and (user messages) {"type": "input_audio", "input_audio": {"data", "format"}}. A message's text parts
+    reach the chat template joined by "\\n"; the audio parts are returned in order (GenerationParams.audio)."""
     _check_fields(body, CHAT_FIELDS, "/v1/chat/completions")
     common = _common(body, limits, "max_completion_tokens")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list of {role, content}", param="messages")
+    out, audio, texts = [], [], []
     for i, m in enumerate(messages):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise ApiError(400, f"messages[{i}] must be an object with string 'role' and 'content'",
-                           param="messages")
-    return GenerationParams(prompt=None, text=None, messages=tuple(messages), **common)
+        content = m.get("content") if isinstance(m, dict) else None
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                and (isinstance(content, str) or (isinstance(content, list) and content))):
+            raise ApiError(400, f"messages[{i}] must be an object with a string 'role' and a 'content' that is a "
+                                "string or a non-empty list of content parts", param="messages")
+        if isinstance(content, str):
+            out.append(m)
+            texts.append(content)
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            where = f"messages[{i}].content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            elif kind == "input_audio":
+                inner = part.get("input_audio")
+                if m["role"] != "user":
+                    raise ApiError(400, f"{where}: input_audio parts go in user messages, not {m['role']!r} ones",
+                                   param="messages")
+                if not (isinstance(inner, dict) and isinstance(inner.get("data"), str) and inner["data"]
+                        and isinstance(inner.get("format"), str)):
+                    raise ApiError(400, f"{where}: an input_audio part is {{\"type\": \"input_audio\", "
+                                        "\"input_audio\": {\"data\": BASE64, \"format\": \"wav\"}}", param="messages")
+                audio.append(AudioPart(inner["data"], inner["format"], where))
+            elif kind == "text":
+                raise ApiError(400, f"{where}: a text part needs a string 'text'", param="messages")
+            else:
+                raise ApiError(400, f"{where}: content part type {json.dumps(kind)} is not supported; use 'text' or "
+                                    "'input_audio'", param="messages")
+        out.append(dict(m, content="\n".join(parts)))
+        texts += parts
+    return GenerationParams(prompt=None, text=None, messages=tuple(out), audio=tuple(audio),
+                            texts=tuple(t for t in texts if t), **common)
 
 
 def check_prompt(ids: list[int], max_tokens: int, limits: Limits) -> None:

@@ -44,7 +44,8 @@ class Scheduler:
     def take(self, free: int) -> list[Request]:
         """Up to min(free, max_prefill_batch) live requests from the queue (lock held): the head of the queue and
         those of the next LOOKAHEAD whose prompts fall in its prefill bucket (a batch padded to one length wastes
-        nothing on shorter rows); the others keep their places. Expired or cancelled ones are answered on the way."""
+        nothing on shorter rows) and are of its kind (spoken or text: they prefill through different maps); the
+        others keep their places. Expired or cancelled ones are answered on the way."""
         out, skipped, bucket = [], [], None
         now = time.perf_counter()
         limit = min(free, self.config.max_prefill_batch)
@@ -57,7 +58,7 @@ class Scheduler:
             elif now > r.deadline:
                 self.fail(r, 504, f"timed out after {r.deadline - r.submitted:.0f} s waiting in the queue")
             else:
-                b = self.bucket_of(len(r.prompt) - 1)
+                b = (self.bucket_of(len(r.prompt) - 1), bool(r.audio))
                 bucket = b if bucket is None else bucket
                 (out if b == bucket else skipped).append(r)
         self.waiting.extendleft(reversed(skipped))

@@ -15,5 +15,5 @@ def run(job, stage: Stage) -> None:
     source, target = job.models()
     ctx = suite.EvalContext(cfg=job.cfg, source=source, target=target, map=job.map,
                             fitted=fitted_maps(job.cfg), heldout=np.asarray(job.data("heldout")),
-                            tokenizer=job.tokenizer)
+                            tokenizer=job.tokenizer, artifacts=job.run.path("eval", stage.name))
     write_json(job.run.path("eval", f"{stage.name}.json"), suite.run(suite.BY_NAME[stage.name], job.cfg, ctx))

@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from kvjax.eval.suite import dflash, distances, kl, mc, native_kl, retrieval, rollout, speculative, throughput, ttft
+from kvjax.eval.suite import audio, dflash, distances, kl, mc, native_kl, retrieval, rollout, speculative, throughput, ttft
 from kvjax.eval.suite.evaluation import (Chart, ChartContext, EvalContext, Evaluation, MetricsContext,
                                          ReportContext)
 
@@ -52,6 +52,7 @@ EVALUATIONS: tuple[Evaluation, ...] = (
     ttft.EVALUATION,  # ... and its time to first token from the reader's prefill
     speculative.EVALUATION,  # ... and speculative decoding, the reader drafting (plain, and from a transferred cache)
     dflash.EVALUATION,  # off by default: lossless block drafting (kvjax.drafter) for one model, vs its greedy decode
+    audio.EVALUATION,  # off by default (--config=toy_audio): a model that listened hands its audio cache over
 )
 BY_NAME = {e.name: e for e in EVALUATIONS}
 NAMES = tuple(BY_NAME)

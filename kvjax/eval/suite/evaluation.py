@@ -35,6 +35,9 @@ class EvalContext:
     fitted: tuple[str, ...]  # the maps this run fits, in order; the last is the final map (gated, timed)
     heldout: Any  # int [N, T] held-out token windows (data/heldout.npy)
     tokenizer: Callable[[], Any]  # the pair's tokenizer
+    # a directory of the evaluation's own for what it makes beyond its record (the audio evaluation's audio map,
+    # which the server loads); created on first use
+    artifacts: str = ""
 
     @property
     def final(self) -> str:

@@ -1,0 +1,136 @@
+"""Train a cache map on audio-prompt caches: the residual of a text map, trained further on what a listening source
+writes, against the source's own predictions (seed 004's audio transfer: "a mapper plus rank-16 residual translated
+it into the frozen 1B decoder").
+
+The ridge part cannot be refitted on audio: it regresses the target's native cache on the source's at the same
+positions, and a text-only target has no native cache of audio positions. So the ridge stays the text map's (fitted
+on text, frozen), and only the residual moves (kvjax.fitting.residual's TRAINABLE leaves), on source-teacher KL as
+the text residual: the source audio-LM reads [prompt with audio][text], its next-token distributions on the text are
+the teacher; the text-only answerer reads the same text after the MAPPED cache of the prompt (the student).
+
+The source and its encoder are frozen, so their work is done once (`audio_pool`: the source's cache of each prompt and
+its log-probabilities on the text); a step is then the map, the answerer's forward and the backward pass.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from kvjax.mapper.kl import kl
+from kvjax.mapper.kvmap import KVMap, apply_map
+from kvjax.models.audio import AudioLM, audio_token_count, prompt_embeddings_jit
+from kvjax.models.decoder import forward, prefill_jit
+from kvjax.models.model import Model
+
+log = logging.getLogger(__name__)
+
+
+class AudioPool(NamedTuple):
+    """The frozen source's work on audio prompts, per example (host arrays, sliced into batches by index)."""
+
+    caches: list  # per batch: the source's KVCache of [prompt with audio][text], lengths = the prompt's
+    teacher: list  # per batch: float32 [b, C, V] the source's logits predicting text[0..C-1]
+    text: list  # per batch: int32 [b, C + 1] the prompt's last token, then text[0..C-1] (what the student reads)
+
+
+def audio_pool(source: AudioLM, prompts: np.ndarray, prompt_lengths: np.ndarray, texts: np.ndarray,
+               features: np.ndarray, frames: np.ndarray, batch_size: int = 16) -> AudioPool:
+    """The source audio-LM's cache and teacher logits for each example: prompts int [N, P] (right-padded, the audio
+    positions holding source.audio_token_index, one clip per row, the prompt's LAST token text), prompt_lengths [N],
+    texts int [N, C] (what follows the prompt), features [N, M, F] / frames [N] (the clips)."""
+    caches, teacher, text = [], [], []
+    c = texts.shape[1]
+    for i in range(0, len(prompts), batch_size):
+        sl = slice(i, i + batch_size)
+        p, n, x = prompts[sl], prompt_lengths[sl], texts[sl]
+        b = len(p)
+        rows = np.zeros((b, p.shape[1] + c), np.int32)
+        for r in range(b):  # [prompt][text], right-padded
+            rows[r, :n[r]], rows[r, n[r]:n[r] + c] = p[r, :n[r]], x[r]
+        mask = np.zeros(rows.shape, bool)
+        mask[:, :p.shape[1]] = (p == source.audio_token_index) & (np.arange(p.shape[1])[None] < n[:, None])
+        embeds = prompt_embeddings_jit(source, rows, mask, features[sl], frames[sl])
+        out = prefill_jit(source.lm.params, source.lm.cfg, None, jnp.asarray(n + c, jnp.int32), last_only=False,
+                          embeds=embeds)
+        at = (n - 1)[:, None] + np.arange(c)[None]  # the prompt's last token predicts text[0]
+        teacher.append(np.asarray(jnp.take_along_axis(out.logits, jnp.asarray(at)[..., None], 1), np.float32))
+        # the cache holds the prompt's first n - 1 positions for the student (it reads the last prompt token itself)
+        caches.append(out.cache.replace(lengths=jnp.asarray(n - 1, out.cache.lengths.dtype)))
+        last = p[np.arange(b), n - 1]
+        text.append(np.concatenate([last[:, None], x], axis=1).astype(np.int32))
+    return AudioPool(caches, teacher, text)
+
+
+def student_kl(kvmap: KVMap, target: Model, cache, teacher: jax.Array, text: jax.Array) -> jax.Array:
+    """Mean KL of the answerer reading `text` [b, C + 1] after the mapped cache vs the teacher [b, C, V]
+    (traceable)."""
+    tcfg, tparams = target
+    mapped = apply_map(kvmap, cache, capacity=cache.capacity)  # rows keep their lengths: text goes after them
+    logits, _ = forward(tparams, tcfg, text[:, :-1], mapped)
+    return kl(teacher, logits).mean()
+
+
+def _kl_jit(kvmap, tcfg, tparams, cache, teacher, text):
+    return _kl_static(kvmap, tparams, cache, teacher, text, tcfg=tcfg)
+
+
+_kl_static = jax.jit(lambda kvmap, tparams, cache, teacher, text, tcfg: student_kl(kvmap, (tcfg, tparams), cache,
+                                                                                  teacher, text),
+                     static_argnames=("tcfg",))
+
+
+def train_audio_map(kvmap: KVMap, target: Model, pool: AudioPool, steps: int, lr: float, seed: int = 0,
+                    progress: bool = True) -> tuple[KVMap, list[float]]:
+    """Continue training `kvmap`'s residual (the ridge and every other leaf frozen) on the pool's batches, one batch
+    a step in a seeded order; returns (the map, the loss per step)."""
+    from tqdm import tqdm
+
+    from kvjax.fitting.residual import TRAINABLE
+    labels = jax.tree_util.tree_map_with_path(
+        lambda path, _: "train" if getattr(path[-1], "name", None) in TRAINABLE else "freeze", kvmap)
+    sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 20), max(steps, 2), end_value=0.1 * lr)
+    opt = optax.multi_transform({"train": optax.chain(optax.clip_by_global_norm(1.0), optax.adam(sched)),
+                                 "freeze": optax.set_to_zero()}, labels)
+    state = opt.init(kvmap)
+
+    @jax.jit
+    def step(kvmap, state, tparams, cache, teacher, text):  # the answerer's config is closed over (static)
+        loss, g = jax.value_and_grad(student_kl)(kvmap, (target[0], tparams), cache, teacher, text)
+        upd, state = opt.update(g, state, kvmap)
+        return optax.apply_updates(kvmap, upd), state, loss
+
+    order = np.random.default_rng(seed).permutation(np.resize(np.arange(len(pool.caches)), steps))
+    losses = []
+    for i in tqdm(order, desc="audio map", unit="step", disable=not progress):
+        kvmap, state, loss = step(kvmap, state, target[1], pool.caches[i], jnp.asarray(pool.teacher[i]),
+                                  jnp.asarray(pool.text[i]))
+        losses.append(float(loss))
+    return kvmap, losses
+
+
+def pool_kl(kvmap: KVMap, target: Model, pool: AudioPool) -> float:
+    """Mean student KL over the pool (held-out pools: the map's quality on audio caches it was not trained on)."""
+    vals = [float(_kl_jit(kvmap, target[0], target[1], c, jnp.asarray(t), jnp.asarray(x))) for c, t, x in
+            zip(pool.caches, pool.teacher, pool.text)]
+    return float(np.mean(vals))
+
+
+def prompt_rows(audio_tokens: np.ndarray, open_id: int, placeholder: int, close_ids: list[int],
+                width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Audio prompts [open][placeholder x audio_tokens[i]][close...] right-padded to `width` (default the longest):
+    (ids int32 [N, width], lengths [N])."""
+    lengths = 1 + np.asarray(audio_tokens) + len(close_ids)
+    width = int(lengths.max()) if width is None else width
+    out = np.zeros((len(audio_tokens), width), np.int32)
+    for i, a in enumerate(audio_tokens):
+        out[i, 0], out[i, 1:1 + a], out[i, 1 + a:1 + a + len(close_ids)] = open_id, placeholder, close_ids
+    return out, lengths.astype(np.int32)
+
+
+__all__ = ["AudioPool", "audio_pool", "audio_token_count", "pool_kl", "prompt_rows", "student_kl", "train_audio_map"]

@@ -1,0 +1,240 @@
+"""Teach a toy language model to listen: a Whisper encoder + Ultravox projector trained by Ultravox's distillation.
+
+  python -m launch.toy.speech_train --lm source     # checkpoints/toy/audio/source (the 6-layer source listens)
+  python -m launch.toy.speech_train --lm pruned     # checkpoints/toy/audio/pruned (the answerer's own audio path)
+
+Ultravox's recipe (fixie-ai/ultravox, "KD" training): the language model stays frozen. The TEACHER is the LM reading
+the transcript, the STUDENT the same LM reading the audio embeddings in the transcript's place; the loss is
+KL(teacher || student) on the next-token distributions over the text that follows (here: the paragraph's next 16
+tokens), so only the encoder and projector learn, and they learn to make the LM continue as if it had read the words.
+Rows: [EOS][transcript | audio tokens][\\n][continuation]: EOS opens every document of the toy corpus, and the line
+break (where the reST sources wrap their prose) gives the prompt a last TEXT token, from which a text-only answerer
+reading a mapped audio cache predicts the first word.
+
+Data: `python -m launch.toy.speech` (work/toy/audio/data/{train,valid}: train-split documentation spoken by
+espeak-ng). Resumable: orbax checkpoints every `--save-every` steps in work/toy/audio/<lm>/ckpt with metrics.jsonl
+(train and validation KL); the export (Ultravox layout, `kvjax.load_ultravox(dir, text_path=<lm>)`) is rewritten at
+every validation, so a stopped run still leaves its latest encoder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+LMS = {"source": "checkpoints/toy/source", "pruned": "checkpoints/toy/pruned"}
+CONT = 16  # continuation tokens the KL is taken over (the context matters most to the first ones)
+BUCKETS = tuple(range(256, 1025, 128))  # mel-frame paddings (one compile each)
+AUDIO_TOKEN = 100  # the toy's <|audio|>: a byte token the corpus never produces (its tokenizer has no spare special)
+MAX_CTX = 48  # transcript tokens (longer transcripts are left out; 18 words are ~25)
+TEMPLATE = "<|endoftext|><|audio|>\n"  # then the text; the line break: rST prose wraps, the toy LM reads it mid-sentence
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    d_model: int = 192
+    layers: int = 3
+    heads: int = 4
+    ffn: int = 768
+    positions: int = 512  # window 1024 frames (10.24 s)
+    hidden: int = 1024  # projector's linear_1 width (SwiGLU halves it)
+    stack: int = 8
+
+
+def tokenize_set(tok, items: list[dict]) -> tuple[list[list[int]], np.ndarray, np.ndarray]:
+    """(transcript ids per item, the first CONT continuation ids [N, CONT] (the words after the line break, without
+    their leading space), the items whose continuation has CONT tokens)."""
+    ctx = [tok.encode(it["context"], add_special_tokens=False).ids for it in items]
+    cont = np.zeros((len(items), CONT), np.int32)
+    keep = []
+    for i, it in enumerate(items):
+        ids = tok.encode(it["continuation"].lstrip(), add_special_tokens=False).ids[:CONT]
+        if len(ids) == CONT and len(ctx[i]) <= MAX_CTX:
+            cont[i] = ids
+            keep.append(i)
+    return ctx, cont, np.asarray(keep)
+
+
+def batch(idx, ctx, cont, feats, offsets, stack: int, eos: int, newline: int, repeat=None) -> dict:
+    """Host arrays of one batch: features padded to a bucket, the student's rows [EOS][audio][\\n][continuation]
+    and the teacher's [EOS][transcript][\\n][continuation], each padded to a fixed width (one compile per bucket)."""
+    from kvjax.models.audio import audio_token_count
+    from launch.toy.speech import dequantize
+    frames = np.asarray([offsets[i + 1] - offsets[i] for i in idx], np.int32)
+    t = next(b for b in BUCKETS if b >= frames.max())
+    f = np.zeros((len(idx), feats.shape[0], t), np.float32)
+    for r, i in enumerate(idx):
+        f[r, :, :frames[r]] = dequantize(feats[:, offsets[i]:offsets[i + 1]])
+    counts = audio_token_count(frames, stack)
+    amax = (t + 2 * stack - 1) // (2 * stack)
+    st = np.zeros((len(idx), 2 + amax + CONT), np.int32)
+    smask = np.zeros(st.shape, bool)
+    tt = np.zeros((len(idx), 2 + MAX_CTX + CONT), np.int32)
+    spos = np.zeros((len(idx), CONT), np.int32)
+    tpos = np.zeros((len(idx), CONT), np.int32)
+    for r, i in enumerate(idx):
+        a, n = int(counts[r]), len(ctx[i])
+        # a repeat row's text is the transcript again (then the continuation): what was said, said back
+        text = np.concatenate([ctx[i], cont[i]])[:CONT] if repeat is not None and repeat[r] else cont[i]
+        st[r, 0], smask[r, 1:1 + a], st[r, 1 + a] = eos, True, newline
+        st[r, 2 + a:2 + a + CONT] = text
+        tt[r, 0], tt[r, 1:1 + n], tt[r, 1 + n], tt[r, 2 + n:2 + n + CONT] = eos, ctx[i], newline, text
+        spos[r] = 1 + a + np.arange(CONT)  # the logits at these positions predict cont[0..CONT-1]
+        tpos[r] = 1 + n + np.arange(CONT)
+    return {"features": f, "frames": frames, "student": st, "audio_mask": smask,
+            "student_len": (2 + counts + CONT).astype(np.int32), "teacher": tt,
+            "teacher_len": np.asarray([2 + len(ctx[i]) + CONT for i in idx], np.int32),
+            "student_pos": spos, "teacher_pos": tpos}
+
+
+def make_fns(lm, ecfg, pcfg):
+    import jax
+    import jax.numpy as jnp
+
+    from kvjax.models.audio import audio_token_count, merge_audio, project_forward
+    from kvjax.models.decoder import prefill_forward
+    from kvjax.models.whisper import encode_forward
+
+    def logits_at(embeds_or_tokens, lengths, pos, embeds: bool):
+        out = prefill_forward(lm.params, lm.cfg, None if embeds else embeds_or_tokens, lengths, last_only=False,
+                              embeds=embeds_or_tokens if embeds else None)
+        return jnp.take_along_axis(out.logits, pos[..., None], axis=1)  # [B, C, V]
+
+    def kl(trainable, b):
+        enc, proj = trainable
+        audio = project_forward(proj, pcfg, encode_forward(enc, ecfg, b["features"], b["frames"]))
+        emb = merge_audio(lm.params, b["student"], b["audio_mask"], audio, audio_token_count(b["frames"], pcfg.stack_factor))
+        s = jax.nn.log_softmax(logits_at(emb, b["student_len"], b["student_pos"], True).astype(jnp.float32))
+        t = jax.nn.log_softmax(jax.lax.stop_gradient(
+            logits_at(b["teacher"], b["teacher_len"], b["teacher_pos"], False)).astype(jnp.float32))
+        return jnp.mean(jnp.sum(jnp.exp(t) * (t - s), -1))
+
+    return kl
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--lm", choices=sorted(LMS), required=True)
+    p.add_argument("--steps", type=int, default=700)
+    p.add_argument("--stop-at", type=int, default=None, help="end this run after that step (resume later)")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--repeat-frac", type=float, default=0.0,
+                   help="share of rows whose text is the transcript said back (then the continuation)")
+    p.add_argument("--repeat-from", type=int, default=0, help="the step from which rows repeat")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", default="work/toy/audio/data")
+    p.add_argument("--work", default="work/toy/audio")
+    p.add_argument("--out", default="checkpoints/toy/audio")
+    args = p.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+    import orbax.checkpoint as ocp
+    from tqdm import tqdm
+
+    from kvjax import checkpointing
+    from kvjax.hf import load_hf, load_tokenizer
+    from kvjax.models.audio import Projector, ProjectorConfig, init_projector, save_ultravox
+    from kvjax.models.whisper import AudioEncoder, WhisperEncoderConfig, init_encoder
+    from launch.toy.config import EOS
+    from launch.toy.speech import load_set
+    logging.getLogger("absl").setLevel(logging.WARNING)
+
+    sh = Shapes()
+    lm = load_hf(LMS[args.lm], jnp.float32)
+    tok = load_tokenizer(LMS[args.lm])
+    eos = EOS  # <|endoftext|>: what opens every document of the toy corpus
+    newline = tok.encode("\n", add_special_tokens=False).ids[0]
+    data = {}
+    for split in ("train", "valid"):
+        items, feats, offsets = load_set(Path(args.data) / split)
+        ctx, cont, keep = tokenize_set(tok, items)
+        keep = keep[np.diff(offsets)[keep] <= BUCKETS[-1]]  # the encoder's window: 2 x its positions
+        data[split] = (ctx, cont, keep, feats, offsets)
+    ecfg = WhisperEncoderConfig(num_mel_bins=data["train"][3].shape[0], d_model=sh.d_model, num_layers=sh.layers,
+                                num_heads=sh.heads, ffn_dim=sh.ffn, max_source_positions=sh.positions)
+    pcfg = ProjectorConfig(audio_dim=sh.d_model, text_dim=lm.cfg.hidden_size, hidden_size=sh.hidden,
+                           stack_factor=sh.stack, ln_mid=True)
+    k1, k2 = jax.random.split(jax.random.key(args.seed))
+    trainable = (init_encoder(ecfg, k1).params, init_projector(pcfg, k2).params)
+    sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, min(args.warmup, args.steps // 2), args.steps, end_value=0.1 * args.lr)
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.01))
+    state = {"params": trainable, "opt": opt.init(trainable)}
+    kl = make_fns(lm, ecfg, pcfg)
+
+    @jax.jit
+    def step(state, b):
+        loss, g = jax.value_and_grad(kl)(state["params"], b)
+        upd, o = opt.update(g, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], upd), "opt": o}, loss
+
+    kl_jit = jax.jit(kl)
+
+    def done_before(i: int) -> bool:
+        return i >= args.repeat_from
+
+    def export(state, done: int, vkl: float) -> None:
+        """The encoder and projector in Ultravox's layout (load_ultravox(out, text_path=the LM)), bfloat16."""
+        enc, proj = state["params"]
+        save_ultravox(os.path.join(args.out, args.lm), AudioEncoder(ecfg, enc), Projector(pcfg, proj),
+                      text_model_id=LMS[args.lm], audio_token_index=AUDIO_TOKEN, vocab_size=lm.cfg.vocab_size,
+                      extra={"kvjax_training": {**settings, "step": done, "valid_kl": vkl,
+                                                "built_by": "python -m launch.toy.speech_train --lm " + args.lm}},
+                      dtype=jnp.bfloat16)  # trained in float32, stored in bfloat16 (as the pruned target)
+    work = Path(args.work) / args.lm
+    work.mkdir(parents=True, exist_ok=True)
+    settings = {"lm": LMS[args.lm], "shapes": dataclasses.asdict(sh), "args": vars(args), "cont_tokens": CONT,
+                "prompt": TEMPLATE}
+    (work / "settings.json").write_text(json.dumps(settings, indent=1) + "\n")
+    manager = checkpointing.manager(str(work / "ckpt"))
+    start = 0
+    if manager.latest_step() is not None:
+        start = manager.latest_step()
+        state = manager.restore(start, args=ocp.args.StandardRestore(state))
+    metrics = work / "metrics.jsonl"
+    if metrics.exists():
+        metrics.write_text("".join(ln for ln in open(metrics) if json.loads(ln)["step"] <= start))
+    ctx, cont, keep, feats, offsets = data["train"]
+    vctx, vcont, vkeep, vfeats, voffsets = data["valid"]
+    valid = [batch(vkeep[i:i + 32], vctx, vcont, vfeats, voffsets, sh.stack, eos, newline)
+             for i in range(0, len(vkeep), 32)]
+    end = min(args.steps, args.stop_at or args.steps)
+    bar = tqdm(range(start, end), initial=start, total=args.steps, desc=f"listen {args.lm}", unit="step")
+    t0, losses = time.perf_counter(), []
+    for i in bar:
+        rng = np.random.default_rng((args.seed, i))
+        repeat = rng.random(args.batch) < (args.repeat_frac if done_before(i) else 0.0)
+        state, loss = step(state, batch(rng.choice(keep, args.batch, replace=False), ctx, cont, feats, offsets,
+                                        sh.stack, eos, newline, repeat))
+        losses.append(float(loss))
+        done = i + 1
+        if done % args.eval_every == 0 or done == end:
+            vkl = float(np.mean([kl_jit(state["params"], v) for v in valid]))
+            rec = {"step": done, "train_kl": float(np.mean(losses[-args.eval_every:])), "valid_kl": vkl,
+                   "utterances": done * args.batch, "seconds": time.perf_counter() - t0, "time": time.time()}
+            with open(metrics, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            bar.set_postfix(kl=f"{rec['train_kl']:.3f}", valid=f"{vkl:.3f}")
+            export(state, done, vkl)
+        if done % args.save_every == 0 or done == end:
+            manager.save(done, args=ocp.args.StandardSave(state))
+    manager.wait_until_finished()
+    if start >= end:  # nothing left to train: rewrite the export from the checkpoint (e.g. after a code change)
+        records = [json.loads(ln) for ln in open(metrics)] if metrics.exists() else []
+        export(state, start, records[-1]["valid_kl"] if records else float("nan"))
+
+
+if __name__ == "__main__":
+    main()

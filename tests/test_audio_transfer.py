@@ -1,0 +1,327 @@
+"""Audio cache transfer: the audio builders, the audio map's training, the evaluation's statistics and report, and the
+shipped toy adapters (issue 39, parts 2-4)."""
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.builders import Mapped
+from kvjax.builders.audio import AudioPrefill
+from kvjax.generation import generate_from
+from kvjax.mapper.kvmap import apply_map
+from kvjax.models.audio import (AudioLM, ProjectorConfig, audio_token_count, init_projector, load_ultravox,
+                                prefill_audio, save_ultravox)
+from kvjax.models.decoder import prefill_jit
+from kvjax.models.model import Model
+from kvjax.models.whisper import WhisperEncoderConfig, init_encoder
+from maptools import VOCAB, tiny_pair
+
+PLACEHOLDER = 5
+OPEN, CLOSE = 1, 2
+
+
+@pytest.fixture(scope="module")
+def setup():
+    source, target = tiny_pair()
+    ecfg = WhisperEncoderConfig(num_mel_bins=16, d_model=32, num_layers=1, num_heads=2, ffn_dim=64,
+                                max_source_positions=64)
+    alm = AudioLM(init_encoder(ecfg, jax.random.key(3), std=0.2),
+                  init_projector(ProjectorConfig(32, source[0].hidden_size, hidden_size=64, stack_factor=2,
+                                                 ln_mid=True), jax.random.key(4)),
+                  Model(*source), PLACEHOLDER)
+    windows = np.random.RandomState(0).randint(6, VOCAB, (8, 32)).astype(np.int32)
+    kvmap = kvjax.fit_map(source, target, windows, windows[:4], batch_size=8, residual_rank=4)[0]
+    return source, target, alm, kvmap
+
+
+def clips(n, seed=0, frames=(40, 23, 31)):
+    rng = np.random.RandomState(seed)
+    f = np.zeros((n, 16, 48), np.float32)
+    fr = np.asarray(frames[:n], np.int32)
+    for i in range(n):
+        f[i, :, :fr[i]] = rng.randn(16, fr[i])
+    return f, fr
+
+
+def prompts(frames, stack=2, text=(7, 8, 9)):
+    """[OPEN][audio][CLOSE][text...] per clip, right-padded; (tokens, lengths)."""
+    rows = [[OPEN] + [PLACEHOLDER] * int(audio_token_count(int(f), stack)) + [CLOSE] + list(text) for f in frames]
+    t = max(map(len, rows))
+    out = np.zeros((len(rows), t), np.int32)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+    return out, np.asarray([len(r) for r in rows], np.int32)
+
+
+def test_audio_prefill_is_the_audio_language_prefill_and_reads_text_alone(setup):
+    source, _, alm, _ = setup
+    f, fr = clips(3)
+    tokens, lengths = prompts(fr)
+    b = AudioPrefill(alm).set_audio(f, fr)
+    got = b(tokens, lengths, capacity=64)
+    _, want = prefill_audio(alm, tokens, f, fr, lengths=lengths, capacity=64)
+    np.testing.assert_array_equal(np.asarray(got.lengths), lengths)
+    for r in range(3):
+        np.testing.assert_allclose(np.asarray(got.k[:, r, :, :lengths[r]]), np.asarray(want.k[:, r, :, :lengths[r]]),
+                                   rtol=0, atol=0)
+    assert b(tokens, lengths, capacity=64) is got  # the same batch and clips: listened once
+    b.set_audio(*clips(3, seed=1))
+    assert b(tokens, lengths, capacity=64) is not got  # other clips: listens again
+    text = np.asarray([[OPEN, 7, 8, 9, 10]], np.int32)  # no placeholder: the plain prefill (to float32 rounding)
+    plain = prefill_jit(source[1], source[0], jnp.asarray(text), jnp.asarray([5]), capacity=64, logits=False).cache
+    np.testing.assert_allclose(np.asarray(b.set_audio(None, None)(text, capacity=64).k), np.asarray(plain.k),
+                               atol=1e-6)
+
+
+def test_audio_errors_say_what_to_do(setup):
+    _, _, alm, _ = setup
+    with pytest.raises(ValueError, match="audio_token_index"):
+        AudioPrefill(alm.replace(audio_token_index=None))
+    f, fr = clips(2)
+    tokens, lengths = prompts(fr)
+    with pytest.raises(ValueError, match="audio positions but the clips"):  # clips that do not match the prompt
+        AudioPrefill(alm).set_audio(*clips(2, frames=(12, 12)))(tokens, lengths)
+
+
+def test_mapped_audio_cache_reaches_a_text_only_answerer_through_the_unchanged_builders(setup):
+    source, target, alm, kvmap = setup
+    f, fr = clips(3)
+    tokens, lengths = prompts(fr)
+    listen = AudioPrefill(alm).set_audio(f, fr)
+    mapped = Mapped(source, target, kvmap, shared=listen)
+    got = mapped(tokens, lengths, capacity=64)
+    want = apply_map(kvmap, listen(tokens, lengths, capacity=tokens.shape[1]), capacity=64, length=tokens.shape[1])
+    np.testing.assert_allclose(np.asarray(got.k), np.asarray(want.k), atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got.lengths), lengths)
+    # generation takes it unchanged: greedy tokens from the mapped audio cache equal a hand-made decode
+    listen.set_audio(f[:1], fr[:1])
+    out = np.asarray(generate_from(mapped, [list(tokens[0, :lengths[0]])], 4, eos_token_ids=()))
+    cache = apply_map(kvmap, listen(tokens[:1, :lengths[0] - 1], capacity=lengths[0] - 1), capacity=32)
+    tcfg, tparams = target
+    seq = [int(tokens[0, lengths[0] - 1])]
+    for _ in range(4):
+        logits, cache = kvjax.models.decoder.forward(tparams, tcfg, jnp.asarray([[seq[-1]]]), cache)
+        seq.append(int(jnp.argmax(logits[0, -1])))
+    assert out[0].tolist() == seq[1:]
+
+
+def test_audio_map_trains_only_the_residual_and_lowers_held_out_kl(setup):
+    from kvjax.fitting.audio_map import audio_pool, pool_kl, prompt_rows, train_audio_map
+    source, target, alm, kvmap = setup
+    f, fr = clips(3)
+    f, fr = np.concatenate([f] * 4), np.concatenate([fr] * 4)
+    rows, lengths = prompt_rows(audio_token_count(fr.astype(np.int64), 2), OPEN, PLACEHOLDER, [CLOSE])
+    texts = np.random.RandomState(2).randint(6, VOCAB, (len(fr), 6)).astype(np.int32)
+    pool = audio_pool(alm, rows, lengths, texts, f, fr, batch_size=4)
+    before = pool_kl(kvmap, target, pool)
+    trained, losses = train_audio_map(kvmap, target, pool, steps=30, lr=1e-2, progress=False)
+    after = pool_kl(trained, target, pool)
+    assert after < 0.8 * before, (before, after)
+    assert len(losses) == 30
+    for a, b in zip(kvmap.keys, trained.keys):
+        np.testing.assert_array_equal(np.asarray(a.w_in), np.asarray(b.w_in))  # the ridge is frozen
+        np.testing.assert_array_equal(np.asarray(a.mu), np.asarray(b.mu))
+    assert any(not np.array_equal(np.asarray(a.up), np.asarray(b.up)) for a, b in zip(kvmap.keys, trained.keys))
+
+
+def test_save_ultravox_round_trips(setup, tmp_path):
+    _, _, alm, _ = setup
+    save_ultravox(str(tmp_path / "adapter"), alm.encoder, alm.projector, text_model_id="lm", audio_token_index=5,
+                  vocab_size=VOCAB)
+    back = load_ultravox(str(tmp_path / "adapter"), lm=alm.lm)
+    assert back.audio_token_index == 5 and back.projector.cfg == alm.projector.cfg
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(alm)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert not os.path.exists(str(tmp_path / "adapter") + ".partial")
+
+
+def record(acc_by_arm, n=200, seed=0):
+    """A synthetic eval record: per arm, items answered correctly with the given probability."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 4, n)
+    arms = {}
+    for arm, p in acc_by_arm.items():
+        right = rng.random(n) < p
+        lp = rng.normal(-5, 0.1, (n, 4))
+        lp[np.arange(n), labels] = np.where(right, 0.0, -10.0)
+        arms[arm] = {"logprobs": lp.tolist(), "n_tokens": np.full((n, 4), 3).tolist()}
+    for who in ("source", "target"):
+        arms[f"null_{who}"] = {"logprobs": np.zeros((n, 4)).tolist(), "n_tokens": np.full((n, 4), 3).tolist()}
+    speed = {a: {"phases_s": {"decode": 0.1}, "ttft_s": 0.01, "decode_tok_s": 640.0} for a in
+             ("mapped_audio", "target_audio")}
+    return {"arms": arms, "labels": labels.tolist(), "items": n,
+            "map": {"kl_text_map": 0.5, "kl_audio_map": 0.3, "steps": 10, "clips": 100, "valid_clips": 10,
+                    "loss": [1.0], "seconds": 1.0},
+            "speed": {**speed, "tokens": 64, "rounds": 3}}
+
+
+def test_metrics_report_and_gate_state_the_seeds_claims():
+    from kvjax.eval.suite import audio
+    from kvjax.eval.suite.evaluation import MetricsContext, ReportContext
+    from kvjax.gate import GateConfig
+    ev = record({"target_audio": 0.3, "mapped_audio": 0.5, "source_audio": 0.6, "text_map_audio": 0.4,
+                 "source_text": 0.7, "target_text": 0.45})
+    m = audio.metrics(ev, MetricsContext(n_boot=2000, final="residual"))
+    acc = m["accuracy"]
+    assert m["mapped_minus_target_audio"] == pytest.approx(acc["mapped_audio"] - acc["target_audio"])
+    assert m["mapped_minus_target_audio_ci95"][0] > 0 and m["mapped_minus_target_audio_p"] < 0.01
+    assert m["gap_recovered"] == pytest.approx((acc["mapped_audio"] - acc["target_audio"])
+                                               / (acc["source_audio"] - acc["target_audio"]))
+    assert m["source_margin_kept"] == pytest.approx((acc["source_audio"] - 0.25) / (acc["source_text"] - 0.25))
+    assert m["speed"]["decode_ratio"] == pytest.approx(1.0)
+    ctx = ReportContext(metrics={"audio": m}, charts={}, final="residual", source="S", target="T")
+    text = "\n".join(audio.report(m, ctx) + audio.summary(m, ctx))
+    assert "of the gap recovered" in text and "p = " in text and "text map" in text
+    gate = GateConfig(min_audio_gain_ci_lo=0.0, min_audio_gap_recovered=0.5, min_audio_margin_kept=0.7,
+                      min_audio_decode_ratio=0.97)
+    checks = {c.name: c for c in audio.gate(m, gate, "residual")}
+    assert checks["audio_gain_ci_lo"].passed and checks["audio_decode_ratio"].passed
+    assert checks["audio_margin_kept"].value == pytest.approx(m["source_margin_kept"])
+    # the same arms, but the mapped cache no better than the answerer's own audio path: the gate says so
+    worse = audio.metrics(record({"target_audio": 0.4, "mapped_audio": 0.4, "source_audio": 0.6, "source_text": 0.7,
+                                  "target_text": 0.45}, seed=1), MetricsContext(n_boot=2000, final="residual"))
+    checks = {c.name: c for c in audio.gate(worse, gate, "residual")}
+    assert checks["audio_gain_ci_lo"].passed is False and checks["audio_gap_recovered"].passed is False
+
+
+def test_sign_flip_p_value():
+    from kvjax.eval.audio import sign_flip_p
+    assert sign_flip_p(np.zeros(50)) == 1.0
+    assert sign_flip_p(np.ones(30)) < 1e-3
+    d = np.random.default_rng(0).choice([-1.0, 0.0, 1.0], 400)
+    assert sign_flip_p(d) > 0.05  # no effect: not significant
+
+
+TOY = "checkpoints/toy/audio"
+
+
+@pytest.mark.skipif(not os.path.isfile(f"{TOY}/source/config.json"), reason="the toy audio adapters are not built")
+def test_the_shipped_toy_adapters_and_sealed_set_load_and_listen():
+    from kvjax.eval import audio as A
+    from kvjax.eval.suite.audio import AudioEval, _adapter
+    ec = AudioEval()
+    meta = json.load(open(f"{TOY}/test/meta.json"))
+    train = json.load(open(f"{TOY}/map_train/meta.json"))
+    assert meta["split"] == "heldout docs" and train["split"] == "train docs"  # sealed items: held-out documents
+    sealed = {json.loads(x)["file"] for x in open(f"{TOY}/test/items.jsonl")}
+    trained = {json.loads(x)["file"] for x in open(f"{TOY}/map_train/items.jsonl")}
+    assert not sealed & trained
+    src = kvjax.load_hf("checkpoints/toy/source")
+    alm = _adapter(ec.source_adapter, (src.cfg, src.params), ec.placeholder)
+    assert alm.audio_token_index == 100  # the toy's <|audio|> (launch/toy/speech_train.py AUDIO_TOKEN)
+    items = A.load_spoken(ec.test, limit=4)
+    assert len(items) == 4 and items[0].features.shape[0] == alm.encoder.cfg.num_mel_bins
+    feats, frames = A.pad_features([it.features for it in items])
+    listen = AudioPrefill(alm).set_audio(feats, frames)
+    tok = kvjax.load_tokenizer("checkpoints/toy/tokenizer")
+    p = A.Prompts(ec.open_id, tuple(tok.encode(ec.close, add_special_tokens=False).ids), alm.audio_token_index)
+    res = A.score_spoken(items, tok, {"source_audio": (listen, "audio")}, p, alm.stack_factor, [listen],
+                         batch_size=4, progress=False)
+    lp = res["source_audio"]["logprobs"]
+    assert lp.shape == (4, 4) and np.isfinite(lp).all() and (lp < 0).all()
+
+
+# ---- ultravox8_1 / ultravox70_8 on tiny random checkpoints ---------------------------------------------------------
+
+def write_spoken_set(path, n, mel_bins, seed, kind):
+    """A tiny spoken set in launch/toy/speech.py's layout: random features, prose from a fixed list."""
+    from launch.toy.speech import save_set
+    rng = np.random.default_rng(seed)
+    words = "the module reads a file and returns the list of names it found in order".split()
+    frames = rng.integers(20, 44, n).astype(np.int32)
+    feats = rng.integers(40, 200, (mel_bins, int(frames.sum()))).astype(np.uint8)
+    items = []
+    for i in range(n):
+        ctx = " ".join(rng.choice(words, 6))
+        endings = [" " + " ".join(rng.choice(words, 5)) for _ in range(4)]
+        items.append({"file": f"{kind}/{i}", "context": ctx, "continuation": endings[0], "endings": endings,
+                      "label": int(i % 4)})
+    save_set(path, items, feats, frames, {"split": kind})
+
+
+@pytest.mark.slow  # a whole main job (every stage, tiny sizes)
+def test_ultravox8_1_runs_end_to_end_on_an_identity_pair(tmp_path):
+    """The job with one tiny Llama as reader and answerer and one tiny Ultravox adapter as both audio paths: every
+    number is known. The source listening and the answerer's own audio path are the same computation, direct
+    injection copies the answerer's own audio cache, the text arms agree, and the maps (identity ridge, a residual
+    a few steps from zero) move nothing."""
+    from pathlib import Path
+
+    from test_launch import SMALL, run_job
+    from test_llama import REPO, tiny_llama_pair
+    reader, _ = tiny_llama_pair(str(tmp_path))
+    lm = kvjax.load_hf(reader)
+    ecfg = WhisperEncoderConfig(num_mel_bins=16, d_model=32, num_layers=1, num_heads=2, ffn_dim=64,
+                                max_source_positions=64)
+    adapter = str(tmp_path / "ultravox")
+    save_ultravox(adapter, init_encoder(ecfg, jax.random.key(5), std=0.2),
+                  init_projector(ProjectorConfig(32, lm.cfg.hidden_size, hidden_size=32, stack_factor=2,
+                                                 ln_mid=True), jax.random.key(6)),
+                  text_model_id=reader, audio_token_index=100, vocab_size=lm.cfg.vocab_size)
+    write_spoken_set(Path(tmp_path / "test"), 6, 16, 0, "heldout")
+    write_spoken_set(Path(tmp_path / "train"), 8, 16, 1, "train")
+    out = str(tmp_path / "run")
+    env = {"KVJAX_SOURCE": reader, "KVJAX_TARGET": reader, "KVJAX_SOURCE_AUDIO": adapter,
+           "KVJAX_TARGET_AUDIO": adapter, "KVJAX_AUDIO_TEST": str(tmp_path / "test"),
+           "KVJAX_AUDIO_MAP_TRAIN": str(tmp_path / "train")}
+    small = [a for a in SMALL if not a.startswith(("--config.eval.mc", "--config.eval.retrieval",
+                                                   "--config.eval.throughput", "--config.eval.distances"))]
+    argv = ["--config=ultravox8_1", f"--config.output_dir={out}", "--config.source.dtype=float32",
+            "--config.target.dtype=float32", *small, "--config.eval.audio.open_id=0",
+            "--config.eval.audio.map_valid=4", "--config.eval.audio.map_steps=3", "--config.eval.audio.map_cont=4",
+            "--config.eval.audio.batch_size=3", "--config.eval.audio.speed_tokens=4",
+            "--config.eval.audio.speed_rounds=1", "--config.eval.kl.enabled=false"]
+    old = os.getcwd()
+    os.chdir(REPO)
+    try:
+        assert run_job(argv, env) == 0
+    finally:
+        os.chdir(old)
+    metrics = json.load(open(os.path.join(out, "metrics.json")))
+    assert metrics["run"]["config"] == "ultravox8_1"
+    au = metrics["audio"]
+    record = json.load(open(os.path.join(out, "eval", "audio.json")))
+    lp = {a: np.asarray(r["logprobs"]) for a, r in record["arms"].items()}
+    assert set(lp) == {"target_audio", "direct_audio", "text_map_audio", "mapped_audio", "source_audio",
+                       "target_text", "source_text", "null_source", "null_target"} and lp["source_audio"].shape == (6, 4)
+    np.testing.assert_allclose(lp["null_source"], lp["null_target"], atol=1e-5)
+    np.testing.assert_allclose(lp["source_audio"], lp["target_audio"], atol=1e-5)  # one model, one adapter
+    np.testing.assert_allclose(lp["direct_audio"], lp["target_audio"], atol=1e-5)  # a copy of its own cache
+    np.testing.assert_allclose(lp["source_text"], lp["target_text"], atol=1e-5)
+    for arm in ("text_map_audio", "mapped_audio"):  # the identity ridge + a near-zero residual
+        np.testing.assert_allclose(lp[arm], lp["target_audio"], atol=0.05)
+    assert au["items"] == 6 and au["mapped_minus_target_audio_ci95"][0] <= 0 <= au["mapped_minus_target_audio_ci95"][1]
+    assert au["map"]["clips"] == 4 and au["map"]["steps"] == 3
+    assert au["speed"]["mapped_audio"]["decode_tok_s"] > 0 and "decode_ratio" in au["speed"]
+    assert "audio_gain_ci_lo" in metrics["gate"]["checks"]
+    assert "## Audio transfer" in open(os.path.join(out, "report.md")).read()
+
+
+def test_ultravox70_8_is_ultravox8_1_with_other_models():
+    from configs import ultravox8_1, ultravox70_8
+    a, b = ultravox8_1.get_config(), ultravox70_8.get_config()
+    assert (b.name, b.output_dir, b.eval.audio.enabled) == ("ultravox70_8", "runs/ultravox70_8", True)
+    assert "70B" in b.source.name and "8B" in b.target.name and "8B" in a.source.name and "1B" in a.target.name
+    assert dataclasses.replace(b, name=a.name, output_dir=a.output_dir, source=a.source, target=a.target) == a
+
+
+def test_ultravox_config_without_adapters_fails_fast_naming_what_to_pass(tmp_path):
+    config = "ultravox8_1"
+    import subprocess
+    import sys
+
+    from test_llama import REPO, tiny_llama_pair
+    reader, answerer = tiny_llama_pair(str(tmp_path))  # the models are there; the audio adapters and sets are not
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVJAX_")}
+    env.update(KVJAX_SOURCE=reader, KVJAX_TARGET=answerer)
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "kvjax.launch", f"--config={config}", f"--config.output_dir={out}"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and not out.exists()
+    assert "eval.audio.source_adapter" in proc.stderr and "launch.toy.speech" in proc.stderr
