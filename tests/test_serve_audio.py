@@ -4,12 +4,14 @@
 The server is built as the command builds it (kvjax.serve.cli.parse + build_server with --config=toy_audio) on a run
 directory made here: the shipped toy source and pruned target, a tiny random audio adapter (2 s encoder window), a
 text map (kvjax.fit_map on windows of stdlib source, which the toy models were trained on) and a distinct audio map
-(the same with perturbed biases), a passing gate.json. It is
+(the same with perturbed biases), a passing gate.json; and a tiny random adapter of the answerer's own with a failing
+gate.json beside (--gate), for the native audio path. It is
 served in-process by uvicorn on a free localhost port; the official `openai` client talks to it. Every greedy answer is
 compared token for token with offline `generate_from` on the same audio; bad audio is a 4xx naming the fix."""
 
 import argparse
 import base64
+import dataclasses
 import inspect
 import io
 import json
@@ -86,6 +88,12 @@ def run(tmp_path_factory):
                                                      ln_mid=True), jax.random.key(4)),
                       text_model_id="checkpoints/toy/source", audio_token_index=PLACEHOLDER,
                       vocab_size=source.cfg.vocab_size)
+        target_adapter = str(tmp / "target_adapter")  # the answerer's own: same stacking and window
+        save_ultravox(target_adapter, init_encoder(ecfg, jax.random.key(5), std=0.2),
+                      init_projector(ProjectorConfig(32, target.cfg.hidden_size, hidden_size=64, stack_factor=STACK,
+                                                     ln_mid=True), jax.random.key(6)),
+                      text_model_id="checkpoints/toy/pruned", audio_token_index=PLACEHOLDER,
+                      vocab_size=target.cfg.vocab_size)
         tok = kvjax.load_tokenizer("checkpoints/toy/pruned")
         ids = np.concatenate([tok.encode(open(m.__file__).read()).ids for m in (json, argparse, inspect)])
         windows = ids[:40 * 64].astype(np.int32).reshape(40, 64)
@@ -99,9 +107,14 @@ def run(tmp_path_factory):
         save_map(str(out / "map"), text_map)
         save_map(str(out / "eval" / "audio" / "audio_map"), audio_map)
         save_gate(str(out / "gate.json"), GateResult(True, "residual", (), {}))
+        failed = str(tmp / "failed" / "gate.json")
+        os.makedirs(os.path.dirname(failed))
+        save_gate(failed, GateResult(False, "residual", (), {}))
         alm = load_ultravox(adapter, lm=Model(source.cfg, source.params))
+        target_alm = load_ultravox(target_adapter, lm=Model(target.cfg, target.params))
         yield dict(dir=str(out), adapter=adapter, source=tuple(source), target=tuple(target), text_map=text_map,
-                   audio_map=audio_map, alm=alm, tok=tok)
+                   audio_map=audio_map, alm=alm, tok=tok, target_adapter=target_adapter, target_alm=target_alm,
+                   failed_gate=failed, ecfg=ecfg)
     finally:
         os.chdir(old)
 
@@ -171,17 +184,21 @@ def features(samples_list):
     return out
 
 
-def offline_spoken(run, samples_list, text, n, kvmap=None):
+def offline_spoken(run, samples_list, text, n, kvmap=None, own=False):
     """Offline greedy decoding of the same audio: the source's adapter listens (all clips in one set_audio call), the
-    audio map, the target answers; cut after the first EOS (the server stops there)."""
+    audio map, the target answers (`own`: the answerer's own adapter listens and it answers from its own cache, the
+    native audio path); cut after the first EOS (the server stops there)."""
     clips = features(samples_list)
     prompt = spoken_prompt(run, clips, text)
     f = np.zeros((len(clips), 80, max(c.shape[1] for c in clips)), np.float32)
     for i, c in enumerate(clips):
         f[i, :, :c.shape[1]] = c
     frames = np.asarray([c.shape[1] for c in clips], np.int32)
-    builder = Mapped(run["source"], run["target"], kvmap if kvmap is not None else run["audio_map"],
-                     shared=AudioPrefill(run["alm"]).set_audio(f, frames))
+    if own:
+        builder = AudioPrefill(run["target_alm"]).set_audio(f, frames)
+    else:
+        builder = Mapped(run["source"], run["target"], kvmap if kvmap is not None else run["audio_map"],
+                         shared=AudioPrefill(run["alm"]).set_audio(f, frames))
     out = [int(t) for t in np.asarray(generate_from(builder, [prompt], n, eos_token_ids=()))[0]]
     return out[: out.index(0) + 1] if 0 in out else out
 
@@ -339,3 +356,113 @@ def test_audio_config_checks_and_a_text_only_server(run, tmp_path):
             {"role": "user", "content": [audio_part(wav_bytes(speech(0.5, 5)))]}]))
         assert r.status_code == 400 and "does not take audio input" in r.json()["error"]["message"]
         assert "toy_audio" in r.json()["error"]["message"]
+
+
+def test_when_the_gate_failed_the_answerers_own_audio_path_answers_spoken_requests(run, caplog):
+    """The native path's audio analogue: a failing gate.json, --config.eval.audio.target_adapter set: a spoken request
+    through the official client is token-identical to offline generate_from(AudioPrefill(target_alm).set_audio(..)),
+    batched or alone; text requests take the native target path; the startup log and /v1/models say which."""
+    from openai import OpenAI
+    a, b = speech(1.5, 0), speech(0.8, 1)
+    text = "import os\n"
+    want_a = offline_spoken(run, [a], text, 12, own=True)
+    want_ab = offline_spoken(run, [a, b], "", 10, own=True)
+    want_b = offline_spoken(run, [b], "", 10, own=True)
+    # the answers depend on the path: the answerer's own adapter, not the source's + the audio map
+    assert (want_a, want_b) != (offline_spoken(run, [a], text, 12), offline_spoken(run, [b], "", 10))
+    text_prompt = run["tok"].encode("def read_config(path):\n").ids
+    want_text = [int(t) for t in np.asarray(kvjax.native_generate(kvjax.Model(*run["target"]), [text_prompt],
+                                                                  10))[0]]
+    want_text = want_text[: want_text.index(0) + 1] if 0 in want_text else want_text
+    with caplog.at_level(logging.INFO, logger="kvjax.serve"):
+        # disaggregated: the answerer's adapter listens on the prefill device, the answer decodes on another
+        srv = Serving(run, f"--gate={run['failed_gate']}", "--topology=disaggregated", "--prefill-devices=1",
+                      f"--config.eval.audio.target_adapter={run['target_adapter']}")
+    with srv:
+        assert srv.engine.prefill_devices[0] != srv.engine.decode_device
+        assert "spoken requests: native_target audio path" in caplog.text
+        assert run["target_adapter"] in caplog.text
+        client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        info = client.models.list().data[0].kvjax
+        assert info["path"] == "native_target"
+        assert info["audio"]["path"] == "native_target" and info["audio"]["map"] is None
+        assert info["audio"]["adapter"] == run["target_adapter"] and info["audio"]["max_seconds"] == WINDOW_S
+        got = client.chat.completions.create(model=MODEL, max_tokens=12, temperature=0, messages=[
+            {"role": "user", "content": [audio_part(wav_bytes(a)), {"type": "text", "text": text}]}])
+        assert got.choices[0].token_ids == want_a
+        assert got.choices[0].message.content == run["tok"].decode(want_a, skip_special_tokens=True)
+        assert got.kvjax["path"] == "native_target"
+        assert got.usage.prompt_tokens == len(spoken_prompt(run, features([a]), text))
+        # at once: the spoken requests share a prefill batch (held back a moment so they queue), the text request
+        # prefills apart through the target itself; each answer is what it gets alone offline
+        from kvjax.serve.faults import Delay
+        results, spoken_batches = {}, []
+        build = srv.engine._audio_builder
+
+        def recorded(reqs, device):
+            spoken_batches.append(len(reqs))
+            return build(reqs, device)
+        srv.engine._audio_builder = recorded
+        srv.engine.faults.add("prefill", lambda: Delay(1.5), times=1)
+
+        def spoken(key, parts, n):
+            results[key] = client.chat.completions.create(
+                model=MODEL, max_tokens=n, temperature=0,
+                messages=[{"role": "user", "content": parts}]).choices[0].token_ids
+
+        def plain():
+            results["text"] = client.completions.create(model=MODEL, prompt=text_prompt, max_tokens=10,
+                                                        temperature=0).choices[0].token_ids
+        threads = [threading.Thread(target=spoken, args=("b", [audio_part(wav_bytes(b))], 10)),
+                   threading.Thread(target=spoken, args=("ab", [audio_part(wav_bytes(a)), audio_part(wav_bytes(b))],
+                                                         10)),
+                   threading.Thread(target=spoken, args=("a", [audio_part(wav_bytes(a)),
+                                                               {"type": "text", "text": text}], 12)),
+                   threading.Thread(target=plain)]
+        [t.start() for t in threads]
+        [t.join(300) for t in threads]
+        assert results == {"a": want_a, "b": want_b, "ab": want_ab, "text": want_text}
+        assert max(spoken_batches) >= 2, spoken_batches
+
+
+def test_native_path_without_the_answerers_adapter_refuses_spoken_requests_or_startup(run, tmp_path):
+    """Failing gate: no target adapter (unset) keeps the 400, naming the setting; adapters that stack frames
+    differently or have another encoder window refuse to start, saying so."""
+    from kvjax.serve import cli
+    from kvjax.serve.audio import load_native
+    with Serving(run, f"--gate={run['failed_gate']}", "--config.eval.audio.target_adapter=") as srv:
+        assert srv.engine.audio is None
+        assert httpx.get(srv.url + "/v1/models").json()["data"][0]["kvjax"]["audio"] is None
+        r = srv.chat([audio_part(wav_bytes(speech(0.5, 5)))])
+        msg = r.json()["error"]["message"]
+        assert r.status_code == 400 and "--config.eval.audio.target_adapter" in msg and "quality gate" in msg, msg
+        # text is still served, by the target alone
+        r = httpx.post(srv.url + "/v1/completions", timeout=60, json=dict(model=MODEL, prompt="import os\n",
+                                                                           max_tokens=4, temperature=0))
+        assert r.status_code == 200 and r.json()["kvjax"]["path"] == "native_target"
+    from kvjax.config_flags import build
+    from kvjax.run_config import RunConfig
+    missing = build("toy_audio", [("output_dir", str(tmp_path)), ("eval.audio.source_adapter", run["adapter"]),
+                                  ("eval.audio.target_adapter", str(tmp_path / "nothing"))], RunConfig)
+    audio, why = load_native(missing, run["source"], run["target"], run["tok"])
+    assert audio is None and "--config.eval.audio.target_adapter" in why and "nothing" in why
+    # a mismatched adapter of the answerer's: refused while the server starts (main: exit status 2 with the message)
+    ecfg, target_cfg = run["ecfg"], run["target"][0]
+    for name, enc, stack in (("stacked", ecfg, 2 * STACK),
+                             ("window", dataclasses.replace(ecfg, max_source_positions=50), STACK)):
+        path = str(tmp_path / name)
+        save_ultravox(path, init_encoder(enc, jax.random.key(7), std=0.2),
+                      init_projector(ProjectorConfig(32, target_cfg.hidden_size, hidden_size=64, stack_factor=stack,
+                                                     ln_mid=True), jax.random.key(8)),
+                      text_model_id="checkpoints/toy/pruned", audio_token_index=PLACEHOLDER,
+                      vocab_size=target_cfg.vocab_size)
+        old = os.getcwd()
+        os.chdir(REPO)
+        try:
+            cfg, args, engine_cfg, map_dir, gate = cli.parse(argv(run, f"--gate={run['failed_gate']}",
+                                                                  f"--config.eval.audio.target_adapter={path}"))
+            with pytest.raises(ValueError, match="must stack frames alike and share the encoder window.*"
+                                                 "eval.audio.target_adapter"):
+                cli.build_server(cfg, args, engine_cfg, map_dir, gate)
+        finally:
+            os.chdir(old)

@@ -1,9 +1,17 @@
 """Spoken requests: `input_audio` content parts of /v1/chat/completions, answered through the audio cache transfer.
 
-The source's audio adapter (an Ultravox encoder + projector around the source model, cfg.eval.audio.source_adapter)
-listens to the prompt, the AUDIO map (the one the `audio` evaluation trains: RUN/eval/audio/audio_map; the run's
-final text map, with a warning, when there is none) translates its cache, and the text-only target answers, as
-offline `generate_from(Mapped(source, target, audio_map, shared=AudioPrefill(alm).set_audio(...)), ...)`.
+The split audio path (the run's gate passed, `load`): the source's audio adapter (an Ultravox encoder + projector
+around the source model, cfg.eval.audio.source_adapter) listens to the prompt, the AUDIO map (the one the `audio`
+evaluation trains: RUN/eval/audio/audio_map; the run's final text map, with a warning, when there is none)
+translates its cache, and the text-only target answers, as offline
+`generate_from(Mapped(source, target, audio_map, shared=AudioPrefill(alm).set_audio(...)), ...)`.
+
+The native audio path (the gate failed and the server takes the native path for text, `load_native`): the
+answerer's OWN audio adapter (cfg.eval.audio.target_adapter, around the target model) listens and the target answers
+from its own cache, as offline `generate_from(AudioPrefill(target_alm).set_audio(...), ...)`. Its prompts are the
+same as the split path's (the source adapter's placeholder id; the two adapters must stack frames alike and share
+the encoder window, else the server refuses to start). With no target adapter, spoken requests get a 400 naming
+--config.eval.audio.target_adapter.
 
 A request's prompt is the adapter's template (cfg.eval.audio: open_id, close):
 
@@ -89,9 +97,10 @@ def frames_of(samples: int) -> int:
 @dataclasses.dataclass
 class AudioServing:
     """What the server answers spoken requests with: `alm` (kvjax.models.audio.AudioLM: the source's adapter around
-    the source model), `kvmap` (the audio map), the prompt template (`open_id`, `close_ids`), `map_path` (where the
-    map came from, for the logs and /v1/models) and the limits. `feature_extractor`: a WhisperFeatureExtractor of the
-    encoder's mel bins (made on first use)."""
+    the source model, or on the native audio path the answerer's own around the target), `kvmap` (the audio map;
+    None: the native audio path, the answerer listens itself), the prompt template (`open_id`, `close_ids`),
+    `map_path` and `adapter` (where the map and the listening adapter came from, for the logs and /v1/models) and
+    the limits. `feature_extractor`: a WhisperFeatureExtractor of the encoder's mel bins (made on first use)."""
 
     alm: Any
     kvmap: Any
@@ -101,6 +110,7 @@ class AudioServing:
     max_bytes: int = 0  # decoded bytes per audio part (0: twice a full window's PCM + HEADER_SLACK)
     max_parts: int = MAX_PARTS
     feature_extractor: Any = None
+    adapter: str = ""
 
     def __post_init__(self):
         if not self.max_bytes:
@@ -112,6 +122,19 @@ class AudioServing:
                 raise ValueError("audio input needs transformers' WhisperFeatureExtractor: `pip install "
                                  "'kvjax[audio]'`, or serve text only with --config.eval.audio.enabled=false") from None
             self.feature_extractor = WhisperFeatureExtractor(feature_size=self.alm.encoder.cfg.num_mel_bins)
+
+    @property
+    def path(self) -> str:
+        """Which audio path answers: "split" (the source's adapter listens, the audio map, the target answers) or
+        "native_target" (the answerer's own adapter listens; the gate failed)."""
+        return "split" if self.kvmap is not None else "native_target"
+
+    def describe(self) -> str:
+        """One line for the startup log."""
+        if self.kvmap is None:
+            return (f"native_target audio path: the answerer's own adapter {self.adapter} listens and the target "
+                    "answers (the map failed its gate)")
+        return f"split audio path: the source's adapter {self.adapter} listens, map {self.map_path}, the target answers"
 
     @property
     def window(self) -> int:
@@ -128,7 +151,8 @@ class AudioServing:
         return self.max_parts * (-(-self.max_bytes // 3) * 4) + (1 << 20)
 
     def info(self) -> dict:
-        return {"map": self.map_path, "sample_rate": SAMPLE_RATE, "max_seconds": self.window * HOP / SAMPLE_RATE,
+        return {"path": self.path, "adapter": self.adapter, "map": self.map_path if self.kvmap is not None else None,
+                "sample_rate": SAMPLE_RATE, "max_seconds": self.window * HOP / SAMPLE_RATE,
                 "max_bytes": self.max_bytes, "max_parts": self.max_parts}
 
     def decode(self, part: AudioPart) -> np.ndarray:
@@ -208,5 +232,41 @@ def load(cfg, source, target_cfg, tokenizer, text_map) -> AudioServing:
         log.warning("no audio map at %s (`python -m kvjax.launch --config=%s` trains it in its audio evaluation): "
                     "spoken requests are answered through the run's text map", path, cfg.name)
         kvmap, path = text_map, f"{path} missing: the text map"
-    close = tuple(tokenizer.encode(ec.close, add_special_tokens=False).ids) if ec.close else ()
-    return AudioServing(alm, kvmap, int(ec.open_id), close, path)
+    return AudioServing(alm, kvmap, int(ec.open_id), _close(ec, tokenizer), path, adapter=ec.source_adapter)
+
+
+def _close(ec, tokenizer) -> tuple[int, ...]:
+    return tuple(tokenizer.encode(ec.close, add_special_tokens=False).ids) if ec.close else ()
+
+
+TARGET_FLAG = "--config.eval.audio.target_adapter"
+
+
+def load_native(cfg, source, target, tokenizer) -> tuple[AudioServing | None, str]:
+    """The native audio path of run config `cfg` (its map failed the gate): (the answerer's own adapter
+    cfg.eval.audio.target_adapter around the loaded `target` model, ""), or (None, why) when that adapter is unset or
+    not an adapter directory (spoken requests then get a 400 saying why). The adapter takes the source adapter's
+    placeholder id (loaded around `source`, as the `audio` evaluation does), so a spoken prompt is the same on both
+    paths; adapters that stack frames differently or have different encoder windows are a ValueError (the server
+    refuses to start)."""
+    from kvjax.eval.suite.audio import _adapter
+    ec = cfg.eval.audio
+    if not ec.target_adapter:
+        return None, (f"eval.audio.target_adapter (the answerer's own audio adapter) is unset: pass {TARGET_FLAG}=DIR "
+                      "(Ultravox's layout) to answer spoken requests on the native path")
+    if not os.path.isfile(os.path.join(ec.target_adapter, "config.json")):
+        return None, (f"eval.audio.target_adapter {ec.target_adapter!r} is not an audio adapter directory (no "
+                      f"config.json in Ultravox's layout): pass {TARGET_FLAG}=DIR of the answerer's own audio adapter "
+                      "to answer spoken requests on the native path")
+    src_alm = _adapter(ec.source_adapter, tuple(source), ec.placeholder)
+    tgt_alm = _adapter(ec.target_adapter, tuple(target), src_alm.audio_token_index)
+    got = (tgt_alm.stack_factor, int(tgt_alm.encoder.cfg.max_frames))
+    want = (src_alm.stack_factor, int(src_alm.encoder.cfg.max_frames))
+    if got != want:
+        raise ValueError(f"eval.audio: the answerer's audio adapter {ec.target_adapter} (stack_factor {got[0]}, "
+                         f"encoder window {got[1]} mel frames) and the source's {ec.source_adapter} (stack_factor {want[0]}, "
+                         f"window {want[1]}) must stack frames alike and share the encoder window (a spoken prompt's "
+                         "audio positions are the same on both audio paths): pass "
+                         f"{TARGET_FLAG}=DIR of a matching adapter, or serve text only with "
+                         "--config.eval.audio.enabled=false")
+    return AudioServing(tgt_alm, None, int(ec.open_id), _close(ec, tokenizer), adapter=ec.target_adapter), ""

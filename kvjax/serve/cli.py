@@ -10,6 +10,8 @@ the process restarts under the allocator settings), so such a mistake is reporte
 A config whose `audio` evaluation is enabled (--config=toy_audio) also answers spoken chat requests (input_audio
 parts; kvjax.serve.audio): the source's adapter (cfg.eval.audio.source_adapter) listens and the run's audio map
 (OUTPUT_DIR/eval/audio/audio_map; the final text map, with a warning, when the run has none) translates its cache.
+When the gate failed, the answerer's own adapter (cfg.eval.audio.target_adapter) listens instead (the native audio
+path; unset or missing: spoken requests get a 400 naming the setting). The startup log and /v1/models say which.
 """
 
 from __future__ import annotations
@@ -151,13 +153,20 @@ def build_server(cfg: RunConfig, args, engine_cfg: EngineConfig, map_dir: str, g
     if not split:
         log.warning("%s: serving the native target path", reason)
     tokenizer = kvjax.load_tokenizer(cfg.target.path)
-    audio = None
-    if cfg.eval.audio.enabled and split:  # (the native path takes no audio: the engine says so to such requests)
-        from kvjax.serve.audio import load as load_audio
-        audio = load_audio(cfg, source, target.cfg, tokenizer, kvmap)
-        log.info("spoken requests: %s listens, map %s", cfg.eval.audio.source_adapter, audio.map_path)
+    audio, audio_reason = None, ""
+    if cfg.eval.audio.enabled:  # the split audio path (source's adapter + audio map), or the answerer's own
+        from kvjax.serve import audio as spoken
+        if split:
+            audio = spoken.load(cfg, source, target.cfg, tokenizer, kvmap)
+        else:
+            audio, why = spoken.load_native(cfg, source, target, tokenizer)
+            audio_reason = f"{reason}, so the target answers alone, and {why}" if why else ""
+        if audio is not None:
+            log.info("spoken requests: %s", audio.describe())
+        else:
+            log.warning("spoken requests are refused (400): %s", audio_reason)
     engine = Engine(tuple(source), tuple(target), kvmap, tokenizer, engine_cfg, split=split, reason=reason,
-                    audio=audio)
+                    audio=audio, audio_reason=audio_reason)
     if args.warmup[1]:
         log.info("warming up (compiling prefill for %d..%d-token prompts) ...", *args.warmup)
         log.info("warm-up done in %.1fs", engine.warmup(args.warmup[1], args.warmup[0]))

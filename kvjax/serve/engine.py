@@ -12,8 +12,9 @@ between two steps and its slot is free for the next. Topologies (EngineConfig.to
                   mapped cache to the decode device, where one thread inserts and decodes; prefill and decode overlap
 
 Spoken requests (Request.audio, with `audio`: kvjax.serve.audio.AudioServing) are prefilled in batches of their
-own: the source's audio adapter listens to the batch's clips (in row order), the AUDIO map translates the cache, the
-target decodes in the same slots as every other request. They need the split path (the source listens).
+own: on the split path the source's audio adapter listens to the batch's clips (in row order) and the AUDIO map
+translates the cache; on the native path (the gate failed) the answerer's own audio adapter listens (`audio` without
+a map); either way the target decodes in the same slots as every other request.
 
 JAX runs only on the engine's own threads; callers (the asyncio server) submit requests and receive events through
 the request's `sink`, a thread-safe callable. A prefill worker that dies or hangs is detected by the decode thread:
@@ -46,11 +47,13 @@ __all__ = ["Engine", "EngineConfig", "Event", "QueueFull", "Request", "Unhealthy
 class Engine:
     """See the module docstring. `source`/`target`: (config, params); `kvmap`: the map; `split`: serve the split
     path (False: the map's gate failed, the target prefills itself); `tokenizer`: a tokenizers.Tokenizer; `audio`:
-    spoken requests' adapter, map and prompt template (kvjax.serve.audio.AudioServing; None: text only)."""
+    spoken requests' adapter, map and prompt template (kvjax.serve.audio.AudioServing; with a map: the source's
+    adapter, split path only; without: the answerer's own, native path only; None: text only); `audio_reason`: why
+    spoken requests are refused when `audio` is None (default: a sentence from the path)."""
 
     def __init__(self, source, target, kvmap, tokenizer, config: EngineConfig = EngineConfig(), split: bool = True,
                  reason: str = "", faults: Faults | None = None, metrics: Metrics | None = None,
-                 devices=None, audio=None):
+                 devices=None, audio=None, audio_reason: str = ""):
         problems = config.problems()
         if problems:
             raise ValueError("engine settings: " + "; ".join(problems))
@@ -76,23 +79,29 @@ class Engine:
             self.prefill_devices, self.decode_device = devices[:1], devices[0]
         place = lambda tree, dev: jax.device_put(tree, dev)  # noqa: E731
         self.target = (tcfg, place(target[1], self.decode_device))
-        # spoken requests: the source listens, so only on the split path
-        self.audio = audio if split else None
-        self.audio_reason = ("" if self.audio is not None else
-                             f"spoken requests need the split path (the source listens), and {reason}" if not split
-                             else "this server's config takes no audio (serve an audio config, e.g. python -m "
-                             "kvjax.serve --config=toy_audio)")
+        # spoken requests: the source's adapter + the audio map on the split path; the answerer's own adapter on the
+        # native path (an AudioServing without a map)
+        if audio is not None and (audio.kvmap is None) == split:
+            if split:
+                raise ValueError("the answerer's own audio path (an AudioServing without a map) serves the native "
+                                 "path only; the split path answers spoken requests through the audio map")
+            audio = None  # the source's audio path needs the split path
+        self.audio = audio
+        self.audio_reason = ("" if self.audio is not None else audio_reason or (
+            f"spoken requests need the split path (the source listens) or the answerer's own audio adapter, and "
+            f"{reason}" if not split else "this server's config takes no audio (serve an audio config, e.g. python "
+            "-m kvjax.serve --config=toy_audio)"))
         # each prefill device holds what its path runs: source + map, or (gate failed) the target
         self._builders, self._listeners = {}, {}
         for dev in self.prefill_devices:
             src = (source[0], place(source[1], dev)) if split else None
             tgt = self.target if dev == self.decode_device else (tcfg, place(target[1], dev))
             self._builders[dev] = programs.prefill_builder(src, tgt, place(kvmap, dev) if split else None, split)
-            if self.audio is not None:  # the adapter around this device's source; the audio map
+            if self.audio is not None:  # the adapter around this device's listening model (source, or the target)
                 alm = self.audio.alm
                 alm = alm.replace(encoder=place(alm.encoder, dev), projector=place(alm.projector, dev),
-                                  lm=type(alm.lm)(*src))
-                self._listeners[dev] = (src, tgt, place(self.audio.kvmap, dev), alm)
+                                  lm=type(alm.lm)(*(src if split else tgt)))
+                self._listeners[dev] = (src, tgt, place(self.audio.kvmap, dev) if split else None, alm)
         self.scheduler = Scheduler(config, lambda n: programs.bucket_for(n, self.buckets), self.metrics, self.path)
         self._lock = self.scheduler.lock  # the one lock of the engine's shared state
         self.slots = Slots(self.target, config, self.decode_device, self.scheduler, self.metrics, self.faults)
@@ -211,12 +220,16 @@ class Engine:
         return cache
 
     def _audio_builder(self, reqs: list[Request], device):
-        """The builder of a spoken batch (the scheduler never mixes spoken and text requests): the source's adapter
-        given this batch's clips, row by row (a new one per batch: prefill threads never share its clips)."""
+        """The builder of a spoken batch (the scheduler never mixes spoken and text requests): the listening adapter
+        (the source's, then the audio map; or, native path, the answerer's own) given this batch's clips, row by row
+        (a new one per batch: prefill threads never share its clips)."""
         if device not in self._listeners:
             raise ValueError(f"a spoken request reached an engine that takes no audio: {self.audio_reason}")
         src, tgt, kvmap, alm = self._listeners[device]
-        return programs.audio_builder(src, tgt, kvmap, alm, [c for r in reqs for c in r.audio])
+        clips = [c for r in reqs for c in r.audio]
+        if kvmap is None:
+            return programs.own_audio_builder(alm, clips)
+        return programs.audio_builder(src, tgt, kvmap, alm, clips)
 
     # ---- decode ------------------------------------------------------------------------------------------------
 

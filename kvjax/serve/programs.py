@@ -52,10 +52,17 @@ def audio_builder(source, target, kvmap, alm, clips: list[np.ndarray]):
     audio map) translates its cache: offline `Mapped(source, target, kvmap, shared=AudioPrefill(alm).set_audio(..))`.
     The clips are zero-padded to a multiple of 128 frames (kvjax.eval.audio.clip_inputs; per-clip frames are passed,
     so padding is masked): a few encoder programs cover every length."""
+    return Mapped(source, target, kvmap, name="audio", shared=own_audio_builder(alm, clips))
+
+
+def own_audio_builder(alm, clips: list[np.ndarray]):
+    """An audio-language model (alm) listens to `clips` (as `audio_builder`) and its own LM's cache answers: offline
+    `AudioPrefill(alm).set_audio(..)`. The server's native audio path (alm: the answerer's own adapter), and the
+    listening half of the split one."""
     from kvjax.builders.audio import AudioPrefill
     from kvjax.eval.audio import clip_inputs
     features, frames, _ = clip_inputs(clips, alm.stack_factor, alm.encoder.cfg.max_frames)
-    return Mapped(source, target, kvmap, name="audio", shared=AudioPrefill(alm, memo=False).set_audio(features, frames))
+    return AudioPrefill(alm, name="audio", memo=False).set_audio(features, frames)
 
 
 def prefill_batch(builder, prompts: list[list[int]], bucket: int, batch: int) -> KVCache:
