@@ -188,6 +188,12 @@ def test_metrics_report_and_gate_state_the_seeds_claims():
                                   "target_text": 0.45}, seed=1), MetricsContext(n_boot=2000, final="residual"))
     checks = {c.name: c for c in audio.gate(worse, gate, "residual")}
     assert checks["audio_gain_ci_lo"].passed is False and checks["audio_gap_recovered"].passed is False
+    # a source no better than the answerer's own audio path: no gap, so its share is not measured (not a number)
+    even = audio.metrics(record({"target_audio": 0.3, "mapped_audio": 0.3, "source_audio": 0.3, "source_text": 0.7,
+                                 "target_text": 0.45}, seed=2), MetricsContext(n_boot=2000, final="residual"))
+    assert even["gap_recovered"] is None and even["source_lead_ci95"][0] <= 0
+    assert not {c.name: c for c in audio.gate(even, gate, "residual")}["audio_gap_recovered"].measured
+    assert "no gap to recover" in "\n".join(audio.summary(even, ctx))
 
 
 def test_sign_flip_p_value():

@@ -182,8 +182,11 @@ def metrics(ev: dict, ctx) -> dict:
         out["mapped_minus_target_audio_ci95"] = [ci.lo, ci.hi]
         out["mapped_minus_target_audio_p"] = sign_flip_p(d)
         if "source_audio" in acc:
-            gap = acc["source_audio"].mean() - acc["target_audio"].mean()
-            out["gap_recovered"] = float(d.mean() / gap) if gap > 0 else None
+            # a share of the gap means something only where there is one: the listening source ahead of the
+            # answerer's own audio path (paired interval above zero); else not measured (None)
+            lead = paired_bootstrap_ci(acc["source_audio"], acc["target_audio"], n=ctx.n_boot)
+            out["source_lead"], out["source_lead_ci95"] = lead.mean, [lead.lo, lead.hi]
+            out["gap_recovered"] = float(d.mean() / lead.mean) if lead.lo > 0 else None
     if "text_map_audio" in acc and "mapped_audio" in acc:
         ci = paired_bootstrap_ci(acc["mapped_audio"], acc["text_map_audio"], n=ctx.n_boot)
         out["audio_map_minus_text_map"], out["audio_map_minus_text_map_ci95"] = ci.mean, [ci.lo, ci.hi]
@@ -218,6 +221,8 @@ def summary(au: dict, ctx) -> list[str]:
             f"{au['mapped_minus_target_audio_p']:.3g}); the source listening {pct(acc.get('source_audio', float('nan')))}")
     if au.get("gap_recovered") is not None:
         line += f", {pct(au['gap_recovered'])} of the gap recovered"
+    elif "source_lead" in au:
+        line += " (not ahead of the answerer's own audio path, so no gap to recover)"
     sp = au.get("speed", {})
     if "decode_ratio" in sp:
         line += f"; mapped decode at {sp['decode_ratio']:.2f}x the answerer's own audio path's speed"
@@ -240,6 +245,11 @@ def report(au: dict, ctx) -> list[str]:
                 f"95% CI [{pct(lo)}, {pct(hi)}], sign-flip p = {au['mapped_minus_target_audio_p']:.3g})"
                 + (f"; {pct(au['gap_recovered'])} of the gap from its audio path to the source listening recovered."
                    if au.get("gap_recovered") is not None else "."), ""]
+        if "source_lead" in au:
+            lo, hi = au["source_lead_ci95"]
+            out += [f"The source listening - the answerer's own audio path: {pct(au['source_lead'])} [{pct(lo)}, "
+                    f"{pct(hi)}]" + ("" if au.get("gap_recovered") is not None else
+                                     ": no lead, so the share of the gap recovered is not measured") + ".", ""]
     if "audio_map_minus_text_map" in au:
         lo, hi = au["audio_map_minus_text_map_ci95"]
         out += [f"Does the text map alone transfer an audio cache? The audio map - the text map on the same cache: "
