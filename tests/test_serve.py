@@ -77,17 +77,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Running:
-    """An engine served by uvicorn on a free localhost port, in this process; always stopped on exit."""
+class Uvicorn:
+    """A server's ASGI app (`server.app()`) on a free localhost port, in a thread of this process; the engine and the
+    server are always stopped on exit. Subclasses build `self.engine` and call `_serve(server)`."""
 
-    def __init__(self, stack, chat=True, fault_injection=False, **config):
+    def _serve(self, server) -> None:
         import uvicorn
-        config = dict(dict(slots=4, capacity=CAPACITY, max_prefill_batch=4, max_tokens_limit=100), **config)
-        devices = jax.devices()[:2] if config.get("topology") == "disaggregated" else None
-        self.faults = Faults()
-        self.engine = Engine(stack["source"], stack["target"], stack["kvmap"], stack["tok"], EngineConfig(**config),
-                             faults=self.faults, devices=devices).start()
-        server = Server(self.engine, MODEL, stack["chat"] if chat else None, fault_injection)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.uv = uvicorn.Server(uvicorn.Config(server.app(), host="127.0.0.1", port=self.port, log_level="warning"))
@@ -105,6 +100,18 @@ class Running:
         self.uv.should_exit = True
         self.thread.join(10)
         self.engine.stop()
+
+
+class Running(Uvicorn):
+    """An engine served by uvicorn on a free localhost port, in this process; always stopped on exit."""
+
+    def __init__(self, stack, chat=True, fault_injection=False, **config):
+        config = dict(dict(slots=4, capacity=CAPACITY, max_prefill_batch=4, max_tokens_limit=100), **config)
+        devices = jax.devices()[:2] if config.get("topology") == "disaggregated" else None
+        self.faults = Faults()
+        self.engine = Engine(stack["source"], stack["target"], stack["kvmap"], stack["tok"], EngineConfig(**config),
+                             faults=self.faults, devices=devices).start()
+        self._serve(Server(self.engine, MODEL, stack["chat"] if chat else None, fault_injection))
 
     def post(self, path, body, **kw):
         content = body if isinstance(body, bytes) else json.dumps(body).encode()

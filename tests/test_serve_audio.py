@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import threading
-import time
 import wave
 
 import httpx
@@ -34,6 +33,7 @@ from kvjax.models.audio import (ProjectorConfig, audio_token_count, init_project
                                 save_ultravox)
 from kvjax.models.model import Model
 from kvjax.models.whisper import WhisperEncoderConfig, init_encoder
+from test_serve import Uvicorn
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "toy_audio"
@@ -125,15 +125,12 @@ def argv(run, *extra):
             "--max-prefill-batch=4", "--max-tokens=64", *extra]
 
 
-class Serving:
+class Serving(Uvicorn):
     """`python -m kvjax.serve --config=toy_audio ...` as its main() builds it, served by uvicorn on a free localhost
     port in this process; always stopped on exit."""
 
     def __init__(self, run, *extra):
-        import uvicorn
-
         from kvjax.serve import cli
-        from test_serve import free_port
         old = os.getcwd()
         os.chdir(REPO)
         try:
@@ -141,23 +138,7 @@ class Serving:
             self.engine, server = cli.build_server(cfg, args, engine_cfg, map_dir, gate)
         finally:
             os.chdir(old)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.uv = uvicorn.Server(uvicorn.Config(server.app(), host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.uv.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.uv.started:
-            assert time.time() < deadline and self.thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.02)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.uv.should_exit = True
-        self.thread.join(10)
-        self.engine.stop()
+        self._serve(server)
 
     def chat(self, content, **kw):
         body = dict(dict(model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=8, temperature=0),
@@ -209,6 +190,40 @@ def offline_text(run, prompt, n):
     return out[: out.index(0) + 1] if 0 in out else out
 
 
+def concurrent_mix(srv, client, a, b, text, text_prompt, want):
+    """Three spoken requests and a text one at once: the spoken ones share a prefill batch (the first prefill is held
+    back a moment so the others queue behind it; their clips in row order), the text one prefills apart; each answer
+    is what it gets alone offline (`want`: a, b, ab, text)."""
+    from kvjax.serve.faults import Delay
+    results, spoken_batches = {}, []
+    build = srv.engine._audio_builder
+
+    def recorded(reqs, device):
+        spoken_batches.append(len(reqs))
+        return build(reqs, device)
+    srv.engine._audio_builder = recorded
+    srv.engine.faults.add("prefill", lambda: Delay(1.5), times=1)
+
+    def spoken(key, parts, n):
+        results[key] = client.chat.completions.create(
+            model=MODEL, max_tokens=n, temperature=0,
+            messages=[{"role": "user", "content": parts}]).choices[0].token_ids
+
+    def plain():
+        results["text"] = client.completions.create(model=MODEL, prompt=text_prompt, max_tokens=10,
+                                                    temperature=0).choices[0].token_ids
+    threads = [threading.Thread(target=spoken, args=("b", [audio_part(wav_bytes(b))], 10)),
+               threading.Thread(target=spoken, args=("ab", [audio_part(wav_bytes(a)), audio_part(wav_bytes(b))],
+                                                     10)),
+               threading.Thread(target=spoken, args=("a", [audio_part(wav_bytes(a)),
+                                                           {"type": "text", "text": text}], 12)),
+               threading.Thread(target=plain)]
+    [t.start() for t in threads]
+    [t.join(300) for t in threads]
+    assert results == want
+    assert max(spoken_batches) >= 2, spoken_batches
+
+
 def test_spoken_requests_through_the_openai_client_match_offline_greedy_decoding(run):
     from openai import OpenAI
     a, b = speech(1.5, 0), speech(0.8, 1)
@@ -244,34 +259,8 @@ def test_spoken_requests_through_the_openai_client_match_offline_greedy_decoding
         # at once: spoken requests share a prefill batch (their clips in row order), a text request prefills apart
         # through the text map; each answer is what it gets alone offline. The first prefill is held back a moment,
         # so the others queue behind it and are batched
-        from kvjax.serve.faults import Delay
-        results, spoken_batches = {}, []
-        build = srv.engine._audio_builder
-
-        def recorded(reqs, device):
-            spoken_batches.append(len(reqs))
-            return build(reqs, device)
-        srv.engine._audio_builder = recorded
-        srv.engine.faults.add("prefill", lambda: Delay(1.5), times=1)
-
-        def spoken(key, parts, n):
-            results[key] = client.chat.completions.create(
-                model=MODEL, max_tokens=n, temperature=0,
-                messages=[{"role": "user", "content": parts}]).choices[0].token_ids
-
-        def plain():
-            results["text"] = client.completions.create(model=MODEL, prompt=text_prompt, max_tokens=10,
-                                                        temperature=0).choices[0].token_ids
-        threads = [threading.Thread(target=spoken, args=("b", [audio_part(wav_bytes(b))], 10)),
-                   threading.Thread(target=spoken, args=("ab", [audio_part(wav_bytes(a)), audio_part(wav_bytes(b))],
-                                                         10)),
-                   threading.Thread(target=spoken, args=("a", [audio_part(wav_bytes(a)),
-                                                               {"type": "text", "text": text}], 12)),
-                   threading.Thread(target=plain)]
-        [t.start() for t in threads]
-        [t.join(300) for t in threads]
-        assert results == {"a": want_a, "b": want_b, "ab": want_ab, "text": want_text}
-        assert max(spoken_batches) >= 2, spoken_batches
+        concurrent_mix(srv, client, a, b, text, text_prompt, {"a": want_a, "b": want_b, "ab": want_ab,
+                                                             "text": want_text})
         # text-only chat on the toy (no chat template): still the clear 400 it was
         r = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json=dict(
             model=MODEL, messages=[{"role": "user", "content": "hi"}]))
@@ -395,34 +384,8 @@ def test_when_the_gate_failed_the_answerers_own_audio_path_answers_spoken_reques
         assert got.usage.prompt_tokens == len(spoken_prompt(run, features([a]), text))
         # at once: the spoken requests share a prefill batch (held back a moment so they queue), the text request
         # prefills apart through the target itself; each answer is what it gets alone offline
-        from kvjax.serve.faults import Delay
-        results, spoken_batches = {}, []
-        build = srv.engine._audio_builder
-
-        def recorded(reqs, device):
-            spoken_batches.append(len(reqs))
-            return build(reqs, device)
-        srv.engine._audio_builder = recorded
-        srv.engine.faults.add("prefill", lambda: Delay(1.5), times=1)
-
-        def spoken(key, parts, n):
-            results[key] = client.chat.completions.create(
-                model=MODEL, max_tokens=n, temperature=0,
-                messages=[{"role": "user", "content": parts}]).choices[0].token_ids
-
-        def plain():
-            results["text"] = client.completions.create(model=MODEL, prompt=text_prompt, max_tokens=10,
-                                                        temperature=0).choices[0].token_ids
-        threads = [threading.Thread(target=spoken, args=("b", [audio_part(wav_bytes(b))], 10)),
-                   threading.Thread(target=spoken, args=("ab", [audio_part(wav_bytes(a)), audio_part(wav_bytes(b))],
-                                                         10)),
-                   threading.Thread(target=spoken, args=("a", [audio_part(wav_bytes(a)),
-                                                               {"type": "text", "text": text}], 12)),
-                   threading.Thread(target=plain)]
-        [t.start() for t in threads]
-        [t.join(300) for t in threads]
-        assert results == {"a": want_a, "b": want_b, "ab": want_ab, "text": want_text}
-        assert max(spoken_batches) >= 2, spoken_batches
+        concurrent_mix(srv, client, a, b, text, text_prompt, {"a": want_a, "b": want_b, "ab": want_ab,
+                                                             "text": want_text})
 
 
 def test_native_path_without_the_answerers_adapter_refuses_spoken_requests_or_startup(run, tmp_path):
