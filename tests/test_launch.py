@@ -257,7 +257,8 @@ def test_default_config_is_the_pruned_pair_with_the_method_goals_in_its_gate():
     assert old.target.path.endswith("toy/target") and old.gate.min_attn_cos is None and old.peers.perhead_topk == 0
     assert "perhead" not in launch.plan(old) and launch.plan(old)["report"].settings["gate"] == \
         {k: v for k, v in dataclasses.asdict(old.gate).items()
-         if k not in ("min_attn_cos", "min_retrieval")}  # old runs keep their hash
+         if k not in ("min_attn_cos", "min_retrieval", "min_audio_gain_ci_lo", "min_audio_gap_recovered",
+                      "min_audio_margin_kept", "min_audio_decode_ratio")}  # old runs keep their hash
 
 
 @pytest.mark.parametrize("overrides, message", [
