@@ -210,7 +210,7 @@ TOY = "checkpoints/toy/audio"
 @pytest.mark.skipif(not os.path.isfile(f"{TOY}/source/config.json"), reason="the toy audio adapters are not built")
 def test_the_shipped_toy_adapters_and_sealed_set_load_and_listen():
     from kvjax.eval import audio as A
-    from kvjax.eval.suite.audio import AudioEval, _adapter
+    from kvjax.eval.suite.audio import AudioEval, load_adapter
     ec = AudioEval()
     meta = json.load(open(f"{TOY}/test/meta.json"))
     train = json.load(open(f"{TOY}/map_train/meta.json"))
@@ -219,7 +219,7 @@ def test_the_shipped_toy_adapters_and_sealed_set_load_and_listen():
     trained = {json.loads(x)["file"] for x in open(f"{TOY}/map_train/items.jsonl")}
     assert not sealed & trained
     src = kvjax.load_hf("checkpoints/toy/source")
-    alm = _adapter(ec.source_adapter, (src.cfg, src.params), ec.placeholder)
+    alm = load_adapter(ec.source_adapter, (src.cfg, src.params), ec.placeholder)
     assert alm.audio_token_index == 100  # the toy's <|audio|> (launch/toy/speech_train.py AUDIO_TOKEN)
     items = A.load_spoken(ec.test, limit=4)
     assert len(items) == 4 and items[0].features.shape[0] == alm.encoder.cfg.num_mel_bins

@@ -14,6 +14,7 @@ its log-probabilities on the text); a step is then the map, the answerer's forwa
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import NamedTuple
 
@@ -24,7 +25,7 @@ import optax
 
 from kvjax.mapper.kl import kl
 from kvjax.mapper.kvmap import KVMap, apply_map
-from kvjax.models.audio import AudioLM, audio_token_count, prompt_embeddings_jit
+from kvjax.models.audio import AudioLM, prompt_embeddings_jit
 from kvjax.models.decoder import forward, prefill_jit
 from kvjax.models.model import Model
 
@@ -76,13 +77,9 @@ def student_kl(kvmap: KVMap, target: Model, cache, teacher: jax.Array, text: jax
     return kl(teacher, logits).mean()
 
 
+@functools.partial(jax.jit, static_argnames=("tcfg",))
 def _kl_jit(kvmap, tcfg, tparams, cache, teacher, text):
-    return _kl_static(kvmap, tparams, cache, teacher, text, tcfg=tcfg)
-
-
-_kl_static = jax.jit(lambda kvmap, tparams, cache, teacher, text, tcfg: student_kl(kvmap, (tcfg, tparams), cache,
-                                                                                  teacher, text),
-                     static_argnames=("tcfg",))
+    return student_kl(kvmap, (tcfg, tparams), cache, teacher, text)
 
 
 def train_audio_map(kvmap: KVMap, target: Model, pool: AudioPool, steps: int, lr: float, seed: int = 0,
@@ -91,12 +88,10 @@ def train_audio_map(kvmap: KVMap, target: Model, pool: AudioPool, steps: int, lr
     a step in a seeded order; returns (the map, the loss per step)."""
     from tqdm import tqdm
 
-    from kvjax.fitting.residual import TRAINABLE
-    labels = jax.tree_util.tree_map_with_path(
-        lambda path, _: "train" if getattr(path[-1], "name", None) in TRAINABLE else "freeze", kvmap)
-    sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 20), max(steps, 2), end_value=0.1 * lr)
-    opt = optax.multi_transform({"train": optax.chain(optax.clip_by_global_norm(1.0), optax.adam(sched)),
-                                 "freeze": optax.set_to_zero()}, labels)
+    from kvjax.fitting.residual import make_optimizer
+    from kvjax.fitting.residual_config import ResidualConfig
+    # the text residual's optimizer (only its TRAINABLE leaves move), with a 5% warmup
+    opt = make_optimizer(ResidualConfig(steps=steps, lr=lr, warmup_steps=max(1, steps // 20), grad_clip=1.0), kvmap)
     state = opt.init(kvmap)
 
     @jax.jit
@@ -133,4 +128,4 @@ def prompt_rows(audio_tokens: np.ndarray, open_id: int, placeholder: int, close_
     return out, lengths.astype(np.int32)
 
 
-__all__ = ["AudioPool", "audio_pool", "audio_token_count", "pool_kl", "prompt_rows", "student_kl", "train_audio_map"]
+__all__ = ["AudioPool", "audio_pool", "pool_kl", "prompt_rows", "student_kl", "train_audio_map"]

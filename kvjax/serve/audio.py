@@ -221,10 +221,10 @@ class AudioServing:
 def load(cfg, source, target_cfg, tokenizer, text_map) -> AudioServing:
     """The audio serving of run config `cfg` (cfg.eval.audio): the source's adapter around the loaded `source`
     model and the run's audio map (RUN/eval/audio/audio_map), or `text_map` with a warning when the run has none."""
-    from kvjax.eval.suite.audio import AUDIO_MAP, _adapter
+    from kvjax.eval.suite.audio import AUDIO_MAP, load_adapter
     from kvjax.mapper.artifact import MANIFEST, load_map
     ec = cfg.eval.audio
-    alm = _adapter(ec.source_adapter, tuple(source), ec.placeholder)
+    alm = load_adapter(ec.source_adapter, tuple(source), ec.placeholder)
     path = os.path.join(cfg.output_dir, "eval", "audio", AUDIO_MAP)
     if os.path.isfile(os.path.join(path, MANIFEST)):
         kvmap = load_map(path, source[0], target_cfg)
@@ -249,7 +249,7 @@ def load_native(cfg, source, target, tokenizer) -> tuple[AudioServing | None, st
     placeholder id (loaded around `source`, as the `audio` evaluation does), so a spoken prompt is the same on both
     paths; adapters that stack frames differently or have different encoder windows are a ValueError (the server
     refuses to start)."""
-    from kvjax.eval.suite.audio import _adapter
+    from kvjax.eval.suite.audio import load_adapter
     ec = cfg.eval.audio
     if not ec.target_adapter:
         return None, (f"eval.audio.target_adapter (the answerer's own audio adapter) is unset: pass {TARGET_FLAG}=DIR "
@@ -258,8 +258,8 @@ def load_native(cfg, source, target, tokenizer) -> tuple[AudioServing | None, st
         return None, (f"eval.audio.target_adapter {ec.target_adapter!r} is not an audio adapter directory (no "
                       f"config.json in Ultravox's layout): pass {TARGET_FLAG}=DIR of the answerer's own audio adapter "
                       "to answer spoken requests on the native path")
-    src_alm = _adapter(ec.source_adapter, tuple(source), ec.placeholder)
-    tgt_alm = _adapter(ec.target_adapter, tuple(target), src_alm.audio_token_index)
+    src_alm = load_adapter(ec.source_adapter, tuple(source), ec.placeholder)
+    tgt_alm = load_adapter(ec.target_adapter, tuple(target), src_alm.audio_token_index)
     got = (tgt_alm.stack_factor, int(tgt_alm.encoder.cfg.max_frames))
     want = (src_alm.stack_factor, int(src_alm.encoder.cfg.max_frames))
     if got != want:

@@ -68,8 +68,8 @@ def main(argv=None) -> None:
         from kvjax.builders import NativePrefill
         from kvjax.builders.audio import AudioPrefill
         from kvjax.eval import audio as A
-        from kvjax.eval.suite.audio import _adapter
-        alm = _adapter(f"checkpoints/toy/audio/{args.lm}", (lm.cfg, lm.params), None)
+        from kvjax.eval.suite.audio import load_adapter
+        alm = load_adapter(f"checkpoints/toy/audio/{args.lm}", (lm.cfg, lm.params), None)
         sealed = A.load_spoken("checkpoints/toy/audio/test", args.items)
         listen, native = AudioPrefill(alm), NativePrefill((lm.cfg, lm.params))
         res = A.score_spoken(sealed, tok, {"audio": (listen, "audio"), "text": (native, "text"),

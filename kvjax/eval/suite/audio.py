@@ -51,7 +51,7 @@ class AudioEval:
                              "target_text", "source_text")
 
 
-def _adapter(path: str, model, placeholder: int | None):
+def load_adapter(path: str, model, placeholder: int | None):
     """An AudioLM from an adapter directory (Ultravox layout) around the run's own loaded model; `placeholder`
     overrides its audio_token_index."""
     from kvjax.models.audio import load_ultravox
@@ -75,8 +75,8 @@ def run(ec: AudioEval, ctx) -> dict:
 
     tok = ctx.tokenizer()
     close = tuple(tok.encode(ec.close, add_special_tokens=False).ids)
-    src_alm = _adapter(ec.source_adapter, ctx.source, ec.placeholder)
-    tgt_alm = _adapter(ec.target_adapter, ctx.target, src_alm.audio_token_index)
+    src_alm = load_adapter(ec.source_adapter, ctx.source, ec.placeholder)
+    tgt_alm = load_adapter(ec.target_adapter, ctx.target, src_alm.audio_token_index)
     eos, placeholder = ec.open_id, src_alm.audio_token_index
     prompts = A.Prompts(eos, close, placeholder)
 
