@@ -331,3 +331,32 @@ def test_ultravox_config_without_adapters_fails_fast_naming_what_to_pass(tmp_pat
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and not out.exists()
     assert "eval.audio.source_adapter" in proc.stderr and "launch.toy.speech" in proc.stderr
+
+
+# ---- the toy encoder's speech-recognition pre-training (launch/toy/speech_asr.py) ----------------------------------
+
+def test_asr_pretraining_pieces_label_decode_and_score_as_ctc_means(tmp_path):
+    """Character labels, greedy CTC decoding, the error rate's edit distance, and the loss as the script calls it:
+    an alignment of the right transcript costs less than of a wrong one, and padding past a row's frames is ignored."""
+    import optax
+
+    from launch.toy.speech_asr import ALPHABET, edit_distance, greedy, labels, load_encoder
+    y = labels("The file's well-known  path/name, read.")
+    assert "".join(ALPHABET[c - 1] for c in y) == "the file's well known path name read"
+    hello = labels("hello")
+    path = np.asarray([0, hello[0], hello[0], 0, hello[1], hello[2], 0, hello[3], hello[4], hello[4], 0, 0])
+    assert greedy(path, 11) == hello and greedy(path, 4) == hello[:1]
+    assert edit_distance(labels("kitten"), labels("sitting")) == 3 and edit_distance([], [1, 2]) == 2
+    k = len(ALPHABET) + 1
+    logits = np.full((1, 16, k), -5.0, np.float32)
+    logits[0, np.arange(12), path] = 5.0
+    logits[0, 12:] = np.random.default_rng(0).normal(size=(4, k)) * 9  # past the row's 12 frames: ignored
+    pad = (np.arange(16) >= 12)[None].astype(np.float32)
+
+    def ctc(text):
+        lab = np.zeros((1, 8), np.int32)
+        lab[0, :len(labels(text))] = labels(text)
+        return float(optax.ctc_loss(logits, pad, lab, (lab == 0).astype(np.float32), blank_id=0)[0])
+    assert ctc("hello") < 0.1 < 20 < ctc("world")
+    with pytest.raises(SystemExit, match="python -m launch.toy.speech_asr"):
+        load_encoder(tmp_path / "nothing")

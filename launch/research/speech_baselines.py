@@ -7,7 +7,10 @@ the 16 tokens after the prompt. The right transcript scores 0; this prints, on t
 the LM reading NO context ([EOS][\\n] then the text) and reading ANOTHER item's transcript (a shuffled pairing): an
 adapter's validation KL between those two says how much of the words' information it carries (the wrong transcript
 keeps the register, position and length of a context, only the words are wrong). Also, with `--adapter`, its PMI
-accuracy on the first `--items` sealed items with audio and with the transcript (kvjax.eval.audio.correct).
+accuracy on the first `--items` sealed items with audio and with the transcript (kvjax.eval.audio.correct), and with
+`--heard work/toy/audio/asr`, the LM reading what the pre-trained encoder heard (its greedy CTC transcript of each
+sealed clip, launch/toy/speech_asr.py): a cascade that says how much of the transcript's margin the encoder's hearing
+leaves for any adapter on top of it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ def main(argv=None) -> None:
     p.add_argument("--data", default="work/toy/audio/data/valid")
     p.add_argument("--adapter", action="store_true", help="also the shipped adapter's sealed-set accuracy")
     p.add_argument("--items", type=int, default=120)
+    p.add_argument("--heard", default=None, help="the speech-recognition encoder's folder (launch.toy.speech_asr)")
     args = p.parse_args(argv)
 
     import jax
@@ -78,6 +82,40 @@ def main(argv=None) -> None:
         acc = {k: A.correct(res[k]["logprobs"], res["null"]["logprobs"], res["labels"]).mean() for k in ("audio", "text")}
         print(f"{args.lm} on {len(sealed)} sealed items: audio {acc['audio']:.3f}, transcript {acc['text']:.3f}, "
               f"margin over chance kept {(acc['audio'] - 0.25) / (acc['text'] - 0.25):.2f}")
+    if args.heard:
+        import dataclasses
+        from kvjax.builders import NativePrefill
+        from kvjax.eval import audio as A
+        from kvjax.models.whisper import encode_jit, encoded_length
+        from launch.toy.speech_asr import ALPHABET, edit_distance, greedy, labels, load_head
+        enc, ecfg, head, bias = load_head(args.heard)
+        sealed = A.load_spoken("checkpoints/toy/audio/test", args.items)
+        heard, errs, chars = [], 0, 0
+        for it in sealed:
+            w = ecfg.max_frames  # a longer clip is heard window by window, as the evaluation chunks it
+            h = []
+            for s in range(0, it.features.shape[1], w):
+                f = it.features[:, s:s + w]
+                pad = np.zeros((1, f.shape[0], w), np.float32)  # one shape, one compile
+                pad[0, :, :f.shape[1]] = f
+                h.append(np.asarray(encode_jit(enc, ecfg, jnp.asarray(pad), jnp.asarray([f.shape[1]])))[0]
+                         [:encoded_length(f.shape[1])])
+            h = np.concatenate(h)
+            ids = greedy(np.argmax(h @ np.asarray(head) + np.asarray(bias), -1), len(h))
+            truth = labels(it.context)
+            errs, chars = errs + edit_distance(ids, truth), chars + len(truth)
+            heard.append(dataclasses.replace(it, context="".join(ALPHABET[c - 1] for c in ids)))
+        native = NativePrefill((lm.cfg, lm.params))
+        pr = A.Prompts(0, (nl,), 100)
+        spelled = [dataclasses.replace(it, context="".join(ALPHABET[c - 1] for c in labels(it.context))) for it in sealed]
+        acc = {}
+        for name, its in (("heard", heard), ("spelled", spelled), ("transcript", sealed)):
+            res = A.score_spoken(its, tok, {"text": (native, "text"), "null": (native, "null")}, pr, 8, [])
+            acc[name] = A.correct(res["text"]["logprobs"], res["null"]["logprobs"], res["labels"]).mean()
+        print(f"{args.lm} on {len(sealed)} sealed items: reading what the encoder heard {acc['heard']:.3f} (character "
+              f"error rate {errs / chars:.3f}), the transcript spelled as the encoder spells (lower case, no punctuation) "
+              f"{acc['spelled']:.3f}, the transcript {acc['transcript']:.3f}; margin over chance kept "
+              f"{(acc['heard'] - 0.25) / (acc['transcript'] - 0.25):.2f}")
 
 
 if __name__ == "__main__":
