@@ -1,6 +1,6 @@
 """Partial recomputation, k = 0..L: what letting the target recompute k of its layers does to a mapped cache.
 
-    python -m launch.research.partial_recompute --run runs/toy [--map map] [--modes bottom,top] [--mc 200]
+    python -m launch.research.partial_recompute --run runs/toy [--map residual|ridge] [--modes bottom,top] [--mc 200]
 
 Reads a finished main-job run (its config.json for the models, its fitted map, its held-out windows) and measures,
 for each placement (bottom k: the target's first k layers run natively; top k: the target reads the mapped lower
@@ -24,11 +24,14 @@ import time
 
 import numpy as np
 
+from kvjax.stages.plan import MAP_DIRS
+
 
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--run", required=True, help="a finished `python -m kvjax.launch` run directory")
-    p.add_argument("--map", default="map", help="map directory inside the run: map (final) or map_ridge")
+    p.add_argument("--map", default="residual", choices=sorted(MAP_DIRS),
+                   help="which of the run's maps: residual (the final map) or ridge")
     p.add_argument("--modes", default="bottom,top")
     p.add_argument("--windows", type=int, default=64, help="KL / agreement windows")
     p.add_argument("--skip", type=int, default=16, help="held-out rows before the KL windows (the distance windows)")
@@ -46,8 +49,8 @@ def parse(argv):
 def main(argv=None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     cfg_path = os.path.join(args.run, "config.json")
-    map_dir = os.path.join(args.run, args.map)
-    for path, fix in ((cfg_path, "run the main job first"), (map_dir, "pass --map map_ridge or finish the run")):
+    map_dir = os.path.join(args.run, MAP_DIRS[args.map])
+    for path, fix in ((cfg_path, "run the main job first"), (map_dir, "pass --map ridge or finish the run")):
         if not os.path.exists(path):
             print(f"partial_recompute: {path} does not exist; {fix}", file=sys.stderr)
             return 2

@@ -25,6 +25,8 @@ import json
 import os
 import sys
 
+from kvjax.stages.plan import MAP_DIRS
+
 
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -49,7 +51,7 @@ VARIANTS = [("transfer: final map, k=0, g=4", "final", 0, 4),
 def main(argv=None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     cfg_path = os.path.join(args.run, "config.json")
-    if not os.path.isfile(cfg_path) or not os.path.isdir(os.path.join(args.run, "map_ridge")):
+    if not os.path.isfile(cfg_path) or not os.path.isdir(os.path.join(args.run, MAP_DIRS["ridge"])):
         print(f"reverse_sweep: {args.run} is not a finished run (no config.json / map_ridge); run "
               "`python -m kvjax.launch --config=toy_reverse` first", file=sys.stderr)
         return 2
@@ -65,9 +67,9 @@ def main(argv=None) -> int:
 
     cfg = json.load(open(cfg_path))
     small, large = kvjax.load_hf(cfg["source"]["path"]), kvjax.load_hf(cfg["target"]["path"])
-    final_dir = "map" if os.path.isdir(os.path.join(args.run, "map")) else "map_ridge"
+    final_dir = MAP_DIRS["residual"] if os.path.isdir(os.path.join(args.run, MAP_DIRS["residual"])) else MAP_DIRS["ridge"]
     maps = {"final": kvjax.load_map(os.path.join(args.run, final_dir), small[0], large[0]),
-            "ridge": kvjax.load_map(os.path.join(args.run, "map_ridge"), small[0], large[0]),
+            "ridge": kvjax.load_map(os.path.join(args.run, MAP_DIRS["ridge"]), small[0], large[0]),
             "direct": injection_map(small[0], large[0])}
     held = np.load(os.path.join(args.run, "data", "heldout.npy"))
     flat = held.reshape(-1)

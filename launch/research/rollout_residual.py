@@ -31,6 +31,8 @@ import time
 
 import numpy as np
 
+from kvjax.stages.plan import MAP_DIRS
+
 ARMS = ("ridge", "kl", "rollout")
 
 
@@ -117,7 +119,7 @@ def cache_metrics(maps: dict, source, target, heldout, skip: int, windows: int, 
 
 def main(argv=None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
-    cfg_path, ridge_dir = os.path.join(args.run, "config.json"), os.path.join(args.run, "map_ridge")
+    cfg_path, ridge_dir = os.path.join(args.run, "config.json"), os.path.join(args.run, MAP_DIRS["ridge"])
     for path in (cfg_path, ridge_dir, os.path.join(args.run, "data", "heldout.npy")):
         if not os.path.exists(path):
             print(f"rollout_residual: {path} does not exist; run `python -m kvjax.launch` (--config.residual.steps=0 "
