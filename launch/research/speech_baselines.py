@@ -36,7 +36,7 @@ def main(argv=None) -> None:
     import kvjax
     from kvjax.models.decoder import prefill_jit
     from launch.toy.speech import load_set
-    from launch.toy.speech_train import CONT, LMS, tokenize_set
+    from launch.toy.speech_train import AUDIO_TOKEN, CONT, LMS, tokenize_set
 
     lm = kvjax.load_hf(LMS[args.lm])
     tok = kvjax.load_tokenizer("checkpoints/toy/tokenizer")
@@ -86,28 +86,18 @@ def main(argv=None) -> None:
         import dataclasses
         from kvjax.builders import NativePrefill
         from kvjax.eval import audio as A
-        from kvjax.models.whisper import encode_jit, encoded_length
-        from launch.toy.speech_asr import ALPHABET, edit_distance, greedy, labels, load_head
-        enc, ecfg, head, bias = load_head(args.heard)
+        from launch.toy.speech_asr import edit_distance, labels, spell, transcribe
+        hear = transcribe(args.heard)
         sealed = A.load_spoken("checkpoints/toy/audio/test", args.items)
         heard, errs, chars = [], 0, 0
         for it in sealed:
-            w = ecfg.max_frames  # a longer clip is heard window by window, as the evaluation chunks it
-            h = []
-            for s in range(0, it.features.shape[1], w):
-                f = it.features[:, s:s + w]
-                pad = np.zeros((1, f.shape[0], w), np.float32)  # one shape, one compile
-                pad[0, :, :f.shape[1]] = f
-                h.append(np.asarray(encode_jit(enc, ecfg, jnp.asarray(pad), jnp.asarray([f.shape[1]])))[0]
-                         [:encoded_length(f.shape[1])])
-            h = np.concatenate(h)
-            ids = greedy(np.argmax(h @ np.asarray(head) + np.asarray(bias), -1), len(h))
+            ids = hear(it.features)
             truth = labels(it.context)
             errs, chars = errs + edit_distance(ids, truth), chars + len(truth)
-            heard.append(dataclasses.replace(it, context="".join(ALPHABET[c - 1] for c in ids)))
+            heard.append(dataclasses.replace(it, context=spell(ids)))
         native = NativePrefill((lm.cfg, lm.params))
-        pr = A.Prompts(0, (nl,), 100)
-        spelled = [dataclasses.replace(it, context="".join(ALPHABET[c - 1] for c in labels(it.context))) for it in sealed]
+        pr = A.Prompts(0, (nl,), AUDIO_TOKEN)
+        spelled = [dataclasses.replace(it, context=spell(labels(it.context))) for it in sealed]
         acc = {}
         for name, its in (("heard", heard), ("spelled", spelled), ("transcript", sealed)):
             res = A.score_spoken(its, tok, {"text": (native, "text"), "null": (native, "null")}, pr, 8, [])

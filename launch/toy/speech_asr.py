@@ -36,6 +36,11 @@ def labels(text: str) -> list[int]:
     return [ALPHABET.index(c) + 1 for c in " ".join(t.split())]
 
 
+def spell(classes: list[int]) -> str:
+    """Character classes back to text (labels' inverse on its output)."""
+    return "".join(ALPHABET[c - 1] for c in classes)
+
+
 def greedy(ids: np.ndarray, n: int) -> list[int]:
     """Greedy CTC decoding of one row's argmax classes (its first n positions): merge repeats, drop blanks."""
     out, prev = [], 0
@@ -201,10 +206,25 @@ def main(argv=None) -> None:
     manager.wait_until_finished()
 
 
-def load_head(work: str | Path):
-    """(encoder params, its config, the character head's weight and bias) of the latest checkpoint in `work`."""
+def transcribe(work: str | Path):
+    """A function features [M, F] (one clip) -> its greedy CTC transcript (character classes), from the latest
+    checkpoint in `work`. A clip longer than the encoder's window is heard chunk by chunk, as the evaluation and
+    Ultravox's processor split it (kvjax.models.audio.audio_chunks); every chunk is padded to the window (one compile)."""
+    import jax.numpy as jnp
+
+    from kvjax.models.audio import audio_chunks
+    from kvjax.models.whisper import encode_jit, encoded_length
     state, ecfg = _restore(work)
-    return state["params"]["encoder"], ecfg, state["params"]["head"], state["params"]["head_bias"]
+    p = state["params"]
+    w = ecfg.max_frames
+
+    def hear(features: np.ndarray) -> list[int]:
+        chunks, frames, _ = audio_chunks(features[None], [features.shape[1]], w)
+        chunks = np.pad(chunks, ((0, 0), (0, 0), (0, w - chunks.shape[2])))
+        h = np.asarray(encode_jit(p["encoder"], ecfg, jnp.asarray(chunks), jnp.asarray(frames)))
+        h = np.concatenate([h[i, :encoded_length(n)] for i, n in enumerate(frames)])
+        return greedy(np.argmax(h @ np.asarray(p["head"]) + np.asarray(p["head_bias"]), -1), len(h))
+    return hear
 
 
 def load_encoder(work: str | Path):
