@@ -150,6 +150,9 @@ def main(argv=None) -> None:
     p.add_argument("--work", default="work/toy/audio")
     p.add_argument("--out", default="checkpoints/toy/audio")
     args = p.parse_args(argv)
+    if args.train_encoder and not args.encoder_from:
+        p.error("--train-encoder goes with --encoder-from (without it the encoder starts random and always trains)")
+    frozen = bool(args.encoder_from) and not args.train_encoder
 
     import jax
     import jax.numpy as jnp
@@ -190,11 +193,11 @@ def main(argv=None) -> None:
     trainable = (encoder, init_projector(pcfg, k2).params)
     sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, min(args.warmup, args.steps // 2), args.steps, end_value=0.1 * args.lr)
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.01))
-    if args.encoder_from and not args.train_encoder:  # Ultravox's default: the pre-trained encoder frozen
+    if frozen:  # Ultravox's default: the pre-trained encoder frozen
         opt = optax.multi_transform({"train": opt, "frozen": optax.set_to_zero()},
                                     (jax.tree.map(lambda _: "frozen", encoder), jax.tree.map(lambda _: "train", trainable[1])))
     state = {"params": trainable, "opt": opt.init(trainable)}
-    kl = make_fns(lm, ecfg, pcfg, frozen_encoder=bool(args.encoder_from) and not args.train_encoder)
+    kl = make_fns(lm, ecfg, pcfg, frozen_encoder=frozen)
 
     @jax.jit
     def step(state, b):
