@@ -76,6 +76,15 @@ def check_ttft(rows: list) -> None:
     assert ttft["split_vs_source"] == pytest.approx(ttft["split_ms"] / ttft["source_native_ms"], rel=1e-9)
 
 
+def check_speculative(rows: list) -> None:
+    """One row per block size; the break-even tau is the round's cost in plain steps (c_verify + c_draft)."""
+    assert [r["block"] for r in rows] == [2, 4]
+    for r in rows:
+        assert r["context"] == 64 and r["step_ms"] > 0 and r["c_verify"] > 0
+        assert r["break_even_tau"] == pytest.approx(r["c_verify"] + r["c_draft"], rel=1e-12)
+        assert r["drafter_layers"] == 1 and r["feature_layers"] == [1]
+
+
 def test_accelerator_script_smoke(tmp_path, capsys):
     import jax
 
@@ -93,6 +102,7 @@ def test_accelerator_script_smoke(tmp_path, capsys):
     assert dev["copy_GBps"] > 0 and dev["matmul_f32_TFLOPs"] > 0
     check_kernel(saved["kernel"])
     check_decode(saved["decode"], dev["copy_GBps"])
+    check_speculative(saved["speculative"])
     check_ttft(saved["ttft"])
     printed = capsys.readouterr().out
     assert result["table"] in printed and result["table"] == saved["table"]

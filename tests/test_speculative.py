@@ -275,3 +275,73 @@ def test_lookup_drafting_is_exact_and_accepts_repeats(models):
     drafter = LookupDrafter(VOCAB, draft_len=4, max_ngram=4, min_ngram=2)
     got = speculative_generate(big, drafter, ps, 17, eos_token_ids=(eos,), pad_token_id=0)
     np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def _block(verifier, draft_len, seed=1):
+    """A random block drafter (kvjax.drafter) for `verifier`: it drafts badly, which is all exactness needs."""
+    from kvjax.drafter import block_drafter, drafter_config, init_drafter
+    dcfg = drafter_config(verifier.cfg, num_layers=1, block_sizes=(draft_len,))
+    return block_drafter(verifier, dcfg, init_drafter(dcfg, jax.random.key(seed), 0.3), draft_len=draft_len)
+
+
+def test_combined_drafter_is_exact_and_takes_lookup_where_the_text_repeats(models):
+    """Greedy: ragged rows, EOS: the verifier's own greedy decode. Rows whose context repeats take lookup's copy (and
+    it is accepted); rounds in which every row copies do not run the block drafter at all."""
+    from kvjax.speculative import combined
+    big, _, _ = models
+    rng = np.random.RandomState(12)
+    phrase = rng.randint(1, VOCAB, 6).tolist()
+    ps = [phrase * 4, rng.randint(1, VOCAB, 9).tolist() + phrase * 3, [7, 3], rng.randint(1, VOCAB, 13).tolist()]
+    free = native(big, ps, 21, eos_token_ids=())
+    eos = int(free[3, 9])
+    want = native(big, ps, 21, eos_token_ids=(eos,), pad_token_id=0)
+    for g, min_match in ((4, 2), (6, 3)):
+        drafter = combined(_block(big, g), VOCAB, min_match=min_match)
+        got, stats = speculative_generate(big, drafter, ps, 21, eos_token_ids=(eos,), pad_token_id=0,
+                                          return_stats=True)
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"draft_len {g}")
+        rounds = int(np.sum(stats.widths))
+        assert 0 < stats.drafter["lookup_rows"][0] and stats.accepted[0] > 0  # the repeated phrase is copied
+        assert 0 < stats.drafter["model_rounds"] <= rounds
+    # one row that repeats: most of its rounds copy, and those rounds skip the block drafter (model_rounds < rounds)
+    drafter = combined(_block(big, 4), VOCAB, min_match=2)
+    _, stats = speculative_generate(big, drafter, [phrase * 4], 24, eos_token_ids=(), return_stats=True)
+    lookup_rounds = int(stats.drafter["lookup_rows"][0])
+    assert lookup_rounds > 0 and int(stats.drafter["model_rounds"]) == int(np.sum(stats.widths)) - lookup_rounds
+
+
+def test_combined_drafter_sampling_follows_the_verifiers_distribution():
+    """The copy (one-hot q) where the context repeats, the block drafter's q where it does not: either way the first
+    two tokens are distributed as the verifier's."""
+    from kvjax.speculative import combined
+    cfg = kvjax.Qwen3Config(vocab_size=12, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                            num_kv_heads=1, head_dim=16, tie_word_embeddings=True, eos_token_ids=(), pad_token_id=0)
+    verifier = kvjax.Model(cfg, kvjax.init_params(cfg, jax.random.key(0), std=0.1))
+    s, rows = Sampling(0.9, 0.95), 2000
+
+    def dist(toks):
+        return np.asarray(sampling_probs(forward_nocache(verifier.params, cfg, jnp.asarray([toks]))[0, -1], s),
+                          np.float64)
+
+    drafter = combined(_block(verifier, 2), 12, min_match=2)
+    for prompt in ([3, 7, 1, 9, 3, 7, 1, 9, 3, 7], [3, 7, 1, 9, 5, 2]):  # "3 7" recurs: copy; nothing recurs: block
+        out, stats = speculative_generate(verifier, drafter, [prompt] * rows, 2, temperature=s.temperature,
+                                          top_p=s.top_p, key=jax.random.key(44), return_stats=True)
+        out = np.asarray(out)
+        copied = int(stats.drafter["lookup_rows"].sum())
+        assert (copied >= rows) if prompt[-1] == 7 else (int(stats.drafter["model_rounds"]) >= 1)
+        counts = np.bincount(out[:, 0], minlength=12)
+        assert _chi2_pvalue(counts, dist(prompt)) > 1e-3
+        x1 = int(np.argmax(counts))
+        assert _chi2_pvalue(np.bincount(out[out[:, 0] == x1, 1], minlength=12), dist(prompt + [x1])) > 1e-3
+
+
+def test_combined_drafter_refuses_what_it_cannot_combine(models):
+    from kvjax.speculative import combined
+    big, small, _ = models
+    with pytest.raises(ValueError, match="ModelDrafter.*block drafter"):
+        combined(ModelDrafter(small, draft_len=3), VOCAB)
+    with pytest.raises(TypeError, match="lacks"):
+        combined(object(), VOCAB)
+    with pytest.raises(ValueError, match="min_match"):
+        combined(_block(big, 4), VOCAB, min_match=4)

@@ -89,6 +89,16 @@ class LookupDrafter:
         return LookupState(history=jnp.asarray(history), length=jnp.asarray(lengths, jnp.int32))
 
     def propose(self, state: LookupState, last, key, sampling):
+        drafts, _, state = self.match(state, last)
+        q = None
+        if sampling.temperature != 0.0:
+            q = jax.nn.one_hot(drafts, self.vocab_size, dtype=jnp.float32)  # all zeros where drafts == -1
+        return drafts, q, state
+
+    def match(self, state: LookupState, last):
+        """propose's drafts [B, draft_len] (-1 past each row's last) with the length of the n-gram each row matched
+        [B] (0: no match; how sure the copy is, for a drafter that combines lookup with another,
+        kvjax.speculative.combined) and the state holding the pending token."""
         g = self.draft_len
         put = jax.vmap(lambda row, tok, at: jax.lax.dynamic_update_slice(row, tok[None], (at,)))
         history = put(state.history, last.astype(jnp.int32), state.length)  # the pending token is context too
@@ -97,10 +107,7 @@ class LookupDrafter:
         at = end[:, None] + jnp.arange(g)[None]  # what followed the match, up to the context's end
         drafts = jnp.take_along_axis(history, jnp.minimum(at, history.shape[1] - 1), axis=1)
         drafts = jnp.where((n[:, None] > 0) & (at < length[:, None]), drafts, -1)
-        q = None
-        if sampling.temperature != 0.0:
-            q = jax.nn.one_hot(drafts, self.vocab_size, dtype=jnp.float32)  # all zeros where drafts == -1
-        return drafts, q, state.replace(history=history)
+        return drafts, n, state.replace(history=history)
 
     def commit(self, state: LookupState, tokens, n_new, features=None) -> LookupState:
         # propose wrote the round's pending token at `length`; the accepted drafts follow it, and the verifier's own

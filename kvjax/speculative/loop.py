@@ -51,6 +51,9 @@ passed into the compiled loop as an argument, so it must not hold Python state t
         at the positions it ran this round, [last, d_1, .., d_gamma]: the first n_new are now context (None when
         feature_layers is empty). n_new == 0 marks a row that had already finished: its state must come back as it
         was before this round's propose. Roll caches back by setting their `lengths` (no copies).
+    counters(state) -> dict of arrays
+        Optional, traceable. What the drafter counted over the run (the combined drafter: the rounds in which its
+        model drafter ran); run_loop returns it as counters["drafter"], and Stats as `drafter`.
 
 Entry points: `verify_loop` (traceable), `run_loop` (the jitted loop from a built verifier cache and drafter state),
 and kvjax.speculative.api (speculative_generate, speculative_split_generate).
@@ -114,13 +117,19 @@ class Stats:
 
     rounds [B]: verify rounds the row took part in; accepted [B]: drafts accepted over those rounds; per_round
     [B, R]: drafts accepted in each round (-1 where the row had stopped); emitted [B]: tokens in the output
-    (EOS-truncated and capped at max_new_tokens, so the last round may have produced more than it kept)."""
+    (EOS-truncated and capped at max_new_tokens, so the last round may have produced more than it kept); widths
+    [draft_len + 2]: how many rounds ran a verify forward of t tokens, at index t (the batch's, not a row's: each
+    round runs one forward; a fixed-length drafter's rounds are all at draft_len + 1); drafter: the drafter's own
+    counters (the interface's optional `counters`), or None. The cost model (kvjax.speculative.cost) prices a run
+    from them."""
 
     rounds: object
     accepted: object
     per_round: object
     emitted: object
     draft_len: int
+    widths: object = None
+    drafter: dict | None = None
 
     @property
     def acceptance_length(self):
@@ -147,6 +156,8 @@ class Stats:
         import numpy as np
         return {"draft_len": self.draft_len, "rounds": np.asarray(self.rounds).tolist(),
                 "accepted": np.asarray(self.accepted).tolist(), "emitted": np.asarray(self.emitted).tolist(),
+                "widths": None if self.widths is None else np.asarray(self.widths).tolist(),
+                "drafter": None if self.drafter is None else {k: np.asarray(v).tolist() for k, v in self.drafter.items()},
                 "acceptance_length": self.acceptance_length.tolist(),
                 "mean_acceptance_length": self.mean_acceptance_length, "acceptance_rate": self.acceptance_rate}
 
@@ -191,9 +202,11 @@ def verify_loop(verifier, drafter, cache: KVCache, state, last: jax.Array, key: 
             drafted = jnp.cumprod((drafts >= 0).astype(jnp.int32), axis=-1)  # [B, g]: leading real drafts
             block = jnp.where(block >= 0, block, 0)  # a -1 is never accepted: any id may stand in for it
             q = None if q is None else q * drafted[..., None]  # nothing drafted there: q = 0, the verifier's p rules
-            logits, k, v, feats = jax.lax.switch(jnp.max(jnp.sum(drafted, -1)), verifies, block, c["cache"])
+            width = jnp.max(jnp.sum(drafted, -1)) + 1
+            logits, k, v, feats = jax.lax.switch(width - 1, verifies, block, c["cache"])
             cache = write_block(c["cache"], k, v)
         else:
+            width = g + 1
             logits, cache, feats = forward_features(vparams, vcfg, block, c["cache"], layers)
         if greedy:
             n_acc, toks = accept_greedy(logits, drafts)
@@ -216,16 +229,20 @@ def verify_loop(verifier, drafter, cache: KVCache, state, last: jax.Array, key: 
                     state=state, last=jnp.where(active, nxt, c["last"]), key=key,
                     rounds=c["rounds"] + active.astype(jnp.int32),
                     accepted=c["accepted"] + jnp.where(active, n_acc, 0),
-                    per_round=c["per_round"].at[:, c["i"]].set(jnp.where(active, n_acc, -1)))
+                    per_round=c["per_round"].at[:, c["i"]].set(jnp.where(active, n_acc, -1)),
+                    widths=c["widths"].at[width].add(1))
 
     init = dict(i=jnp.int32(0), out=jnp.full((b, width), pad_id, jnp.int32), count=jnp.zeros((b,), jnp.int32),
                 done=jnp.zeros((b,), bool), cache=cache, state=state, last=last.astype(jnp.int32), key=key,
                 rounds=jnp.zeros((b,), jnp.int32), accepted=jnp.zeros((b,), jnp.int32),
-                per_round=jnp.full((b, n), -1, jnp.int32))
+                per_round=jnp.full((b, n), -1, jnp.int32), widths=jnp.zeros((g + 2,), jnp.int32))
     c = jax.lax.while_loop(cond, body, init)
     emitted = jnp.minimum(c["count"], n)
     out = jnp.where(jnp.arange(n)[None] < emitted[:, None], c["out"][:, :n], pad_id)
-    counters = dict(rounds=c["rounds"], accepted=c["accepted"], per_round=c["per_round"], emitted=emitted)
+    counters = dict(rounds=c["rounds"], accepted=c["accepted"], per_round=c["per_round"], emitted=emitted,
+                    widths=c["widths"])
+    if hasattr(drafter, "counters"):
+        counters["drafter"] = drafter.counters(c["state"])
     return out, counters, c["cache"], c["state"]
 
 
@@ -248,4 +265,4 @@ def stats_of(counters: dict, draft_len: int) -> Stats:
     """Host Stats from run_loop's counters."""
     host = jax.device_get(counters)
     return Stats(rounds=host["rounds"], accepted=host["accepted"], per_round=host["per_round"],
-                 emitted=host["emitted"], draft_len=draft_len)
+                 emitted=host["emitted"], draft_len=draft_len, widths=host["widths"], drafter=host.get("drafter"))

@@ -18,7 +18,12 @@ recorded as skipped, with the reason, when it would not fit):
 4. decode: an 8B-shaped Qwen3 with random bf16 weights, greedy decode steps at batch 1 and 32 from a 1K-token context:
    tokens/s and the fraction of the HBM roofline (weights + the attention window's K/V read once per step, at the
    measured copy bandwidth).
-5. ttft: time to first token at 1K-16K tokens of the split path (a 32B-shaped source prefills, a random rank-256 +
+5. speculative: the cost model's parts (kvjax.speculative.cost) at Qwen3-8B shapes: plain decoding's step s, a
+   verify round of b + 1 tokens c_verify(b) and a block drafter's round c_draft(b) in units of s, for b = 4 / 8 / 16
+   (a random drafter shaped as DFlash's for Qwen3-8B: 5 layers at the verifier's width, reading its layers 1, 9, 17,
+   25, 33), each inside the compiled verify loop (launch/bench/spec_cost.py). A drafter's measured tau then gives
+   this device's speed-up: tau / (c_verify(b) + c_draft(b)); `break_even_tau` is the tau that pays for a round.
+6. ttft: time to first token at 1K-16K tokens of the split path (a 32B-shaped source prefills, a random rank-256 +
    16 map translates, the 8B-shaped target runs the last token) against the 8B's and the 32B's own prefill.
 
 Goals (speed issue): decode >= 70% of the HBM roofline at batch 1, map-and-insert >= 70% of copy bandwidth.
@@ -183,7 +188,38 @@ def decode_section(args, target, copy_bps: float) -> list[dict]:
     return rows
 
 
-# ---- 5. time to first token of the split path ----------------------------------------------------------------------
+# ---- 5. the speculative cost model's parts -------------------------------------------------------------------------
+
+DFLASH_QWEN3_8B = dict(num_layers=5, feature_layers=(1, 9, 17, 25, 33))  # DFlash's published Qwen3-8B drafter shape
+
+
+def speculative_section(args, target) -> list[dict]:
+    from kvjax.drafter import block_drafter, drafter_config, init_drafter
+    from launch.bench.spec_cost import Runs, measure_parts
+    cfg = target.cfg
+    shape = dict(num_layers=1, feature_layers=None) if args.smoke else DFLASH_QWEN3_8B
+    dcfg = drafter_config(cfg, num_layers=shape["num_layers"], feature_layers=shape["feature_layers"],
+                          block_sizes=tuple(args.spec_blocks))
+    dtype = target.params.embed.dtype
+    dparams = jax.tree.map(lambda x: x.astype(dtype), init_drafter(dcfg, jax.random.key(5)))
+    parts = {f"block-{b}": block_drafter(target, dcfg, dparams, draft_len=b) for b in args.spec_blocks}
+    prompt = np.asarray(jax.random.randint(jax.random.key(9), (args.context,), 0, cfg.vocab_size)).tolist()
+    runs = Runs(target, prompt, args.spec_tokens, max(args.spec_blocks))
+    costs = measure_parts(runs, parts, args.spec_repeats, cfg.vocab_size, variable=False)
+    s = costs["step"]
+    rows = []
+    for b in args.spec_blocks:
+        cv, cd = costs["verify"]["fixed"][b][b + 1] / s, costs["draft"][f"block-{b}"] / s
+        row = {"block": b, "context": args.context, "step_ms": s * 1e3, "c_verify": cv, "c_draft": cd,
+               "break_even_tau": cv + cd, "drafter_layers": dcfg.num_layers,
+               "feature_layers": list(dcfg.feature_layers)}
+        rows.append(row)
+        print(f"speculative b={b:2d} at context {args.context}: step {s * 1e3:.3f} ms, c_verify {cv:.2f}, c_draft "
+              f"{cd:.2f} steps: speed-up = tau / {cv + cd:.2f}")
+    return rows
+
+
+# ---- 6. time to first token of the split path ----------------------------------------------------------------------
 
 def random_kvmap(source_cfg, target_cfg, rank: int, residual: int):
     from launch.bench.kernel import random_maps
@@ -251,6 +287,9 @@ def table(result: dict) -> str:
         lines.append(f"| decode batch {r['batch']} ctx {r['context']}{' keys transposed' * r['keys_transposed']} | "
                      f"{r['tokens_per_s']:.1f} tok/s, "
                      f"{100 * r['roofline_frac']:.0f}% of HBM roofline |")
+    for r in result.get("speculative", []) if isinstance(result.get("speculative"), list) else []:
+        lines.append(f"| speculative b={r['block']} ctx {r['context']} | c_verify {r['c_verify']:.2f} + c_draft "
+                     f"{r['c_draft']:.2f} steps of {r['step_ms']:.2f} ms: speed-up = tau / {r['break_even_tau']:.2f} |")
     for r in result.get("ttft", []) if isinstance(result.get("ttft"), list) else []:
         if "skipped" in r:
             lines.append(f"| ttft {r['tokens']} | skipped ({r['skipped']}) |")
@@ -292,9 +331,10 @@ def run(args) -> dict:
     section("kernel", lambda: kernel_section(args), 60)
     dtype = jnp.float32 if args.smoke else jnp.bfloat16
     models = {}
-    if {"decode", "ttft"} & set(args.sections):
+    if {"decode", "speculative", "ttft"} & set(args.sections):
         models["target"] = random_model(TINY_TARGET if args.smoke else QWEN3_8B, 1, dtype)
     section("decode", lambda: decode_section(args, models["target"], copy_bps), 60)
+    section("speculative", lambda: speculative_section(args, models["target"]), 90)
     if "ttft" in args.sections and budget.left() >= args.reserve:
         models["source"] = random_model(TINY_SOURCE if args.smoke else QWEN3_32B, 0, dtype)
     section("ttft", lambda: ttft_section(args, models["source"], models["target"], budget), args.reserve)
@@ -307,7 +347,7 @@ def run(args) -> dict:
     return result
 
 
-SECTIONS = ("device", "parity", "kernel", "decode", "ttft")
+SECTIONS = ("device", "parity", "kernel", "decode", "speculative", "ttft")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -323,12 +363,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--decode-steps", type=int, default=32)
+    p.add_argument("--spec-blocks", type=int, nargs="+", default=[4, 8, 16])
+    p.add_argument("--spec-tokens", type=int, default=32, help="tokens per timed verify loop")
+    p.add_argument("--spec-repeats", type=int, default=3)
     p.add_argument("--ttft-lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--ttft-repeats", type=int, default=3)
     p.add_argument("--rank", type=int, default=256)
     args = p.parse_args(argv)
     if args.smoke:  # CPU-sized everything; the parity run is one quick test (CI runs the whole file anyway)
         args.kernel_lengths, args.context, args.decode_steps = [48], 64, 4
+        args.spec_blocks, args.spec_tokens, args.spec_repeats = [2, 4], 6, 1
         args.batches, args.ttft_lengths, args.ttft_repeats, args.reserve = [1, 4], [64], 1, 0.0
         if args.parity_tests == ["tests/test_parity.py"]:
             args.parity_tests = ["tests/test_parity.py::test_fp32_loading_of_bf16_checkpoint_upcasts"]

@@ -1,0 +1,115 @@
+"""The combined drafter: prompt lookup where the text repeats, a model drafter everywhere else, chosen per round and
+per row.
+
+Prompt lookup (kvjax.speculative.lookup) is sure when the context's last few tokens occurred before: what followed
+them then is often what follows now, and a copied draft is accepted for long stretches (code, quotes, loops). Where
+nothing recurs it proposes nothing, and the round is a plain decode step. A model drafter (the block drafter,
+kvjax.drafter) always proposes, with a modest acceptance. Each round, each row takes lookup's draft when its matched
+n-gram is at least `min_match` tokens long, and the model drafter's draft otherwise; when every row takes lookup's,
+the model drafter does not run at all that round (its forward is skipped, not masked), so a round of repeated text
+costs what a lookup round costs.
+
+Exactness. The choice depends only on the context (the matched n-gram length), never on what either drafter draws,
+so each row's drafts are drawn from the distribution q handed to the verify loop: lookup's one-hot for its rows, the
+model drafter's for the others; the loop's rejection rule then keeps the verifier's distribution, and greedy output
+is the verifier's own greedy decode (tests/test_speculative.py checks both).
+
+The model drafter must draft from a state that follows the verifier, not its own drafts: its `propose` leaves its
+state unchanged and its `commit` reads the round's emitted tokens and the verifier's features (the block drafter
+does). A plain draft model (ModelDrafter) runs its drafts through its own cache in `propose`, so a round whose
+lookup draft was taken would leave that cache holding tokens that were never emitted: it is refused.
+
+    drafter = combined(load_block_drafter("checkpoints/toy/drafter", source, draft_len=16), source.cfg.vocab_size)
+    tokens, stats = kvjax.speculative_generate(source, drafter, prompts, 128, return_stats=True)
+    stats.widths, stats.drafter["model_rounds"]  # rounds per verify width; rounds that ran the block drafter
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from kvjax.speculative.draft import ModelDrafter
+from kvjax.speculative.lookup import LookupDrafter
+
+
+@struct.dataclass
+class CombinedState:
+    model: object  # the model drafter's state
+    lookup: object  # LookupState
+    model_rounds: jax.Array  # int32 scalar: rounds in which the model drafter ran (some row took its draft)
+    lookup_rows: jax.Array  # [B] int32: rounds in which each row took lookup's draft
+
+
+@struct.dataclass
+class CombinedDrafter:
+    """Lookup's draft for rows whose context's last n-gram (n >= min_match) recurs, `model`'s for the others."""
+
+    model: object  # a drafter object whose propose leaves its state unchanged (e.g. kvjax.drafter.BlockDrafter)
+    lookup: LookupDrafter
+    min_match: int = struct.field(pytree_node=False, default=2)
+    variable_length: bool = struct.field(pytree_node=False, default=True)
+
+    @property
+    def draft_len(self) -> int:
+        return self.model.draft_len
+
+    @property
+    def feature_layers(self) -> tuple:
+        return tuple(self.model.feature_layers)
+
+    def start(self, tokens, lengths, capacity: int, features=None) -> CombinedState:
+        b = len(lengths)
+        return CombinedState(model=self.model.start(tokens, lengths, capacity, features),
+                             lookup=self.lookup.start(tokens, lengths, capacity),
+                             model_rounds=jnp.zeros((), jnp.int32), lookup_rows=jnp.zeros((b,), jnp.int32))
+
+    def propose(self, state: CombinedState, last, key, sampling):
+        b, g, vocab = last.shape[0], self.draft_len, self.lookup.vocab_size
+        greedy = sampling.temperature == 0.0
+        l_drafts, n, l_state = self.lookup.match(state.lookup, last)
+        use_lookup = n >= self.min_match  # [B]: depends on the context only (see the module docstring)
+        everyone_copies = jnp.all(use_lookup)
+
+        def run(_):  # the model drafter's drafts (and q when sampling); its state is unchanged by propose
+            drafts, q, _ = self.model.propose(state.model, last, key, sampling)
+            return (drafts.astype(jnp.int32),) + (() if greedy else (q,))
+
+        def skip(_):  # every row copies: the model drafter's forward is not run this round
+            return (jnp.zeros((b, g), jnp.int32),) + (() if greedy else (jnp.zeros((b, g, vocab), jnp.float32),))
+
+        model = jax.lax.cond(everyone_copies, skip, run, None)
+        drafts = jnp.where(use_lookup[:, None], l_drafts, model[0])
+        q = None
+        if not greedy:  # lookup's q is one-hot (zeros where it drafted nothing, -1)
+            q = jnp.where(use_lookup[:, None, None], jax.nn.one_hot(l_drafts, vocab, dtype=jnp.float32), model[1])
+        state = state.replace(lookup=l_state, model_rounds=state.model_rounds + (~everyone_copies).astype(jnp.int32),
+                              lookup_rows=state.lookup_rows + use_lookup.astype(jnp.int32))
+        return drafts, q, state
+
+    def counters(self, state: CombinedState) -> dict:
+        """model_rounds: rounds that ran the model drafter; lookup_rows [B]: rounds each row took lookup's draft."""
+        return {"model_rounds": state.model_rounds, "lookup_rows": state.lookup_rows}
+
+    def commit(self, state: CombinedState, tokens, n_new, features=None) -> CombinedState:
+        return state.replace(model=self.model.commit(state.model, tokens, n_new, features),
+                             lookup=self.lookup.commit(state.lookup, tokens, n_new))
+
+
+def combined(model_drafter, vocab_size: int, *, min_match: int = 2, max_ngram: int = 3) -> CombinedDrafter:
+    """A CombinedDrafter of `model_drafter` (e.g. kvjax.drafter.load_block_drafter(...)) and prompt lookup at the same
+    draft length; `min_match`: the shortest recurring n-gram whose copy is preferred (1..max_ngram)."""
+    if isinstance(model_drafter, ModelDrafter):
+        raise ValueError("a plain draft model (ModelDrafter) keeps its own drafts in its cache, so it cannot share "
+                         "rounds with prompt lookup; combine a drafter whose state follows the verifier (the block "
+                         "drafter, kvjax.drafter.load_block_drafter)")
+    missing = [m for m in ("draft_len", "feature_layers", "start", "propose", "commit") if not hasattr(model_drafter, m)]
+    if missing:
+        raise TypeError(f"model_drafter must be a drafter object (kvjax.speculative.loop); "
+                        f"{type(model_drafter).__name__} lacks {', '.join(missing)}")
+    if not 1 <= int(min_match) <= int(max_ngram):
+        raise ValueError(f"min_match must be in 1..max_ngram={max_ngram}, got {min_match}")
+    lookup = LookupDrafter(vocab_size=int(vocab_size), draft_len=int(model_drafter.draft_len),
+                           max_ngram=int(max_ngram), min_ngram=1)
+    return CombinedDrafter(model=model_drafter, lookup=lookup, min_match=int(min_match))

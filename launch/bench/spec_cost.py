@@ -1,0 +1,403 @@
+"""Speculative decoding priced part by part (kvjax.speculative.cost): each drafter's tau and verify widths on held-out
+prompts, the cost of every part measured inside the verify loop, the speed-up those predict, and the speed-up
+measured on the same runs, side by side in one process.
+
+    python -m launch.bench.spec_cost --out runs/spec_cost.json                # 2 sets x 12 prompts, b = 4 / 8 / 16
+    python -m launch.bench.spec_cost --prompts 100 --repeats 0               # exactness and tau only (200 prompts)
+    python -m launch.bench.spec_cost --smoke                                  # tiny random models (the tests)
+
+Verifier: the toy source. Drafters: prompt lookup (`lookup-b`), the block drafter (`block-b`, checkpoints/toy/drafter)
+and the two combined (`combined-b`: lookup's draft where the context's last n-gram of >= --min-match tokens recurs,
+the block drafter's elsewhere; kvjax.speculative.combined), at each --blocks b. Prompt sets, none seen in any
+training: `windows` (the first --prompt-len tokens of checkpoints/toy/eval/heldout_windows.npy rows, the corpus's
+held-out split) and `code` (numpy's own Python sources, from outside the toy corpus, tokenized with the toy tokenizer:
+--prompt-len tokens from the start of each file, files in sorted order).
+
+Per prompt every drafter decodes --new tokens greedily (EOS off) and is compared token for token with kvjax.generate;
+its Stats give tau, the verify widths and (combined) the rounds that ran the block drafter. Then, --repeats times in
+a rotating order, the decode phase alone is timed (the verify loop from a prefilled cache, and plain decoding's
+compiled loop, kvjax.generation.decode_from): measured speed-up = T_plain / T_spec.
+
+The parts, on the set's first prompt (the contexts of a set have one length), each inside the loop itself: s = plain
+decoding's step; v(t) = a round at width t with a drafter that costs nothing (NullDrafter; the fixed-length path at
+b + 1 and the variable-length path at every width 1 .. max b + 1); d = what each drafting part adds to a round
+(Ignored(drafter) - v(b + 1)). Each is kept in units of s measured beside it, and each prompt's prediction is
+priced at that prompt's own plain step (timed beside its drafters), so machine drift between the two phases
+cancels: predicted T_spec = s_prompt * (sum_t w[t] c_verify(t) + sum_k n_k c_draft_k) (kvjax.speculative.cost),
+predicted speed-up = sum T_plain / sum predicted T_spec over a set's prompts, and the prediction error = measured /
+predicted - 1.
+--cpu pins the process (and XLA's thread pool) to those CPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+SETS = ("windows", "code")
+
+
+def code_prompts(tok, n: int, length: int) -> list[list[int]]:
+    """numpy's .py files in sorted order, the first `length` tokens of each that has that many."""
+    import numpy
+    root = os.path.dirname(numpy.__file__)
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".py"))
+    out = []
+    for path in files:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            ids = tok.encode(fh.read()).ids
+        if len(ids) >= length:
+            out.append(ids[:length])
+        if len(out) == n:
+            break
+    return out
+
+
+class Runs:
+    """One prompt's prefilled caches and the compiled loops that decode from them (greedy only, EOS off)."""
+
+    def __init__(self, verifier, prompt: list[int], new_tokens: int, max_draft_len: int):
+        import jax
+        import jax.numpy as jnp
+
+        from kvjax.builders import NativePrefill
+        from kvjax.generation import Sampling, aligned
+        from kvjax.models.decoder import decode_jit
+        from kvjax.models.model import as_model
+        from kvjax.speculative.api import loop_verifier
+        self.model = as_model(verifier)
+        cfg, params = self.model
+        self.looped = loop_verifier(self.model)
+        self.tokens = np.asarray(prompt, np.int32)[None]
+        n = self.tokens.shape[1]
+        self.new = int(new_tokens)
+        self.pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+        self.prefill = NativePrefill(self.model)
+        self.prefix, self.plen = jnp.asarray(self.tokens[:, :-1]), jnp.asarray([n - 1], jnp.int32)
+        self.last = jnp.asarray(self.tokens[:, -1])
+        self.key = jax.random.key(0)
+        self.sampling = Sampling()
+        # plain decoding as kvjax.generate_from runs it: the prompt but its last token, that token's step, the loop
+        cache = self.prefill(self.prefix, self.plen, capacity=aligned(n + self.new))
+        logits, cache = decode_jit(params, cfg, self.last, cache)
+        self.plain_args = (params, cfg, cache, logits, self.key, self.new, self.sampling, (), self.pad)
+        self.capacity = aligned(n + self.new + max_draft_len + 1)
+        self.caches, self.states = {}, {}
+
+    def reference(self) -> np.ndarray:
+        import kvjax
+        cfg, params = self.model
+        return np.asarray(kvjax.generate(params, cfg, self.tokens, self.new, eos_token_ids=()))[0]
+
+    def plain(self):
+        from kvjax.generation.loop import decode_from
+        return decode_from(*self.plain_args)
+
+    def spec(self, drafter):
+        """(tokens [1, N], counters) of the verify loop with `drafter` (its start state made once and kept)."""
+        from kvjax.speculative.loop import run_loop
+        layers = tuple(drafter.feature_layers)
+        if layers not in self.caches:
+            if layers:
+                self.caches[layers] = self.prefill.with_features(self.prefix, self.plen, layers=layers,
+                                                                 capacity=self.capacity)
+            else:
+                self.caches[layers] = (self.prefill(self.prefix, self.plen, capacity=self.capacity), None)
+        cache, feats = self.caches[layers]
+        if id(drafter) not in self.states:
+            self.states[id(drafter)] = (drafter, drafter.start(self.prefix, self.plen, self.capacity, feats))
+        state = self.states[id(drafter)][1]
+        return run_loop(self.looped, drafter, cache, state, self.last, self.key, self.new, self.sampling, (), self.pad)
+
+
+def timed(fns: dict, repeats: int) -> dict:
+    """Seconds of each callable (compiled beforehand by the caller) per repeat: `repeats` rounds over all of them
+    in a rotating order (neighbours in `fns` stay neighbours, so their per-repeat differences are paired)."""
+    import jax
+    names, times = list(fns), {k: [] for k in fns}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            t0 = time.perf_counter()
+            jax.block_until_ready(fns[name]())
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def measure_parts(runs: Runs, parts: dict, repeats: int, vocab: int, variable: bool = True) -> dict:
+    """Seconds of: a plain step; a null round per (path, draft length g, width t); each drafting part's addition to
+    a round; and the variable path's mixing factor per g (kvjax.speculative.cost). parts: part name -> the drafter
+    object that is that part alone (e.g. "block-16" -> the block drafter at b = 16, "lookup-16" ->
+    LookupDrafter(16)). Widths measured: the fixed path at t = g + 1 for every fixed-length part, and (with
+    `variable`) the variable path at t = 1 .. g + 1 for every variable-length part's g (one compiled loop per g: the
+    width is an input). A part's addition is the median over repeats of (its Ignored round - the null round at its
+    full width), each pair timed back to back. Returns {"step": s, "verify": {path: {g: {t: s}}}, "draft": {part:
+    s}, "mixing": {g: m}}."""
+    import jax.numpy as jnp
+
+    from kvjax.speculative.cost import Ignored, NullDrafter
+    from kvjax.speculative.loop import stats_of
+    nulls, mixes = {}, {}
+    for p in parts.values():
+        g = p.draft_len
+        if getattr(p, "variable_length", False):
+            if variable:
+                nulls.update({("variable", g, t): NullDrafter(vocab, draft_len=g, width=jnp.int32(t),
+                                                              variable_length=True) for t in range(1, g + 2)})
+                schedule = np.random.default_rng(g).integers(1, g + 2, runs.new).astype(np.int32)
+                mixes[g] = NullDrafter(vocab, draft_len=g, width=jnp.asarray(schedule), variable_length=True)
+        else:
+            nulls[("fixed", g, g + 1)] = NullDrafter(vocab, draft_len=g, width=g + 1)
+    ignored = {name: Ignored(p, vocab) for name, p in parts.items()
+               if variable or not getattr(p, "variable_length", False)}
+    fns = {"plain": runs.plain}
+    for key, d in nulls.items():
+        fns[("null",) + key] = lambda d=d: runs.spec(d)[0]
+        for name, ig in ignored.items():  # each part right after the null round it is compared with
+            if (path_of(ig), ig.draft_len, ig.draft_len + 1) == key:
+                fns[("ignored", name)] = lambda d=ig: runs.spec(d)[0]
+    fns.update({("mix", g): (lambda d=d: runs.spec(d)[0]) for g, d in mixes.items()})
+    rounds = {}
+    for name in fns:  # compile, and count the rounds each ran
+        if name == "plain":
+            runs.plain()
+            continue
+        d = {"null": lambda: nulls[name[1:]], "ignored": lambda: ignored[name[1]], "mix": lambda: mixes[name[1]]}
+        d = d[name[0]]()
+        rounds[name] = int(np.sum(stats_of(runs.spec(d)[1], d.draft_len).widths))
+    times = timed(fns, repeats)
+    secs = {k: statistics.median(v) for k, v in times.items()}
+    verify = {"fixed": {}, "variable": {}}
+    for (path, g, t) in nulls:
+        verify[path].setdefault(g, {})[t] = secs[("null", path, g, t)] / rounds[("null", path, g, t)]
+    draft = {}
+    for name, p in ignored.items():
+        g = p.draft_len
+        null = ("null", path_of(p), g, g + 1)
+        draft[name] = statistics.median(a / rounds[("ignored", name)] - b / rounds[null]
+                                        for a, b in zip(times[("ignored", name)], times[null]))
+    mixing = {}
+    for g, d in mixes.items():
+        sched = np.resize(np.asarray(d.width), rounds[("mix", g)])  # round r ran width[r % len]
+        mixing[g] = secs[("mix", g)] / sum(verify["variable"][g][int(t)] for t in sched)
+    return {"step": secs["plain"] / (runs.new - 1),  # plain decoding's loop: N - 1 steps after the first token's
+            "verify": verify, "draft": draft, "mixing": mixing}
+
+
+def path_of(drafter) -> str:
+    return "variable" if getattr(drafter, "variable_length", False) else "fixed"
+
+
+def mixing_of(costs: dict, drafter) -> float:
+    """The mixing factor m that applies to `drafter`'s runs: its draft length's on the variable path, else 1."""
+    return costs["mixing"][drafter.draft_len] if path_of(drafter) == "variable" else 1.0
+
+
+def make_drafters(args, source):
+    from kvjax.speculative import LookupDrafter, combined
+    vocab = source.cfg.vocab_size
+    if args.smoke:
+        from kvjax.drafter import block_drafter, drafter_config, init_drafter
+        dcfg = drafter_config(source.cfg, num_layers=1, block_sizes=tuple(args.blocks))
+        dparams = init_drafter(dcfg, __import__("jax").random.key(3), target_params=source.params)
+        blocks = {b: block_drafter(source, dcfg, dparams, draft_len=b) for b in args.blocks}
+    else:
+        from kvjax.drafter import load_block_drafter
+        blocks = {b: load_block_drafter(args.drafter, source, draft_len=b) for b in args.blocks}
+    drafters, parts, calls = {}, {}, {}
+    for b in args.blocks:
+        lookup = LookupDrafter(vocab, draft_len=b)
+        drafters[f"lookup-{b}"], parts[f"lookup-{b}"] = lookup, lookup
+        drafters[f"block-{b}"], parts[f"block-{b}"] = blocks[b], blocks[b]
+        drafters[f"combined-{b}"] = combined(blocks[b], vocab, min_match=args.min_match)
+        calls[f"lookup-{b}"] = lambda st, b=b: {f"lookup-{b}": st.widths.sum()}
+        calls[f"block-{b}"] = lambda st, b=b: {f"block-{b}": st.widths.sum()}
+        calls[f"combined-{b}"] = lambda st, b=b: {f"lookup-{b}": st.widths.sum(),
+                                                  f"block-{b}": int(st.drafter["model_rounds"])}
+    return drafters, parts, calls
+
+
+def run_set(args, source, prompts, drafters, parts, calls) -> dict:
+    from kvjax.speculative.cost import predict_seconds
+    from kvjax.speculative.loop import stats_of
+    max_b = max(args.blocks)
+    vocab = source.cfg.vocab_size
+    costs = None
+    if args.repeats:
+        costs = measure_parts(Runs(source, prompts[0], args.new, max_b), parts, args.repeats, vocab)
+        s = costs["step"]
+        steps = {"verify": {path: {g: {t: v / s for t, v in c.items()} for g, c in per_g.items()}
+                            for path, per_g in costs["verify"].items()},
+                 "draft": {k: v / s for k, v in costs["draft"].items()}}
+    per = {name: {"identical": 0, "prompts": 0, "accepted": 0, "rounds": 0, "t_spec": 0.0, "t_plain": 0.0,
+                  "t_pred": 0.0, "widths": np.zeros(max_b + 2, np.int64), "calls": {}} for name in drafters}
+    t0 = time.time()
+    for i, prompt in enumerate(prompts):
+        runs = Runs(source, prompt, args.new, max_b)
+        want = runs.reference()
+        stats = {}
+        for name, d in drafters.items():
+            out, counters = runs.spec(d)
+            st = stats_of(counters, d.draft_len)
+            stats[name] = st
+            r = per[name]
+            r["identical"] += int(np.array_equal(np.asarray(out)[0], want))
+            r["prompts"] += 1
+            r["accepted"] += int(st.accepted.sum())
+            r["rounds"] += int(st.rounds.sum())
+            r["widths"][: len(st.widths)] += np.asarray(st.widths)
+            for k, n in calls[name](st).items():
+                r["calls"][k] = r["calls"].get(k, 0) + int(n)
+        if args.repeats:
+            runs.plain()  # compiled (the drafters' loops are, above)
+            fns = {"plain": runs.plain, **{name: (lambda d=d: runs.spec(d)[0]) for name, d in drafters.items()}}
+            secs = {k: statistics.median(v) for k, v in timed(fns, args.repeats).items()}
+            step = secs["plain"] / (args.new - 1)  # this prompt's plain step, timed beside its drafters
+            for name, d in drafters.items():
+                r = per[name]
+                r["t_spec"] += secs[name]
+                r["t_plain"] += step * args.new  # N tokens at plain decoding's step rate
+                # the parts are priced in plain steps (measured beside them), so a machine that ran faster or slower
+                # while they were measured than while this prompt was does not move the prediction
+                r["t_pred"] += step * predict_seconds(stats[name].widths, steps["verify"][path_of(d)][d.draft_len],
+                                                      calls[name](stats[name]), steps["draft"], mixing_of(costs, d))
+        print(f"  [{time.time() - t0:.0f}s] prompt {i + 1}/{len(prompts)}", flush=True)
+    out = {"costs": None, "drafters": {}}
+    if costs:
+        s = costs["step"]
+        out["costs"] = {"step_ms": s * 1e3,
+                        "c_verify": {path: {str(g): {str(t): v / s for t, v in sorted(c.items())}
+                                            for g, c in sorted(per_g.items())}
+                                     for path, per_g in costs["verify"].items()},
+                        "c_draft": {k: v / s for k, v in costs["draft"].items()},
+                        "mixing": {str(g): m for g, m in sorted(costs["mixing"].items())}}
+    for name, r in per.items():
+        row = {"identical": r["identical"], "prompts": r["prompts"],
+               "tau": (r["accepted"] + r["rounds"]) / max(r["rounds"], 1), "rounds": r["rounds"],
+               "widths": r["widths"].tolist(), "calls": r["calls"]}
+        if costs:
+            s = costs["step"]
+            d = drafters[name]
+            path = costs["verify"][path_of(d)][d.draft_len]
+            row["c_verify_mean"] = (mixing_of(costs, d) * sum(w * path[t] for t, w in enumerate(r["widths"]) if w)
+                                    / r["rounds"] / s)
+            row["c_draft_per_round"] = sum(n * costs["draft"][k] for k, n in r["calls"].items()) / r["rounds"] / s
+            row["predicted_speedup"] = r["t_plain"] / r["t_pred"]
+            row["measured_speedup"] = r["t_plain"] / r["t_spec"]
+            row["error"] = row["measured_speedup"] / row["predicted_speedup"] - 1
+        out["drafters"][name] = row
+    return out
+
+
+def table(result: dict) -> str:
+    lines = []
+    for set_name, res in result["sets"].items():
+        timed_ = res["costs"] is not None
+        lines.append(f"\n{set_name}: {next(iter(res['drafters'].values()))['prompts']} prompts"
+                     + (f", plain step {res['costs']['step_ms']:.2f} ms" if timed_ else ""))
+        head = "| drafter | identical | tau |"
+        if timed_:
+            head += " c_verify (mean) | c_draft | predicted | measured | error |"
+        lines += [head, "|---" * (head.count("|") - 1) + "|"]
+        for name, r in res["drafters"].items():
+            line = f"| {name} | {r['identical']}/{r['prompts']} | {r['tau']:.2f} |"
+            if timed_:
+                line += (f" {r['c_verify_mean']:.2f} | {r['c_draft_per_round']:.2f} | {r['predicted_speedup']:.2f}x |"
+                         f" {r['measured_speedup']:.2f}x | {100 * r['error']:+.1f}% |")
+            lines.append(line)
+        if timed_:
+            lines.append("mixing factor m (variable path), by draft length: "
+                         + " ".join(f"{g}:{m:.3f}" for g, m in res["costs"]["mixing"].items()))
+            for path, per_g in res["costs"]["c_verify"].items():
+                for g, c in per_g.items():
+                    lines.append(f"c_verify(t), {path} path, draft length {g}: "
+                                 + " ".join(f"{t}:{v:.2f}" for t, v in c.items()))
+    return "\n".join(lines)
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--source", default="checkpoints/toy/source")
+    p.add_argument("--drafter", default="checkpoints/toy/drafter")
+    p.add_argument("--eval-dir", default="checkpoints/toy/eval")
+    p.add_argument("--sets", nargs="+", default=list(SETS), choices=SETS)
+    p.add_argument("--prompts", type=int, default=12, help="prompts per set")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new", type=int, default=128, help="new tokens per prompt")
+    p.add_argument("--blocks", type=int, nargs="+", default=[4, 8, 16])
+    p.add_argument("--min-match", type=int, default=2, help="combined: the shortest recurring n-gram lookup copies")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats (0: exactness and tau only)")
+    p.add_argument("--cpu", default="", help="pin to these CPUs, e.g. 1 or 0,1")
+    p.add_argument("--smoke", action="store_true", help="tiny random models, 2 prompts of 24 tokens, 12 new tokens")
+    p.add_argument("--out", default="", help="write the results as JSON here")
+    args = p.parse_args(argv)
+    if any(b < 1 for b in args.blocks) or args.prompts < 1 or args.new < 2 or args.repeats < 0:
+        p.error("--blocks must be >= 1, --prompts >= 1, --new >= 2 and --repeats >= 0")
+    if args.smoke:
+        args.prompts, args.prompt_len, args.new, args.repeats = 2, 24, 12, 1
+    return args
+
+
+def smoke_setup(args):
+    import jax
+
+    import kvjax
+    cfg = kvjax.Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+                            num_kv_heads=2, head_dim=16, eos_token_ids=(), pad_token_id=0)
+    source = kvjax.Model(cfg, kvjax.init_params(cfg, jax.random.key(0)))
+    rng = np.random.default_rng(0)
+    motif = rng.integers(1, 256, 6).tolist()  # a repeated motif, so lookup has something to copy
+    prompts = [(motif * 5)[: args.prompt_len], rng.integers(1, 256, args.prompt_len).tolist()]
+    return source, {s: prompts for s in args.sets}
+
+
+def main(argv=None) -> dict:
+    args = parse(argv)
+    if args.cpu:
+        os.sched_setaffinity(0, {int(c) for c in args.cpu.split(",")})  # before JAX sizes its thread pool
+    if not args.smoke:
+        for path in (args.source, args.drafter, args.eval_dir):
+            if not os.path.isdir(path):
+                sys.exit(f"launch.bench.spec_cost: {path} is not a directory; run from the repository root "
+                         "(the toy checkpoints ship in checkpoints/toy)")
+    from kvjax import allocator
+    applied = allocator.tune()  # as kvjax's programs run (kvjax.allocator); before XLA starts its threads
+    if args.smoke:
+        source, sets = smoke_setup(args)
+    else:
+        from kvjax.hf import load_hf, load_tokenizer
+        source = load_hf(args.source)
+        tok = load_tokenizer(args.source)
+        sets = {}
+        if "windows" in args.sets:
+            windows = np.load(os.path.join(args.eval_dir, "heldout_windows.npy"))
+            sets["windows"] = [w[: args.prompt_len].astype(int).tolist() for w in windows[: args.prompts]]
+        if "code" in args.sets:
+            sets["code"] = code_prompts(tok, args.prompts, args.prompt_len)
+    drafters, parts, calls = make_drafters(args, source)
+    result = {"args": vars(args), "allocator": applied, "load": os.getloadavg(), "sets": {}}
+    t0 = time.time()
+    for name, prompts in sets.items():
+        print(f"[{time.time() - t0:.0f}s] set {name}: {len(prompts)} prompts", flush=True)
+        result["sets"][name] = run_set(args, source, prompts, drafters, parts, calls)
+        if args.out:  # after every set: an interrupted run keeps what it measured
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+    result["seconds"] = time.time() - t0
+    result["table"] = table(result)
+    print(result["table"])
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    from kvjax import allocator
+    allocator.reexec()  # huge pages, as the main job and the server run (kvjax.allocator says why)
+    main()

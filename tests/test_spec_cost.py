@@ -1,0 +1,90 @@
+"""The cost model of speculative decoding (kvjax.speculative.cost): its drafters measure what they claim (a null
+round verifies exactly t tokens and emits the verifier's greedy tokens; an ignored drafter drafts but is never
+accepted), the prediction is the formula, and the benchmark that prices the toy's drafters runs end to end."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.speculative import LookupDrafter, speculative_generate
+from kvjax.speculative.cost import Ignored, NullDrafter, predict_seconds, speedup
+from maptools import VOCAB, tiny_pair
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    return kvjax.Model(*tiny_pair()[0])
+
+
+def test_null_rounds_verify_t_tokens_and_emit_the_greedy_decode(verifier):
+    prompts = [[5, 9, 2, 7, 1], [3, 3, 8]]
+    want = np.asarray(kvjax.generate(verifier.params, verifier.cfg, prompts, 9, eos_token_ids=()))
+    for width, variable in ((1, True), (3, True), (5, True), (5, False)):
+        d = NullDrafter(VOCAB, draft_len=4, width=width, variable_length=variable)
+        got, stats = speculative_generate(verifier, d, prompts, 9, eos_token_ids=(), return_stats=True)
+        np.testing.assert_array_equal(np.asarray(got), want)
+        assert stats.widths[width] == int(np.sum(stats.widths)) == stats.rounds.max()  # every round at width t
+    schedule = NullDrafter(VOCAB, draft_len=4, width=jnp.asarray([1, 3, 5], jnp.int32), variable_length=True)
+    got, stats = speculative_generate(verifier, schedule, prompts, 9, eos_token_ids=(), return_stats=True)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert stats.widths.tolist() == [0, 3, 0, 3, 0, 3]  # round r at width [1, 3, 5][r % 3]
+    with pytest.raises(ValueError, match="variable_length=True"):
+        NullDrafter(VOCAB, draft_len=4, width=2)
+    with pytest.raises(ValueError, match="width"):
+        NullDrafter(VOCAB, draft_len=4, width=6, variable_length=True)
+
+
+def test_an_ignored_drafter_drafts_at_full_width_and_is_never_accepted(verifier):
+    phrase = [4, 8, 15, 16, 23, 42]
+    prompts = [phrase * 3]
+    want = np.asarray(kvjax.generate(verifier.params, verifier.cfg, prompts, 12, eos_token_ids=()))
+    lookup = LookupDrafter(VOCAB, draft_len=3)
+    _, real = speculative_generate(verifier, lookup, prompts, 12, eos_token_ids=(), return_stats=True)
+    got, stats = speculative_generate(verifier, Ignored(lookup, VOCAB), prompts, 12, eos_token_ids=(),
+                                      return_stats=True)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert real.accepted.sum() > 0 and stats.accepted.sum() == 0  # the same drafter, its drafts withheld
+    assert stats.widths[4] == int(np.sum(stats.widths)) == 12  # one token a round, always verified at full width
+
+
+def test_the_prediction_is_the_formula():
+    widths = [0, 3, 0, 5]  # 3 rounds at t = 1, 5 at t = 3
+    got = predict_seconds(widths, {1: 0.010, 3: 0.030, 2: 9.0}, {"block": 4, "lookup": 8},
+                          {"block": 0.002, "lookup": 0.0005})
+    assert got == pytest.approx(3 * 0.010 + 5 * 0.030 + 4 * 0.002 + 8 * 0.0005, rel=1e-12)
+    assert speedup(3.0, 1.2, 0.3) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match=r"width\(s\) \[3\]"):
+        predict_seconds(widths, {1: 0.01}, {}, {})
+    with pytest.raises(ValueError, match="block"):
+        predict_seconds(widths, {1: 0.01, 3: 0.03}, {"block": 1}, {})
+
+
+def test_benchmark_smoke(tmp_path):
+    """launch.bench.spec_cost on tiny random models: every drafter token-identical, its predicted speed-up the
+    formula over the costs and widths it wrote, the measured one from the timings (the numbers are machine noise)."""
+    from launch.bench import spec_cost
+    out = tmp_path / "spec_cost.json"
+    result = spec_cost.main(["--smoke", "--blocks", "2", "--sets", "windows", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    res = saved["sets"]["windows"]
+    assert set(res["drafters"]) == {"lookup-2", "block-2", "combined-2"}
+    costs = res["costs"]
+    assert set(costs["c_verify"]["variable"]["2"]) == {"1", "2", "3"} and set(costs["c_verify"]["fixed"]["2"]) == {"3"}
+    assert set(costs["mixing"]) == {"2"} and costs["mixing"]["2"] > 0
+    for name, r in res["drafters"].items():
+        assert r["identical"] == r["prompts"] == 2, name
+        assert sum(r["widths"]) == r["rounds"] and r["tau"] >= 1
+        variable = name != "block-2"
+        path = costs["c_verify"]["variable" if variable else "fixed"]["2"]
+        m = costs["mixing"]["2"] if variable else 1.0
+        mean = m * sum(w * path[str(t)] for t, w in enumerate(r["widths"]) if w) / r["rounds"]
+        assert r["c_verify_mean"] == pytest.approx(mean, rel=1e-9)
+        draft = sum(n * costs["c_draft"][k] for k, n in r["calls"].items()) / r["rounds"]
+        assert r["c_draft_per_round"] == pytest.approx(draft, rel=1e-9)
+        assert r["measured_speedup"] > 0 and r["error"] == pytest.approx(
+            r["measured_speedup"] / r["predicted_speedup"] - 1, rel=1e-9)
+    assert res["drafters"]["combined-2"]["calls"]["lookup-2"] == res["drafters"]["combined-2"]["rounds"]
+    assert result["table"] == saved["table"] and "| combined-2 | 2/2 |" in saved["table"]
