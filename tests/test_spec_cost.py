@@ -27,10 +27,9 @@ def test_null_rounds_verify_t_tokens_and_emit_the_greedy_decode(verifier):
         got, stats = speculative_generate(verifier, d, prompts, 9, eos_token_ids=(), return_stats=True)
         np.testing.assert_array_equal(np.asarray(got), want)
         assert stats.widths[width] == int(np.sum(stats.widths)) == stats.rounds.max()  # every round at width t
-    schedule = NullDrafter(VOCAB, draft_len=4, width=jnp.asarray([1, 3, 5], jnp.int32), variable_length=True)
-    got, stats = speculative_generate(verifier, schedule, prompts, 9, eos_token_ids=(), return_stats=True)
-    np.testing.assert_array_equal(np.asarray(got), want)
-    assert stats.widths.tolist() == [0, 3, 0, 3, 0, 3]  # round r at width [1, 3, 5][r % 3]
+    traced = NullDrafter(VOCAB, draft_len=4, width=jnp.int32(2), variable_length=True)  # one program, any width
+    _, stats = speculative_generate(verifier, traced, prompts, 9, eos_token_ids=(), return_stats=True)
+    assert stats.widths.tolist() == [0, 0, 9, 0, 0, 0]
     with pytest.raises(ValueError, match="variable_length=True"):
         NullDrafter(VOCAB, draft_len=4, width=2)
     with pytest.raises(ValueError, match="width"):
@@ -73,14 +72,14 @@ def test_benchmark_smoke(tmp_path):
     assert set(res["drafters"]) == {"lookup-2", "block-2", "combined-2"}
     costs = res["costs"]
     assert set(costs["c_verify"]["variable"]["2"]) == {"1", "2", "3"} and set(costs["c_verify"]["fixed"]["2"]) == {"3"}
-    assert set(costs["mixing"]) == {"2"} and costs["mixing"]["2"] > 0
+    assert set(costs["c_draft"]) == set(costs["c_draft_raw"]) == {"lookup-2", "block-2"}
+    assert all(v == max(costs["c_draft_raw"][k], 0.0) for k, v in costs["c_draft"].items())
     for name, r in res["drafters"].items():
         assert r["identical"] == r["prompts"] == 2, name
         assert sum(r["widths"]) == r["rounds"] and r["tau"] >= 1
         variable = name != "block-2"
         path = costs["c_verify"]["variable" if variable else "fixed"]["2"]
-        m = costs["mixing"]["2"] if variable else 1.0
-        mean = m * sum(w * path[str(t)] for t, w in enumerate(r["widths"]) if w) / r["rounds"]
+        mean = sum(w * path[str(t)] for t, w in enumerate(r["widths"]) if w) / r["rounds"]
         assert r["c_verify_mean"] == pytest.approx(mean, rel=1e-9)
         draft = sum(n * costs["c_draft"][k] for k, n in r["calls"].items()) / r["rounds"]
         assert r["c_draft_per_round"] == pytest.approx(draft, rel=1e-9)

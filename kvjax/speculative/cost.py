@@ -5,11 +5,10 @@ tokens (the pending token and t - 1 drafts), plus the loop's bookkeeping; plain 
 token. So a run that emitted N tokens in R rounds, of which w[t] verified t tokens, and called each drafting part k
 (a model drafter, prompt lookup) n_k times, takes
 
-    T_spec = m * sum_t w[t] * v(t) + sum_k n_k * d_k        against        T_plain = N * s
+    T_spec = sum_t w[t] * v(t) + sum_k n_k * d_k        against        T_plain = N * s
 
 where s is one step of plain decoding, v(t) one round of the verify loop at width t with a drafter that costs nothing,
-d_k what part k adds to a round, and m what changing widths from round to round adds (variable-length drafters
-only; below). In decode-step units (c_verify(t) = v(t) / s, c_draft = d / s) the speed-up of
+and d_k what part k adds to a round. In decode-step units (c_verify(t) = v(t) / s, c_draft = d / s) the speed-up of
 a fixed-length drafter (every round at t = b + 1) is the familiar
 
     speed-up = tau / (c_verify(b + 1) + c_draft(b))        tau = N / R
@@ -28,12 +27,11 @@ bookkeeping and the lax.switch over widths, and no call's dispatch:
     v(t)  `NullDrafter(width=t)`: proposes t - 1 drafts of an id the verifier never predicts (the last of the
           vocabulary), so every round emits one token: time / rounds. `variable_length` picks the loop's path (a
           fixed-length forward, or the switch over widths that variable-length drafters take).
-    m     the variable path's mixing factor: a run's width changes from round to round, which on the project's CPU
-          costs more than the same widths one loop each (docs/speculative.md has the measured m). m = (time of a
-          null loop on a uniform random schedule of widths 1 .. g + 1) / (sum of v(t) over that schedule); a
-          variable-length run's verify term is multiplied by it.
     d     `Ignored(drafter)`: the drafter runs as usual (its proposals computed, its state committed each round), but
-          the verifier sees never-accepted ids at full width; time / rounds - v(draft_len + 1) on the same path.
+          the verifier sees never-accepted ids at full width; time / rounds - v(draft_len + 1) on the same path. This
+          counts what the drafter costs the verifier too (a block drafter's verify also returns the features of
+          several layers, and its weights share the caches with the verifier's): on the project's CPU the block
+          drafter adds 1.5-2x what its propose and commit take alone.
 
 The emitted tokens of both are the verifier's own greedy tokens, so the contexts grow as in the real run.
 """
@@ -48,13 +46,12 @@ from flax import struct
 @struct.dataclass
 class NullDrafter:
     """Costs nothing; proposes `width - 1` drafts of the id `vocab_size - 1` (never the argmax of a trained verifier;
-    if a random one picks it, the round just emits more: costs are per round). Greedy only. `width` may be an array
-    (a pytree leaf), so one compiled loop measures every width of the variable-length path; a 1-D array is a
-    schedule: round r verifies width[r % len(width)] tokens (a run's widths change from round to round)."""
+    if a random one picks it, the round just emits more: costs are per round). Greedy only. `width` may be an int32
+    scalar array (a pytree leaf), so one compiled loop measures every width of the variable-length path."""
 
     vocab_size: int = struct.field(pytree_node=False)
     draft_len: int = struct.field(pytree_node=False, default=1)
-    width: object = 2  # verify forward of `width` tokens: 1 .. draft_len + 1 (int, int32 scalar, or [K] schedule)
+    width: object = 2  # verify forward of `width` tokens: 1 .. draft_len + 1 (an int or an int32 scalar array)
     variable_length: bool = struct.field(pytree_node=False, default=False)
     feature_layers: tuple = struct.field(pytree_node=False, default=())
 
@@ -67,18 +64,15 @@ class NullDrafter:
                                  "to measure a narrower verify")
 
     def start(self, tokens, lengths, capacity: int, features=None):
-        return jnp.zeros((), jnp.int32)  # rounds so far (the schedule's index)
+        return jnp.zeros((), jnp.int32)
 
     def propose(self, state, last, key, sampling):
-        width = jnp.asarray(self.width)
-        if width.ndim:
-            width = width[state % width.shape[0]]
         j = jnp.arange(self.draft_len)[None]
-        drafts = jnp.where(j < width - 1, self.vocab_size - 1, -1) + jnp.zeros_like(last)[:, None]
+        drafts = jnp.where(j < self.width - 1, self.vocab_size - 1, -1) + jnp.zeros_like(last)[:, None]
         return drafts.astype(jnp.int32), None, state
 
     def commit(self, state, tokens, n_new, features=None):
-        return state + 1
+        return state
 
 
 @struct.dataclass
@@ -113,18 +107,17 @@ class Ignored:
         return self.inner.commit(state, tokens, n_new, features)
 
 
-def predict_seconds(widths, verify_seconds: dict, calls: dict, call_seconds: dict, mixing: float = 1.0) -> float:
-    """T_spec = m * sum_t widths[t] * verify_seconds[t] + sum_k calls[k] * call_seconds[k] (the module docstring).
+def predict_seconds(widths, verify_seconds: dict, calls: dict, call_seconds: dict) -> float:
+    """T_spec = sum_t widths[t] * verify_seconds[t] + sum_k calls[k] * call_seconds[k] (the module docstring).
 
     widths: rounds per verify width (Stats.widths, index t); verify_seconds: {t: seconds of one round at width t}
-    for every width the run used; calls / call_seconds: {part: how many times it ran} / {part: seconds it adds};
-    mixing: m, for a run on the variable-length path (1 for a fixed-length drafter: every round at one width)."""
+    for every width the run used; calls / call_seconds: {part: how many times it ran} / {part: seconds it adds}."""
     missing = [t for t, w in enumerate(widths) if w and t not in verify_seconds]
     if missing:
         raise ValueError(f"no measured verify cost at width(s) {missing}, which the run used")
     if set(calls) - set(call_seconds):
         raise ValueError(f"no measured cost for drafting part(s) {sorted(set(calls) - set(call_seconds))}")
-    return (mixing * sum(int(w) * verify_seconds[t] for t, w in enumerate(widths) if w)
+    return (sum(int(w) * verify_seconds[t] for t, w in enumerate(widths) if w)
             + sum(int(n) * call_seconds[k] for k, n in calls.items()))
 
 

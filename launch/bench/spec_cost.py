@@ -20,8 +20,8 @@ compiled loop, kvjax.generation.decode_from): measured speed-up = T_plain / T_sp
 
 The parts, on the set's first prompt (the contexts of a set have one length), each inside the loop itself: s = plain
 decoding's step; v(t) = a round at width t with a drafter that costs nothing (NullDrafter; the fixed-length path at
-b + 1 and the variable-length path at every width 1 .. max b + 1); d = what each drafting part adds to a round
-(Ignored(drafter) - v(b + 1)). Each is kept in units of s measured beside it, and each prompt's prediction is
+b + 1 and the variable-length path at every width 1 .. b + 1); d = what each drafting part adds to a round
+(Ignored(drafter) - v(b + 1), paired, 3 x --repeats times). Each is kept in units of s measured beside it, and each prompt's prediction is
 priced at that prompt's own plain step (timed beside its drafters), so machine drift between the two phases
 cancels: predicted T_spec = s_prompt * (sum_t w[t] c_verify(t) + sum_k n_k c_draft_k) (kvjax.speculative.cost),
 predicted speed-up = sum T_plain / sum predicted T_spec over a set's prompts, and the prediction error = measured /
@@ -131,71 +131,56 @@ def timed(fns: dict, repeats: int) -> dict:
 
 def measure_parts(runs: Runs, parts: dict, repeats: int, vocab: int, variable: bool = True) -> dict:
     """Seconds of: a plain step; a null round per (path, draft length g, width t); each drafting part's addition to
-    a round; and the variable path's mixing factor per g (kvjax.speculative.cost). parts: part name -> the drafter
-    object that is that part alone (e.g. "block-16" -> the block drafter at b = 16, "lookup-16" ->
-    LookupDrafter(16)). Widths measured: the fixed path at t = g + 1 for every fixed-length part, and (with
-    `variable`) the variable path at t = 1 .. g + 1 for every variable-length part's g (one compiled loop per g: the
-    width is an input). A part's addition is the median over repeats of (its Ignored round - the null round at its
-    full width), each pair timed back to back. Returns {"step": s, "verify": {path: {g: {t: s}}}, "draft": {part:
-    s}, "mixing": {g: m}}."""
+    a round (kvjax.speculative.cost). parts: part name -> the drafter object that is that part alone (e.g.
+    "block-16" -> the block drafter at b = 16, "lookup-16" -> LookupDrafter(16)). Widths measured: the fixed path
+    at t = g + 1 for every fixed-length part, and (with `variable`) the variable path at t = 1 .. g + 1 for every
+    variable-length part's g (one compiled loop per g: the width is an input).
+
+    A part's addition is a difference of two rounds of several plain steps each, so it is measured apart: its
+    Ignored round and the null round at its full width back to back, 3 x `repeats` times, the median of the paired
+    differences, and no less than zero (a part costs something; a negative difference is the machine's noise,
+    kept as "draft_raw"). Returns {"step": s, "verify": {path: {g: {t: s}}}, "draft": {part: s}, "draft_raw"}."""
     import jax.numpy as jnp
 
     from kvjax.speculative.cost import Ignored, NullDrafter
     from kvjax.speculative.loop import stats_of
-    nulls, mixes = {}, {}
+    nulls = {}
     for p in parts.values():
         g = p.draft_len
         if getattr(p, "variable_length", False):
             if variable:
                 nulls.update({("variable", g, t): NullDrafter(vocab, draft_len=g, width=jnp.int32(t),
                                                               variable_length=True) for t in range(1, g + 2)})
-                schedule = np.random.default_rng(g).integers(1, g + 2, runs.new).astype(np.int32)
-                mixes[g] = NullDrafter(vocab, draft_len=g, width=jnp.asarray(schedule), variable_length=True)
         else:
             nulls[("fixed", g, g + 1)] = NullDrafter(vocab, draft_len=g, width=g + 1)
     ignored = {name: Ignored(p, vocab) for name, p in parts.items()
                if variable or not getattr(p, "variable_length", False)}
     fns = {"plain": runs.plain}
-    for key, d in nulls.items():
-        fns[("null",) + key] = lambda d=d: runs.spec(d)[0]
-        for name, ig in ignored.items():  # each part right after the null round it is compared with
-            if (path_of(ig), ig.draft_len, ig.draft_len + 1) == key:
-                fns[("ignored", name)] = lambda d=ig: runs.spec(d)[0]
-    fns.update({("mix", g): (lambda d=d: runs.spec(d)[0]) for g, d in mixes.items()})
+    fns.update({("null",) + k: (lambda d=d: runs.spec(d)[0]) for k, d in nulls.items()})
     rounds = {}
-    for name in fns:  # compile, and count the rounds each ran
-        if name == "plain":
-            runs.plain()
-            continue
-        d = {"null": lambda: nulls[name[1:]], "ignored": lambda: ignored[name[1]], "mix": lambda: mixes[name[1]]}
-        d = d[name[0]]()
-        rounds[name] = int(np.sum(stats_of(runs.spec(d)[1], d.draft_len).widths))
-    times = timed(fns, repeats)
-    secs = {k: statistics.median(v) for k, v in times.items()}
+    for key, d in [(("null",) + k, d) for k, d in nulls.items()] + [(("ignored", k), d) for k, d in ignored.items()]:
+        rounds[key] = int(np.sum(stats_of(runs.spec(d)[1], d.draft_len).widths))  # compiles it, too
+    runs.plain()
+    secs = {k: statistics.median(v) for k, v in timed(fns, repeats).items()}
     verify = {"fixed": {}, "variable": {}}
     for (path, g, t) in nulls:
         verify[path].setdefault(g, {})[t] = secs[("null", path, g, t)] / rounds[("null", path, g, t)]
-    draft = {}
+    draft, raw = {}, {}
     for name, p in ignored.items():
         g = p.draft_len
         null = ("null", path_of(p), g, g + 1)
-        draft[name] = statistics.median(a / rounds[("ignored", name)] - b / rounds[null]
-                                        for a, b in zip(times[("ignored", name)], times[null]))
-    mixing = {}
-    for g, d in mixes.items():
-        sched = np.resize(np.asarray(d.width), rounds[("mix", g)])  # round r ran width[r % len]
-        mixing[g] = secs[("mix", g)] / sum(verify["variable"][g][int(t)] for t in sched)
+        pair = timed({null: fns[null], name: (lambda d=p: runs.spec(d)[0])}, 3 * repeats)
+        raw[name] = statistics.median(a / rounds[("ignored", name)] - b / rounds[null]
+                                      for a, b in zip(pair[name], pair[null]))
+        draft[name] = max(raw[name], 0.0)
     return {"step": secs["plain"] / (runs.new - 1),  # plain decoding's loop: N - 1 steps after the first token's
-            "verify": verify, "draft": draft, "mixing": mixing}
+            "verify": verify, "draft": draft, "draft_raw": raw}
 
 
 def path_of(drafter) -> str:
     return "variable" if getattr(drafter, "variable_length", False) else "fixed"
 
 
-def mixing_of(costs: dict, drafter) -> float:
-    """The mixing factor m that applies to `drafter`'s runs: its draft length's on the variable path, else 1."""
-    return costs["mixing"][drafter.draft_len] if path_of(drafter) == "variable" else 1.0
 
 
 def make_drafters(args, source):
@@ -265,7 +250,7 @@ def run_set(args, source, prompts, drafters, parts, calls) -> dict:
                 # the parts are priced in plain steps (measured beside them), so a machine that ran faster or slower
                 # while they were measured than while this prompt was does not move the prediction
                 r["t_pred"] += step * predict_seconds(stats[name].widths, steps["verify"][path_of(d)][d.draft_len],
-                                                      calls[name](stats[name]), steps["draft"], mixing_of(costs, d))
+                                                      calls[name](stats[name]), steps["draft"])
         print(f"  [{time.time() - t0:.0f}s] prompt {i + 1}/{len(prompts)}", flush=True)
     out = {"costs": None, "drafters": {}}
     if costs:
@@ -275,7 +260,7 @@ def run_set(args, source, prompts, drafters, parts, calls) -> dict:
                                             for g, c in sorted(per_g.items())}
                                      for path, per_g in costs["verify"].items()},
                         "c_draft": {k: v / s for k, v in costs["draft"].items()},
-                        "mixing": {str(g): m for g, m in sorted(costs["mixing"].items())}}
+                        "c_draft_raw": {k: v / s for k, v in costs["draft_raw"].items()}}
     for name, r in per.items():
         row = {"identical": r["identical"], "prompts": r["prompts"],
                "tau": (r["accepted"] + r["rounds"]) / max(r["rounds"], 1), "rounds": r["rounds"],
@@ -284,8 +269,7 @@ def run_set(args, source, prompts, drafters, parts, calls) -> dict:
             s = costs["step"]
             d = drafters[name]
             path = costs["verify"][path_of(d)][d.draft_len]
-            row["c_verify_mean"] = (mixing_of(costs, d) * sum(w * path[t] for t, w in enumerate(r["widths"]) if w)
-                                    / r["rounds"] / s)
+            row["c_verify_mean"] = sum(w * path[t] for t, w in enumerate(r["widths"]) if w) / r["rounds"] / s
             row["c_draft_per_round"] = sum(n * costs["draft"][k] for k, n in r["calls"].items()) / r["rounds"] / s
             row["predicted_speedup"] = r["t_plain"] / r["t_pred"]
             row["measured_speedup"] = r["t_plain"] / r["t_spec"]
@@ -311,13 +295,62 @@ def table(result: dict) -> str:
                          f" {r['measured_speedup']:.2f}x | {100 * r['error']:+.1f}% |")
             lines.append(line)
         if timed_:
-            lines.append("mixing factor m (variable path), by draft length: "
-                         + " ".join(f"{g}:{m:.3f}" for g, m in res["costs"]["mixing"].items()))
+            lines.append("c_draft per part (raw paired difference): " + " ".join(
+                f"{k}:{v:.2f} ({res['costs']['c_draft_raw'][k]:+.2f})" for k, v in res["costs"]["c_draft"].items()))
             for path, per_g in res["costs"]["c_verify"].items():
                 for g, c in per_g.items():
                     lines.append(f"c_verify(t), {path} path, draft length {g}: "
                                  + " ".join(f"{t}:{v:.2f}" for t, v in c.items()))
     return "\n".join(lines)
+
+
+def chart(result: dict, path: str) -> str:
+    """Left: c_verify(t) per set (the variable path at the largest draft length; the fixed path's points); right:
+    predicted against measured speed-up per drafter and set, with the +-10% band."""
+    from kvjax.eval.charts import plt, save
+    fig, (a, b) = plt().subplots(1, 2, figsize=(11, 4.2))
+    lo, hi = 1e9, 0.0
+    for i, (set_name, res) in enumerate(result["sets"].items()):
+        costs = res["costs"]
+        if costs is None:
+            continue
+        color = f"C{i}"
+        var = costs["c_verify"]["variable"]
+        if var:
+            g = max(var, key=int)
+            a.plot([int(t) for t in var[g]], list(var[g].values()), "-o", ms=3, color=color,
+                   label=f"{set_name}: variable path (b = {g})")
+        fixed = [(int(t), v) for per_t in costs["c_verify"]["fixed"].values() for t, v in per_t.items()]
+        a.plot([t for t, _ in fixed], [v for _, v in fixed], "s", color=color, mfc="none", ms=7,
+               label=f"{set_name}: fixed path at b + 1")
+        for name, r in res["drafters"].items():
+            kind = name.split("-")[0]
+            marker = {"lookup": "^", "block": "s", "combined": "o"}.get(kind, "x")
+            b.plot(r["predicted_speedup"], r["measured_speedup"], marker, color=color, ms=6)
+            b.annotate(name, (r["predicted_speedup"], r["measured_speedup"]), fontsize=6, xytext=(3, 2),
+                       textcoords="offset points")
+            lo = min(lo, r["predicted_speedup"], r["measured_speedup"])
+            hi = max(hi, r["predicted_speedup"], r["measured_speedup"])
+    a.axhline(1.0, color="grey", lw=0.8, ls=":")
+    a.set_xlabel("tokens verified in one forward (t)")
+    a.set_ylabel("c_verify(t): a round, in plain decode steps")
+    a.set_title("What a verify round costs (this machine)")
+    a.legend(fontsize=7)
+    if hi > 0:
+        xs = [lo * 0.9, hi * 1.1]
+        b.plot(xs, xs, color="grey", lw=0.8)
+        b.fill_between(xs, [x * 0.9 for x in xs], [x * 1.1 for x in xs], color="grey", alpha=0.15, label="+-10%")
+        from matplotlib.ticker import FormatStrFormatter
+        b.set_xscale("log")
+        b.set_yscale("log")
+        for axis in (b.xaxis, b.yaxis):
+            axis.set_major_formatter(FormatStrFormatter("%.2gx"))
+            axis.set_minor_formatter(FormatStrFormatter("%.2gx"))
+        b.legend(fontsize=7)
+    b.set_xlabel("predicted speed-up (tau, widths, parts' costs)")
+    b.set_ylabel("measured speed-up (decode phase)")
+    b.set_title("The cost model against the clock")
+    return save(fig, path)
 
 
 def parse(argv):
@@ -335,7 +368,11 @@ def parse(argv):
     p.add_argument("--cpu", default="", help="pin to these CPUs, e.g. 1 or 0,1")
     p.add_argument("--smoke", action="store_true", help="tiny random models, 2 prompts of 24 tokens, 12 new tokens")
     p.add_argument("--out", default="", help="write the results as JSON here")
+    p.add_argument("--chart", default="", help="draw the costs and predicted-vs-measured chart here (PNG)")
+    p.add_argument("--replot", default="", help="only draw --chart from this earlier --out JSON")
     args = p.parse_args(argv)
+    if args.replot and not args.chart:
+        p.error("--replot needs --chart PATH")
     if any(b < 1 for b in args.blocks) or args.prompts < 1 or args.new < 2 or args.repeats < 0:
         p.error("--blocks must be >= 1, --prompts >= 1, --new >= 2 and --repeats >= 0")
     if args.smoke:
@@ -358,6 +395,10 @@ def smoke_setup(args):
 
 def main(argv=None) -> dict:
     args = parse(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            print(chart(json.load(f), args.chart))
+        return {}
     if args.cpu:
         os.sched_setaffinity(0, {int(c) for c in args.cpu.split(",")})  # before JAX sizes its thread pool
     if not args.smoke:
@@ -391,6 +432,8 @@ def main(argv=None) -> dict:
     result["seconds"] = time.time() - t0
     result["table"] = table(result)
     print(result["table"])
+    if args.chart and any(r["costs"] for r in result["sets"].values()):
+        print("chart:", chart(result, args.chart))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
