@@ -30,8 +30,7 @@ bookkeeping and the lax.switch over widths, and no call's dispatch:
     d     `Ignored(drafter)`: the drafter runs as usual (its proposals computed, its state committed each round), but
           the verifier sees never-accepted ids at full width; time / rounds - v(draft_len + 1) on the same path. This
           counts what the drafter costs the verifier too (a block drafter's verify also returns the features of
-          several layers, and its weights share the caches with the verifier's): on the project's CPU the block
-          drafter adds 1.5-2x what its propose and commit take alone.
+          several layers, and its weights share the caches with the verifier's), not only its propose and commit.
 
 The emitted tokens of both are the verifier's own greedy tokens, so the contexts grow as in the real run.
 """
