@@ -157,7 +157,8 @@ class Stats:
         return {"draft_len": self.draft_len, "rounds": np.asarray(self.rounds).tolist(),
                 "accepted": np.asarray(self.accepted).tolist(), "emitted": np.asarray(self.emitted).tolist(),
                 "widths": None if self.widths is None else np.asarray(self.widths).tolist(),
-                "drafter": None if self.drafter is None else {k: np.asarray(v).tolist() for k, v in self.drafter.items()},
+                "drafter": None if self.drafter is None else {k: np.asarray(v).tolist()
+                                                              for k, v in self.drafter.items()},
                 "acceptance_length": self.acceptance_length.tolist(),
                 "mean_acceptance_length": self.mean_acceptance_length, "acceptance_rate": self.acceptance_rate}
 
@@ -202,11 +203,11 @@ def verify_loop(verifier, drafter, cache: KVCache, state, last: jax.Array, key: 
             drafted = jnp.cumprod((drafts >= 0).astype(jnp.int32), axis=-1)  # [B, g]: leading real drafts
             block = jnp.where(block >= 0, block, 0)  # a -1 is never accepted: any id may stand in for it
             q = None if q is None else q * drafted[..., None]  # nothing drafted there: q = 0, the verifier's p rules
-            width = jnp.max(jnp.sum(drafted, -1)) + 1
-            logits, k, v, feats = jax.lax.switch(width - 1, verifies, block, c["cache"])
+            verified = jnp.max(jnp.sum(drafted, -1)) + 1  # tokens this round's forward runs
+            logits, k, v, feats = jax.lax.switch(verified - 1, verifies, block, c["cache"])
             cache = write_block(c["cache"], k, v)
         else:
-            width = g + 1
+            verified = g + 1
             logits, cache, feats = forward_features(vparams, vcfg, block, c["cache"], layers)
         if greedy:
             n_acc, toks = accept_greedy(logits, drafts)
@@ -230,7 +231,7 @@ def verify_loop(verifier, drafter, cache: KVCache, state, last: jax.Array, key: 
                     rounds=c["rounds"] + active.astype(jnp.int32),
                     accepted=c["accepted"] + jnp.where(active, n_acc, 0),
                     per_round=c["per_round"].at[:, c["i"]].set(jnp.where(active, n_acc, -1)),
-                    widths=c["widths"].at[width].add(1))
+                    widths=c["widths"].at[verified].add(1))
 
     init = dict(i=jnp.int32(0), out=jnp.full((b, width), pad_id, jnp.int32), count=jnp.zeros((b,), jnp.int32),
                 done=jnp.zeros((b,), bool), cache=cache, state=state, last=last.astype(jnp.int32), key=key,
