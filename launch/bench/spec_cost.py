@@ -187,9 +187,11 @@ def make_drafters(args, source):
     from kvjax.speculative import LookupDrafter, combined
     vocab = source.cfg.vocab_size
     if args.smoke:
+        import jax
+
         from kvjax.drafter import block_drafter, drafter_config, init_drafter
         dcfg = drafter_config(source.cfg, num_layers=1, block_sizes=tuple(args.blocks))
-        dparams = init_drafter(dcfg, __import__("jax").random.key(3), target_params=source.params)
+        dparams = init_drafter(dcfg, jax.random.key(3), target_params=source.params)
         blocks = {b: block_drafter(source, dcfg, dparams, draft_len=b) for b in args.blocks}
     else:
         from kvjax.drafter import load_block_drafter
