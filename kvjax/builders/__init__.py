@@ -1,16 +1,17 @@
 """Cache builders: every way to give the answering model the cache of a prompt (see kvjax.builders.base).
 
   NativePrefill     the model reads the prompt itself
+  Resumable         the interface of a builder that reads a prompt in pieces (NativePrefill, Mapped)
   Mapped            the source reads, a KVMap translates (XLA or the Pallas kernel)
   Pipelined         source prefill and map in one program, layer by layer
   PartialRecompute  a mapped cache in which the target recomputes k of its layers
 """
 
-from kvjax.builders.base import BUCKET, CacheBuilder, Clock, bucket
+from kvjax.builders.base import BUCKET, CacheBuilder, Clock, Resumable, bucket
 from kvjax.builders.native import NativePrefill
 from kvjax.builders.mapped import Mapped, SourcePrefill, map_jit
 from kvjax.builders.pipelined import Pipelined
 from kvjax.builders.partial import PartialRecompute, recompute, recompute_layers
 
-__all__ = ["BUCKET", "CacheBuilder", "Clock", "bucket", "NativePrefill", "Mapped", "map_jit",
+__all__ = ["BUCKET", "CacheBuilder", "Clock", "Resumable", "bucket", "NativePrefill", "Mapped", "map_jit",
            "Pipelined", "SourcePrefill", "PartialRecompute", "recompute", "recompute_layers"]

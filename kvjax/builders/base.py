@@ -88,3 +88,23 @@ class CacheBuilder(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
+
+
+class Resumable(abc.ABC):
+    """A builder that can read a prompt in pieces: a server's prefix cache (a cached prefix, then the rest) and
+    chunked prefill (a long prompt between decode steps) both read the prompt this way.
+
+    A state is a tuple of KVCaches in the prefill layout, one per model that reads the prompt, the answering
+    model's last (Mapped: source, target; NativePrefill: the model's own). Every cache of a state holds the same
+    positions of each row, so a row's positions [a, b) can be cut out of every cache and later written back: what
+    a prefix cache keeps of a block. `resume` reads right-padded tokens [B, T] (`lengths` real ones per row) after
+    what the state holds; reading a prompt in pieces gives the cache `build` gives it whole, up to float rounding."""
+
+    @abc.abstractmethod
+    def start(self, batch: int, capacity: int) -> tuple[KVCache, ...]:
+        """An empty state of `batch` rows and `capacity` positions."""
+
+    @abc.abstractmethod
+    def resume(self, state: tuple[KVCache, ...], tokens, lengths, fresh: bool = False) -> tuple[KVCache, ...]:
+        """The state after reading tokens [B, T] (lengths [B]) after what it holds (its caches are donated).
+        `fresh` promises every row of the state is empty (attention then reads the new tokens alone, as `build`)."""

@@ -11,12 +11,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvjax.builders.base import CacheBuilder, Clock
-from kvjax.cache import KVCache
-from kvjax.mapper.kvmap import KVMap, apply_map, check_models
+from kvjax.builders.base import CacheBuilder, Clock, Resumable
+from kvjax.cache import KVCache, init_cache
+from kvjax.mapper.kvmap import KVMap, apply_map, check_models, map_span
 from kvjax.models.decoder import prefill_jit
 
 map_jit = jax.jit(apply_map, static_argnames=("capacity", "dtype", "length", "impl", "interpret"))
+span_jit = jax.jit(map_span, static_argnames=("width",), donate_argnames=("target_cache",))
 
 
 class SourcePrefill(CacheBuilder):
@@ -40,8 +41,10 @@ class SourcePrefill(CacheBuilder):
         return self._cache
 
 
-class Mapped(CacheBuilder):
-    """Source prefill, then `kvmap` (impl "xla", "pallas" or "auto": kvjax.kernels.map_insert.resolve_impl)."""
+class Mapped(CacheBuilder, Resumable):
+    """Source prefill, then `kvmap` (impl "xla", "pallas" or "auto": kvjax.kernels.map_insert.resolve_impl).
+    Resumable: its state is (source cache, mapped target cache); the source keeps its own keys and values of what it
+    read because it attends to them when it reads the rest (and a context map reads the positions before a span)."""
 
     def __init__(self, source, target, kvmap: KVMap, name: str = "mapped", impl: str = "xla",
                  shared: SourcePrefill | None = None):
@@ -53,3 +56,16 @@ class Mapped(CacheBuilder):
         source_cache = self.source.build(tokens, lengths, tokens.shape[1], clock)  # the map reads slots 0..T-1
         return clock("map", map_jit(self.kvmap, source_cache, capacity=capacity, length=tokens.shape[1],
                                     impl=self.impl))
+
+    def start(self, batch: int, capacity: int) -> tuple[KVCache, KVCache]:
+        cfg, params = self.source.model
+        dtype = params.embed.dtype  # the map writes the source's dtype (apply_map's default)
+        source = init_cache(cfg, batch, capacity, dtype)
+        return source, init_cache(self.model[0], batch, capacity, dtype).replace(origin=f"mapped:{self.kvmap.map_id}")
+
+    def resume(self, state, tokens, lengths, fresh: bool = False) -> tuple[KVCache, KVCache]:
+        (source, target), (cfg, params) = state, self.source.model
+        start = jnp.copy(source.lengths)  # the prefill donates the source cache
+        _, source, _, _ = prefill_jit(params, cfg, jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32),
+                                      source, fresh=fresh, logits=False)
+        return source, span_jit(self.kvmap, source, target, start, width=int(tokens.shape[1]))

@@ -7,13 +7,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvjax.builders.base import CacheBuilder, Clock, as_batch, bucket
-from kvjax.cache import KVCache
+from kvjax.builders.base import CacheBuilder, Clock, Resumable, as_batch, bucket
+from kvjax.cache import KVCache, init_cache
 from kvjax.models.decoder import prefill_jit
 
 
-class NativePrefill(CacheBuilder):
-    """The answering model prefills the prompt itself (the native arms: "target", "source")."""
+class NativePrefill(CacheBuilder, Resumable):
+    """The answering model prefills the prompt itself (the native arms: "target", "source"). Resumable: its state
+    is the model's own cache."""
 
     def __init__(self, model, name: str = "native", dtype=None):
         self.model, self.name, self.dtype = tuple(model), name, dtype
@@ -26,6 +27,16 @@ class NativePrefill(CacheBuilder):
         _, cache, _, _ = prefill_jit(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths), capacity=capacity,
                                   dtype=self._dtype(), logits=False)
         return clock("prefill", cache)
+
+    def start(self, batch: int, capacity: int) -> tuple[KVCache]:
+        cfg, params = self.model
+        return (init_cache(cfg, batch, capacity, self._dtype() or params.embed.dtype),)
+
+    def resume(self, state, tokens, lengths, fresh: bool = False) -> tuple[KVCache]:
+        cfg, params = self.model
+        _, cache, _, _ = prefill_jit(params, cfg, jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32),
+                                     state[0], fresh=fresh, logits=False)
+        return (cache,)
 
     def with_features(self, tokens, lengths=None, *, layers: tuple[int, ...], capacity: int | None = None,
                       clock: Clock | None = None) -> tuple[KVCache, jax.Array]:

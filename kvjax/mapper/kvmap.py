@@ -28,7 +28,7 @@ from kvjax.kernels.map_insert import map_layer, resolve_impl
 from kvjax.mapper.pairing import Pairing
 from kvjax.mapper.ridge import RidgeFit
 from kvjax.models.config import Qwen3Config
-from kvjax.models.rope import Rope
+from kvjax.models.rope import Rope, apply_rope, rope_table, unapply_rope
 from kvjax.sharding import tree_shardings
 
 
@@ -189,3 +189,63 @@ def apply_map(kvmap: KVMap, source_cache: KVCache, capacity: int | None = None, 
               for paired, km, vm in zip(kvmap.spec.pairing, kvmap.keys, kvmap.values)]
     return KVCache(keys=tuple(k for k, _ in layers), values=tuple(v for _, v in layers),
                    lengths=jnp.minimum(source_cache.lengths, t), origin=f"mapped:{kvmap.map_id}")
+
+
+def map_span(kvmap: KVMap, source_cache: KVCache, target_cache: KVCache, start: jax.Array, width: int) -> KVCache:
+    """Map the positions each row's source cache gained since `start` (int32 [B]: the row's length before it read
+    the new tokens) into `target_cache` at the same positions: the map of a prompt read in pieces (a server's
+    cached prefix, then the rest; chunked prefill). Traceable; `width` (static) bounds the new positions per row.
+
+    Row b maps positions start[b] .. source_cache.lengths[b] - 1 and leaves the target's other positions as they
+    are; the target's lengths become the source's. Each position is mapped as `apply_map` maps it (the same
+    features, the same RoPE tables, the same residual), so a prompt read in pieces gets the cache it gets read
+    whole, up to float rounding. A context map reads the `context` positions before the span from the source
+    cache (the source keeps the prefix's own keys and values for that, and for its attention); before the
+    sequence's start it reads mu, as `apply_map` does. XLA only: the Pallas map-and-insert kernel writes a span at
+    one static offset for every row."""
+    if target_cache.keys_transposed or source_cache.keys_transposed:
+        raise ValueError("map_span reads and writes caches in the prefill layout (keys not transposed)")
+    b, t_src, t_tgt = source_cache.batch_size, source_cache.capacity, target_cache.capacity
+    hkv, hd = kvmap.spec.target_kv
+    rows = jnp.arange(b)[:, None]
+
+    def positions(offsets):  # [B, n] positions -> (clipped source slots, in range)
+        return jnp.clip(offsets, 0, t_src - 1), (offsets >= 0) & (offsets < source_cache.lengths[:, None])
+
+    def angles(rope, slots, head_dim):  # the host RoPE table apply_map uses, read at each row's positions
+        cos, sin = rope_table(max(t_src, t_tgt), head_dim, rope)
+        return jnp.asarray(cos)[slots][:, :, None], jnp.asarray(sin)[slots][:, :, None]  # [B, n, 1, hd]
+
+    def features(buffers, paired, rope, offsets):  # [B, n, P * Hs * hds] float32, as kernels.features
+        slots, _ = positions(offsets)
+        out = []
+        for s in paired:
+            x = buffers[s][rows, :, slots].astype(jnp.float32)  # [B, n, Hs, hds]
+            if rope is not None:
+                x = unapply_rope(x, *angles(rope, slots, x.shape[-1]))
+            out.append(x.reshape(x.shape[0], x.shape[1], -1))
+        return jnp.concatenate(out, -1)
+
+    new = start[:, None] + jnp.arange(width)[None, :]  # [B, W]
+    slots, live = positions(new)
+    dst = jnp.where(live, new, t_tgt)  # positions past a row's span are dropped by the scatter
+
+    def mapped(m, buffers, paired, rope, out, out_rope):
+        x = features(buffers, paired, rope, new)
+        before = None
+        if m.context:
+            back = start[:, None] - m.context + jnp.arange(m.context)[None, :]  # oldest first, as LinearMap reads
+            before = jnp.where((back >= 0)[..., None], features(buffers, paired, rope, back), m.mu)  # mu: no token
+        y = m(x, before).reshape(b, width, hkv, hd)  # [B, W, Ht, hdt]
+        if out_rope is not None:
+            y = apply_rope(y, *angles(out_rope, slots, hd))
+        return out.at[rows, :, dst].set(y.astype(out.dtype), mode="drop")
+
+    spec = kvmap.spec
+    keys, values = [], []
+    for paired, km, vm, k_out, v_out in zip(spec.pairing, kvmap.keys, kvmap.values, target_cache.keys,
+                                            target_cache.values):
+        keys.append(mapped(km, source_cache.keys, paired, spec.source_rope, k_out, spec.target_rope))
+        values.append(mapped(vm, source_cache.values, paired, None, v_out, None))
+    return target_cache.replace(keys=tuple(keys), values=tuple(values), lengths=source_cache.lengths,
+                                origin=f"mapped:{kvmap.map_id}")

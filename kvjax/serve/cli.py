@@ -63,6 +63,14 @@ def parser() -> argparse.ArgumentParser:
                    help="disaggregated: devices of the prefill pool (default all but one)")
     p.add_argument("--cpu-devices", type=int, default=2,
                    help="disaggregated on CPU: host devices to split into the pools (XLA_FLAGS)")
+    p.add_argument("--prefix-cache-mb", type=float, default=d.prefix_cache_mb, metavar="MB",
+                   help="host memory for a prefix cache of transferred caches: a prompt that starts with a cached "
+                   "prefix runs the source and the map only on the rest (0: off)")
+    p.add_argument("--prefix-block", type=int, default=d.prefix_block, metavar="TOKENS",
+                   help="tokens per prefix-cache block (prefixes are reused in whole blocks)")
+    p.add_argument("--max-step-tokens", type=int, default=d.max_step_tokens, metavar="N",
+                   help="batched: chunked prefill, at most N prompt tokens read between two decode steps, so "
+                   "decoding requests never wait for a whole long prompt (0: off)")
     p.add_argument("--warmup", default="0", metavar="[MIN:]MAX",
                    help="compile every prefill shape for prompts of MIN..MAX tokens before serving (0: lazily)")
     p.add_argument("--enable-fault-injection", action="store_true",
@@ -107,7 +115,8 @@ def parse(argv: list[str]):
     engine = EngineConfig(topology=args.topology, slots=args.slots, capacity=args.capacity,
                           max_prefill_batch=args.max_prefill_batch, max_queue=args.max_queue,
                           max_tokens_limit=args.max_tokens, request_timeout=args.request_timeout,
-                          prefill_devices=args.prefill_devices)
+                          prefill_devices=args.prefill_devices, prefix_cache_mb=args.prefix_cache_mb,
+                          prefix_block=args.prefix_block, max_step_tokens=args.max_step_tokens)
     problems = model_problems(cfg) + engine.problems() + audio_problems(cfg)
     try:
         lo, _, hi = args.warmup.rpartition(":")
@@ -210,6 +219,11 @@ def main(argv: list[str] | None = None, restart: bool = False) -> int:
         return 2
     log.info("serving %s (%s path, %s topology, %d slots x %d tokens) on http://%s:%d", cfg.name, engine.path,
              engine.config.topology, engine.config.slots, engine.config.capacity, args.host, args.port)
+    if engine.prefix is not None:
+        log.info("prefix cache: %.0f MB of host memory, blocks of %d tokens", engine_cfg.prefix_cache_mb,
+                 engine_cfg.prefix_block)
+    if engine_cfg.max_step_tokens:
+        log.info("chunked prefill: at most %d prompt tokens between decode steps", engine_cfg.max_step_tokens)
     try:
         uvicorn.run(server.app(), host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
     finally:

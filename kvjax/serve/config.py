@@ -24,6 +24,9 @@ class EngineConfig:
     prefill_devices: int = 0  # disaggregated: devices of the prefill pool (0: all but the last; the last decodes)
     prefill_timeout: float = 120.0  # a prefill batch running longer marks its worker hung
     max_worker_restarts: int = 3  # prefill worker deaths tolerated before the engine reports unhealthy
+    prefix_cache_mb: float = 0.0  # host memory for the prefix cache of transferred caches (0: no prefix cache)
+    prefix_block: int = 32  # tokens per prefix-cache block
+    max_step_tokens: int = 0  # batched: prefill tokens per decode step (chunked prefill; 0: a prompt is read whole)
 
     def resolved(self) -> "EngineConfig":
         """serial is one slot and one prompt per prefill: a request has the engine to itself."""
@@ -41,6 +44,17 @@ class EngineConfig:
             out.append(f"topology {self.topology!r}: use one of {', '.join(TOPOLOGIES)}")
         if self.request_timeout <= 0 or self.prefill_timeout <= 0:
             out.append("request_timeout and prefill_timeout must be > 0")
+        if self.prefix_cache_mb < 0:
+            out.append(f"prefix_cache_mb must be >= 0 (0: no prefix cache), got {self.prefix_cache_mb}")
+        if self.prefix_block < 1:
+            out.append(f"prefix_block must be >= 1 token, got {self.prefix_block}")
+        if self.max_step_tokens and self.max_step_tokens < 16:
+            out.append(f"max_step_tokens must be 0 (off) or >= 16, got {self.max_step_tokens}")
+        if self.max_step_tokens and self.topology != "batched":
+            out.append(f"max_step_tokens (chunked prefill) interleaves prefill with decode on one device: use "
+                       f"--topology=batched (the {self.topology} topology "
+                       + ("decodes one request at a time, so nothing waits behind a prefill)" if self.topology ==
+                          "serial" else "prefills on workers of their own, so decoding never waits for it)"))
         return out
 
 

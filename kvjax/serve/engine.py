@@ -31,6 +31,8 @@ import time
 import jax
 
 from kvjax.serve import programs
+from kvjax.serve.prefill import PrefillJob, chunk_width, compile_pieces, pieces
+from kvjax.serve.prefix import PrefixCache
 from kvjax.serve.config import TOPOLOGIES, EngineConfig, Event, QueueFull, Request, Unhealthy
 from kvjax.serve.faults import Faults, WorkerKilled
 from kvjax.serve.metrics import Metrics
@@ -102,6 +104,11 @@ class Engine:
                 alm = alm.replace(encoder=place(alm.encoder, dev), projector=place(alm.projector, dev),
                                   lm=type(alm.lm)(*(src if split else tgt)))
                 self._listeners[dev] = (src, tgt, place(self.audio.kvmap, dev) if split else None, alm)
+        self.prefix = (PrefixCache(config.prefix_block, int(config.prefix_cache_mb * 2**20), self.metrics)
+                       if config.prefix_cache_mb else None)
+        self._job: PrefillJob | None = None  # chunked prefill: the batch being read between decode steps
+        self._job_reqs: list[Request] = []
+        self._job_t0 = 0.0
         self.scheduler = Scheduler(config, lambda n: programs.bucket_for(n, self.buckets), self.metrics, self.path)
         self._lock = self.scheduler.lock  # the one lock of the engine's shared state
         self.slots = Slots(self.target, config, self.decode_device, self.scheduler, self.metrics, self.faults)
@@ -124,7 +131,7 @@ class Engine:
     def stop(self, timeout: float = 10.0) -> None:
         with self._lock:
             self._running = False
-            pending = self.scheduler.drain() + self.slots.held() + self.pool.held()
+            pending = self.scheduler.drain() + self.slots.held() + self.pool.held() + list(self._job_reqs)
             self._lock.notify_all()
         for r in pending:
             self.scheduler.fail(r, 503, "the server is shutting down")
@@ -144,12 +151,20 @@ class Engine:
             top = programs.bucket_for(min(limit, self.config.capacity), self.buckets)
             for bucket in [b for b in self.buckets if low <= b <= top]:
                 for bs in sizes:
+                    if self._pieces:  # prefills read in pieces: the resumable programs
+                        compile_pieces(builder, bs, bucket, pieces(bucket, bs, self.prefix is not None,
+                                                                   self.config.max_step_tokens))
                     new = programs.prefill_batch(builder, [[0, 0]], bucket, bs)
                     self.slots.compile_insert(jax.device_put(new, self.decode_device))
         for rows in self.slots.row_buckets:
             self.slots.run_step(rows)
         jax.block_until_ready(self.slots.cache)
         return time.perf_counter() - t0
+
+    @property
+    def _pieces(self) -> bool:
+        """Text prefills are read through PrefillJob (a prefix cache, or chunked prefill)."""
+        return self.prefix is not None or bool(self.config.max_step_tokens)
 
     @property
     def healthy(self) -> tuple[bool, str]:
@@ -165,7 +180,8 @@ class Engine:
         with self._lock:
             return {"topology": self.config.topology, "slots": self.config.slots,
                     "active_slots": self.slots.active(), "queue": len(self.scheduler.waiting),
-                    "prefill_workers": self.pool.stats(), "worker_restarts": self.pool.restarts, "path": self.path}
+                    "prefill_workers": self.pool.stats(), "worker_restarts": self.pool.restarts, "path": self.path,
+                    "prefix_cache": self.prefix.stats() if self.prefix is not None else None}
 
     # ---- requests ----------------------------------------------------------------------------------------------
 
@@ -210,14 +226,33 @@ class Engine:
         bucket = programs.bucket_for(max(len(r.prompt) - 1 for r in reqs), self.buckets)
         batch = programs.batch_size_for(len(reqs), self.config.max_prefill_batch)
         t0 = time.perf_counter()
-        builder = self._audio_builder(reqs, device) if reqs[0].audio else self._builders[device]
-        cache = programs.prefill_batch(builder, [r.prompt for r in reqs], bucket, batch)
+        if self._pieces and not reqs[0].audio:
+            job = self._new_job(reqs, device, chunk=0)
+            try:
+                cache = job.finish()
+            finally:
+                job.close()
+            computed = job.computed
+        else:
+            builder = self._audio_builder(reqs, device) if reqs[0].audio else self._builders[device]
+            cache = programs.prefill_batch(builder, [r.prompt for r in reqs], bucket, batch)
+            computed = sum(len(r.prompt) - 1 for r in reqs)
+        return self._prefilled(cache, device, t0, computed)
+
+    def _prefilled(self, cache, device, t0: float, computed: int):
         if device != self.decode_device:
             cache = jax.device_put(cache, self.decode_device)  # the mapped cache moves to the decode pool
         jax.block_until_ready(cache)
         self.metrics.prefill_seconds.observe(time.perf_counter() - t0)
-        self.metrics.prefill_tokens.inc(sum(len(r.prompt) - 1 for r in reqs))
+        self.metrics.prefill_tokens.inc(computed)
         return cache
+
+    def _new_job(self, reqs: list[Request], device, chunk: int) -> PrefillJob:
+        """A text batch read in pieces: from each prompt's longest cached prefix, in chunks of `chunk` tokens per
+        row (0: the rest at once)."""
+        batch = programs.batch_size_for(len(reqs), self.config.max_prefill_batch)
+        return PrefillJob(self._builders[device], [r.prompt for r in reqs], self.buckets, batch, self.prefix,
+                          chunk_width(chunk, batch) if chunk else 0)
 
     def _audio_builder(self, reqs: list[Request], device):
         """The builder of a spoken batch (the scheduler never mixes spoken and text requests): the listening adapter
@@ -231,6 +266,50 @@ class Engine:
             return programs.own_audio_builder(alm, clips)
         return programs.audio_builder(src, tgt, kvmap, alm, clips)
 
+    # ---- chunked prefill (batched topology) ---------------------------------------------------------------------
+
+    def _chunked(self, reqs: list[Request]) -> bool:
+        """Whether a text batch is read in chunks between decode steps: past the per-step token budget."""
+        budget = self.config.max_step_tokens
+        return bool(budget) and not reqs[0].audio and sum(len(r.prompt) - 1 for r in reqs) > budget
+
+    def _start_job(self, reqs: list[Request]) -> None:
+        try:
+            for r in reqs:
+                self.faults.check("prefill", r)
+            self._job_t0 = time.perf_counter()
+            self._job = self._new_job(reqs, self.prefill_devices[0], chunk=self.config.max_step_tokens)
+        except Exception:  # noqa: BLE001 - each request alone, as _prefill does: a bad one fails by itself
+            log.exception("chunked prefill could not start; prefilling its %d requests one by one", len(reqs))
+            self._insert_each(reqs)
+            return
+        self._job_reqs = reqs
+        self._chunk()
+
+    def _insert_each(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            for batch, cache in self._prefill([r], self.prefill_devices[0]):
+                self.slots.insert(batch, cache)
+
+    def _chunk(self) -> None:
+        """One piece of the chunked batch (then the loop runs a decode step); at its end the batch joins the slots.
+        A failure fails the batch's requests (each alone is retried by the unchunked path, as `_prefill` does)."""
+        job, reqs = self._job, self._job_reqs
+        try:
+            self.metrics.prefill_pieces.inc()
+            if not job.step():
+                return
+            cache = self._prefilled(job.finish(), self.prefill_devices[0], self._job_t0, job.computed)
+        except Exception:  # noqa: BLE001 - answered below, request by request
+            log.exception("chunked prefill failed; prefilling its %d requests one by one", len(reqs))
+            job.close()
+            self._job, self._job_reqs = None, []
+            self._insert_each(reqs)
+            return
+        job.close()
+        self._job, self._job_reqs = None, []
+        self.slots.insert(reqs, cache)
+
     # ---- decode ------------------------------------------------------------------------------------------------
 
     def _decode_main(self) -> None:
@@ -243,11 +322,15 @@ class Engine:
                     for reqs, cache in self.pool.take_ready():
                         self.pool.release(len(reqs))
                         self.slots.insert(reqs, cache)
+                elif self._job is not None:
+                    self._chunk()
                 else:
                     free = self.slots.free()
                     with self._lock:
                         reqs = self.scheduler.take(free) if free else []
-                    if reqs:
+                    if reqs and self._chunked(reqs):
+                        self._start_job(reqs)
+                    elif reqs:
                         for batch, cache in self._prefill(reqs, self.prefill_devices[0]):
                             self.slots.insert(batch, cache)
                 active = self.slots.active()
@@ -257,7 +340,7 @@ class Engine:
                     self.metrics.active_slots.set(self.slots.active())
                 else:
                     with self._lock:
-                        if not self.scheduler.waiting and not self.pool.ready and self._running:
+                        if not self.scheduler.waiting and not self.pool.ready and self._running and self._job is None:
                             self._lock.wait(0.05)
                         elif disaggregated and not self.pool.ready:
                             self._lock.wait(0.01)

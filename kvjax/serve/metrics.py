@@ -35,6 +35,16 @@ class Metrics:
         self.requests = Counter("kvjax_requests", "finished requests by served path and outcome",
                                 ["path", "outcome"], registry=r)
         self.rejected = Counter("kvjax_rejected", "requests refused with 429 (queue full)", registry=r)
+        self.prefix_lookups = Counter("kvjax_prefix_lookups", "prompts looked up in the prefix cache", registry=r)
+        self.prefix_hits = Counter("kvjax_prefix_hits", "prompts that reused at least one cached block", registry=r)
+        self.prefix_lookup_tokens = Counter("kvjax_prefix_lookup_tokens", "prompt tokens looked up", registry=r)
+        self.prefix_reused_tokens = Counter("kvjax_prefix_reused_tokens", "prompt tokens read from the prefix cache "
+                                            "(no source prefill, no map)", registry=r)
+        self.prefix_evictions = Counter("kvjax_prefix_evictions", "blocks evicted from the prefix cache", registry=r)
+        self.prefix_bytes = Gauge("kvjax_prefix_bytes", "bytes held by the prefix cache", registry=r)
+        self.prefix_blocks = Gauge("kvjax_prefix_blocks", "blocks held by the prefix cache", registry=r)
+        self.prefill_pieces = Counter("kvjax_prefill_pieces", "prefill pieces run (chunked prefill: several per "
+                                      "batch, decode steps between them)", registry=r)
         self.worker_restarts = Counter("kvjax_prefill_worker_restarts", "dead or hung prefill workers replaced",
                                        registry=r)
 

@@ -1,0 +1,131 @@
+"""A prefill batch read in pieces: after a cached prefix (kvjax.serve.prefix), and in chunks between decode steps.
+
+The engine's plain prefill (kvjax.serve.programs.prefill_batch) reads each prompt whole. A `PrefillJob` reads the
+same prompts through the builder's resumable interface (kvjax.builders.base.Resumable): each row starts from its
+longest cached prefix (its blocks written into the state), then reads the rest in pieces of `width` tokens; when it
+is done, `finish` stores the new full blocks and hands back the answering model's cache, laid out as
+`prefill_batch`'s (rows padded to a power of two, positions to a prefill bucket), so the slots insert it the same way.
+
+Widths. With no cached prefix and no chunking a job is one piece over the prompt's bucket (as `prefill_batch`); after
+a cached prefix the rest is read in pieces of 64 or 256 tokens (a few programs per prefill bucket, whatever the
+prefix length); chunked prefill reads pieces of the per-step budget split over the batch's rows. Every piece is one
+call of the builder's `resume`, so the decode thread can run a step between two pieces.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from kvjax.builders.base import Resumable
+from kvjax.cache import KVCache
+from kvjax.serve import programs
+from kvjax.serve.prefix import PrefixCache
+
+WIDTHS = (64, 256)  # pieces after a cached prefix
+
+
+def chunk_width(max_step_tokens: int, batch: int) -> int:
+    """Tokens per row of one chunked-prefill piece: the per-step budget over the padded batch, a multiple of 16."""
+    return max(16, max_step_tokens // batch // 16 * 16)
+
+
+class PrefillJob:
+    """`builder` (Resumable) reads `prompts` (token ids; every prompt's last token is decoded, not prefilled, as in
+    `prefill_batch`) padded to `batch` rows; `buckets`: the engine's prefill buckets; `prefix`: the prefix cache or
+    None; `chunk`: tokens per row per piece (0: not chunked). Call `step()` until it returns True, then `finish()`;
+    `close()` (always, also on failure) releases the cached blocks it pinned."""
+
+    def __init__(self, builder, prompts: list[list[int]], buckets: tuple[int, ...], batch: int,
+                 prefix: PrefixCache | None = None, chunk: int = 0):
+        if not isinstance(builder, Resumable):
+            raise TypeError(f"{builder!r} cannot read a prompt in pieces (not a kvjax.builders.base.Resumable)")
+        self.builder, self.prefix = builder, prefix
+        self.prompts = [list(p[:-1]) for p in prompts]
+        self.chains = [prefix.match(p) if prefix is not None else [] for p in self.prompts]
+        pad = batch - len(prompts)
+        block = prefix.block if prefix is not None else 0
+        self.end = np.array([len(p) for p in self.prompts] + [1] * pad, np.int32)  # padding rows: one token
+        self.offset = np.array([len(c) * block for c in self.chains] + [0] * pad, np.int32)
+        self.reused = int(self.offset.sum())
+        self.capacity = programs.bucket_for(int(self.end.max()), buckets)
+        state = builder.start(batch, self.capacity)
+        self.fresh = not self.offset.any()
+        if not self.fresh:
+            state = self._filled(state)
+        self.state = state
+        remaining = int((self.end - self.offset).max())
+        if chunk:
+            self.width = min(chunk, self.capacity)
+        elif self.fresh:
+            self.width = self.capacity
+        else:
+            self.width = min(next((w for w in WIDTHS if w >= remaining), WIDTHS[-1]), self.capacity)
+        self.computed = 0
+
+    @property
+    def done(self) -> bool:
+        return bool((self.offset >= self.end).all())
+
+    def _filled(self, state: tuple[KVCache, ...]) -> tuple[KVCache, ...]:
+        """The state with each row's cached blocks written in (on the host, then moved in one transfer)."""
+        host = [([np.zeros(a.shape, a.dtype) for a in c.keys], [np.zeros(a.shape, a.dtype) for a in c.values])
+                for c in state]
+        for row, chain in enumerate(self.chains):
+            if chain:
+                PrefixCache.fill(host, row, chain)
+        lengths = jax.numpy.asarray(self.offset)
+        return tuple(c.replace(keys=tuple(map(jax.numpy.asarray, keys)), values=tuple(map(jax.numpy.asarray, values)),
+                               lengths=lengths) for c, (keys, values) in zip(state, host))
+
+    def step(self) -> bool:
+        """Read the next piece; True when every row has read its prompt."""
+        if self.done:
+            return True
+        n = np.minimum(self.end - self.offset, self.width).astype(np.int32)
+        tokens = np.zeros((len(self.end), self.width), np.int32)
+        for i, p in enumerate(self.prompts):
+            tokens[i, :n[i]] = p[self.offset[i]:self.offset[i] + n[i]]
+        self.state = self.builder.resume(self.state, tokens, n, fresh=self.fresh)
+        self.fresh = False
+        self.offset = self.offset + n
+        self.computed += int(n[:len(self.prompts)].sum())
+        return self.done
+
+    def finish(self) -> KVCache:
+        """The answering model's cache of every prompt; the prompts' new full blocks go into the prefix cache."""
+        while not self.step():
+            pass
+        answer = self.state[-1]
+        if self.prefix is not None and any(len(p) // self.prefix.block > len(c)
+                                           for p, c in zip(self.prompts, self.chains)):
+            host = jax.device_get([(list(c.keys), list(c.values)) for c in self.state])
+            for row, p in enumerate(self.prompts):
+                self.chains[row] = self.prefix.store(p, self.chains[row], host, row)
+        return answer
+
+    def close(self) -> None:
+        if self.prefix is not None:
+            for chain in self.chains:
+                self.prefix.release(chain)
+            self.chains = [[] for _ in self.chains]
+
+
+def pieces(capacity: int, batch: int, prefix: bool, max_step_tokens: int) -> set[tuple[int, bool]]:
+    """The (width, fresh) pieces a PrefillJob of batch x capacity may run: what warm-up compiles."""
+    out = {(capacity, True)}  # nothing cached, not chunked: the whole prompt at once
+    if prefix:
+        out |= {(min(w, capacity), False) for w in WIDTHS}
+    if max_step_tokens:
+        w = min(chunk_width(max_step_tokens, batch), capacity)
+        out |= {(w, True), (w, False)}
+    return out
+
+
+def compile_pieces(builder, batch: int, capacity: int, widths) -> None:
+    """Compile `builder.resume` for a state of batch x capacity and each (width, fresh) piece (warm-up; the result
+    is dropped)."""
+    for width, fresh in sorted(widths):
+        state = builder.start(batch, capacity)
+        ones = np.ones((batch,), np.int32)
+        jax.block_until_ready(builder.resume(state, np.zeros((batch, width), np.int32), ones, fresh=fresh))
