@@ -123,9 +123,11 @@ def pieces(capacity: int, batch: int, prefix: bool, max_step_tokens: int) -> set
 
 
 def compile_pieces(builder, batch: int, capacity: int, widths) -> None:
-    """Compile `builder.resume` for a state of batch x capacity and each (width, fresh) piece (warm-up; the result
-    is dropped)."""
+    """Compile `builder.resume` for a state of batch x capacity and each (width, fresh) piece, and for a later piece
+    of that width (warm-up; the results are dropped). A later piece is its own program: its state comes out of a
+    compiled call, placed on the device, where a new one (`start`, or cached blocks) is not yet."""
+    tokens = lambda width: np.zeros((batch, width), np.int32)  # noqa: E731
+    ones = np.ones((batch,), np.int32)
     for width, fresh in sorted(widths):
-        state = builder.start(batch, capacity)
-        ones = np.ones((batch,), np.int32)
-        jax.block_until_ready(builder.resume(state, np.zeros((batch, width), np.int32), ones, fresh=fresh))
+        state = builder.resume(builder.start(batch, capacity), tokens(width), ones, fresh=fresh)
+        jax.block_until_ready(builder.resume(state, tokens(width), ones))
