@@ -14,6 +14,8 @@ call of the builder's `resume`, so the decode thread can run a step between two 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 
@@ -23,6 +25,18 @@ from kvjax.serve import programs
 from kvjax.serve.prefix import PrefixCache
 
 WIDTHS = (64, 256)  # pieces after a cached prefix
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _start(builder, batch: int, capacity: int):
+    """builder.start as one compiled call (its dozens of zero buffers are one dispatch, not one each)."""
+    return builder.start(batch, capacity)
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(builder, batch: int, capacity: int):
+    """The state's shapes, dtypes and metadata, allocating nothing."""
+    return jax.eval_shape(functools.partial(builder.start, batch, capacity))
 
 
 def chunk_width(max_step_tokens: int, batch: int) -> int:
@@ -49,11 +63,8 @@ class PrefillJob:
         self.offset = np.array([len(c) * block for c in self.chains] + [0] * pad, np.int32)
         self.reused = int(self.offset.sum())
         self.capacity = programs.bucket_for(int(self.end.max()), buckets)
-        state = builder.start(batch, self.capacity)
         self.fresh = not self.offset.any()
-        if not self.fresh:
-            state = self._filled(state)
-        self.state = state
+        self.state = _start(builder, batch, self.capacity) if self.fresh else self._filled(batch)
         remaining = int((self.end - self.offset).max())
         if chunk:
             self.width = min(chunk, self.capacity)
@@ -67,16 +78,19 @@ class PrefillJob:
     def done(self) -> bool:
         return bool((self.offset >= self.end).all())
 
-    def _filled(self, state: tuple[KVCache, ...]) -> tuple[KVCache, ...]:
-        """The state with each row's cached blocks written in (on the host, then moved in one transfer)."""
+    def _filled(self, batch: int) -> tuple[KVCache, ...]:
+        """A state holding each row's cached blocks (written on the host, then moved in one transfer)."""
+        state = _layout(self.builder, batch, self.capacity)
         host = [([np.zeros(a.shape, a.dtype) for a in c.keys], [np.zeros(a.shape, a.dtype) for a in c.values])
                 for c in state]
         for row, chain in enumerate(self.chains):
             if chain:
                 PrefixCache.fill(host, row, chain)
-        lengths = jax.numpy.asarray(self.offset)
-        return tuple(c.replace(keys=tuple(map(jax.numpy.asarray, keys)), values=tuple(map(jax.numpy.asarray, values)),
-                               lengths=lengths) for c, (keys, values) in zip(state, host))
+        # placed where the builder's weights are, as a compiled call's outputs are: the same programs serve both
+        where = jax.tree.leaves(self.builder.model[1])[0].sharding
+        host, lengths = jax.device_put((host, self.offset), where)
+        return tuple(c.replace(keys=tuple(keys), values=tuple(values), lengths=lengths)
+                     for c, (keys, values) in zip(state, host))
 
     def step(self) -> bool:
         """Read the next piece; True when every row has read its prompt."""
@@ -129,5 +143,5 @@ def compile_pieces(builder, batch: int, capacity: int, widths) -> None:
     tokens = lambda width: np.zeros((batch, width), np.int32)  # noqa: E731
     ones = np.ones((batch,), np.int32)
     for width, fresh in sorted(widths):
-        state = builder.resume(builder.start(batch, capacity), tokens(width), ones, fresh=fresh)
+        state = builder.resume(_start(builder, batch, capacity), tokens(width), ones, fresh=fresh)
         jax.block_until_ready(builder.resume(state, tokens(width), ones))
