@@ -4,13 +4,40 @@ checked against offline `kvjax.split_generate`.
     python -m launch.bench.load                                   # toy: serial, batched, disaggregated x 1/8/32/128
     python -m launch.bench.load --topologies=disaggregated --concurrency=32 --kill-prefill   # fault run
     python -m launch.bench.load --topologies=batched --concurrency=32 --soak=600              # soak: RSS, slots
+    python -m launch.bench.load --workload=conversation --topologies=batched,batched+prefix  # multi-turn chats
+    python -m launch.bench.load --workload=arrival --topologies=batched,batched+chunked       # a long prompt arrives
 
 For each topology it starts the server as a subprocess on a free localhost port (warmed up: every prefill bucket
 compiled before timing; JAX's persistent compilation cache shared between the servers), runs each concurrency level
 (clients stream greedy completions of held-out toy prompts, 256-1K tokens, 64 new tokens; a 429 waits Retry-After
 and retries), and stops the server. Prompts come from a pool of `--prompts` held-out windows cut at `--lengths`
-distinct lengths, so the offline reference (one split_generate per prompt, alone, with the run's gate) compiles a
-few programs; it is computed first and cached in the output directory.
+distinct lengths, so the offline reference (split_generate with the run's gate, prompts of equal length batched
+`--offline-batch` at a time: the same answers as one call per prompt, which `--offline-batch=1` makes) compiles a
+few programs; it is computed first and cached in the output directory (offline*.json).
+
+A `--topologies` entry is an arm: a topology with server features after a plus, `batched+prefix` (the server's
+prefix cache of transferred caches, reused by token-block prefix: `--prefix-cache-mb` of our `--prefix-mb`, and
+`--prefix-block` if ours is given), `batched+chunked` (chunked prefill, long prompts prefilled in chunks between
+decode steps: the server's `--max-step-tokens` of ours) or both (`batched+prefix+chunked`); results are named by the
+whole entry.
+
+Workloads (`--workload`):
+- independent (default): each client sends `--requests` prompts of the pool, one after another.
+- conversation: each client runs one `--turns`-turn conversation (client c: conversation c % `--conversations`,
+  default the largest concurrency level; `--requests` is ignored). Every conversation opens with the same
+  `--system-tokens` system prompt, then turn k sends system + user_1 + answer_1 + ... + user_k, the user messages
+  (`--user-tokens`, distinct per conversation and turn) held-out text, answer_j the OFFLINE greedy answer of turn j:
+  the prompts are fixed in advance, each turn is checked against offline, and a conversation whose answer differed
+  goes on with the offline one. Reported besides the above: TTFT p50/p99 of turn 1 and of turns >= 2, per turn,
+  and the server's prefix-cache counters over the level (hit rate, reused / looked-up tokens, evictions, bytes).
+  An arm's server, and so its prefix cache, lives through all its levels: a level after the first finds the
+  earlier levels' conversations cached (one level per run measures a cold cache).
+- arrival (chunked prefill): `--decoders` clients each stream `--decode-tokens` greedy tokens after a
+  `--short-tokens` prompt; once all decode (each has a token, or `--first-token-wait` s passed) and each has
+  `--lead-tokens` (default a quarter of them; at most `--settle` s more), one client sends a `--long-tokens` prompt
+  (max_tokens 8). Reported per arm: the decoders' inter-token latency p50/p99 from the long
+  request's submission to its first token ("during") and in an equal window just before ("before"), the p99 ratio
+  during / before, and the long request's TTFT; `--concurrency` is not used.
 
 Per level it records TTFT, inter-token latency, end-to-end latency (p50/p99), aggregate tokens/s (generated tokens /
 wall time of the level), errors, lost or hung requests (no answer within --timeout) and answers that differ from
@@ -24,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import hashlib
 import json
 import os
@@ -32,20 +60,32 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Callable, Iterator
 
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HOST = "127.0.0.1"  # localhost only
+WINDOWS = "checkpoints/toy/eval/heldout_windows.npy"  # held-out toy text, [rows, 1025]
+WORKLOADS = ("independent", "conversation", "arrival")
+TOPOLOGIES = ("serial", "batched", "disaggregated")
+ALIGN = 128  # server capacities are multiples of this
+LONG_NEW_TOKENS = 8  # max_tokens of the arrival workload's long request
+# the server's prefix-cache counters (Prometheus counters: NAME_total) and gauges
+PREFIX_COUNTERS = ("lookups", "hits", "lookup_tokens", "reused_tokens", "evictions")
+PREFIX_GAUGES = ("bytes", "blocks")
 
 
 def args_parser():
     p = argparse.ArgumentParser(prog="python -m launch.bench.load", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="toy")
     p.add_argument("--map", default="", help="serve this map directory (default: the config's run)")
-    p.add_argument("--topologies", default="serial,batched,disaggregated")
-    p.add_argument("--concurrency", default="1,8,32,128")
-    p.add_argument("--requests", type=int, default=4, help="requests per client")
+    p.add_argument("--workload", choices=WORKLOADS, default="independent",
+                   help="independent prompts, multi-turn conversations, or a long prompt arriving during decode")
+    p.add_argument("--topologies", default="serial,batched,disaggregated",
+                   help="arms: TOPOLOGY[+prefix][+chunked], comma-separated")
+    p.add_argument("--concurrency", default="1,8,32,128", help="client counts (levels); not used by arrival")
+    p.add_argument("--requests", type=int, default=4, help="requests per client (independent only)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--min-len", type=int, default=256)
     p.add_argument("--max-len", type=int, default=1024)
@@ -57,61 +97,317 @@ def args_parser():
     p.add_argument("--level-timeout", type=float, default=1800.0, help="wall limit per concurrency level (s)")
     p.add_argument("--kill-prefill", action="store_true",
                    help="disaggregated: kill the prefill worker once mid-level (POST /admin/faults)")
-    p.add_argument("--soak", type=float, default=0.0, help="instead of levels: run for this many seconds")
+    p.add_argument("--soak", type=float, default=0.0,
+                   help="independent: instead of levels, run for this many seconds")
+    g = p.add_argument_group("conversation")
+    g.add_argument("--turns", type=int, default=4, help="turns per conversation, one request each (default 4)")
+    g.add_argument("--conversations", type=int, default=0,
+                   help="distinct conversations (default 0: the largest --concurrency level)")
+    g.add_argument("--system-tokens", type=int, default=512, help="the shared system prompt (default 512)")
+    g.add_argument("--user-tokens", type=int, default=96, help="each user message (default 96)")
+    g = p.add_argument_group("arrival")
+    g.add_argument("--decoders", type=int, default=32,
+                   help="clients decoding when the long prompt arrives (default 32)")
+    g.add_argument("--short-tokens", type=int, default=256, help="each decoder's prompt (default 256)")
+    g.add_argument("--decode-tokens", type=int, default=256, help="each decoder's max_tokens (default 256)")
+    g.add_argument("--long-tokens", type=int, default=2000, help="the long prompt, max_tokens 8 (default 2000)")
+    g.add_argument("--first-token-wait", type=float, default=30.0,
+                   help="at most this long (s) for every decoder's first token before the long prompt (default 30)")
+    g.add_argument("--lead-tokens", type=int, default=0,
+                   help="then until every decoder has this many tokens (default 0: --decode-tokens / 4) ...")
+    g.add_argument("--settle", type=float, default=2.0,
+                   help="... or this long (s) has passed, the long prompt is sent (default 2)")
+    g = p.add_argument_group("arms (+prefix, +chunked)")
+    g.add_argument("--prefix-mb", type=int, default=1024,
+                   help="+prefix: the server's --prefix-cache-mb (default 1024)")
+    g.add_argument("--prefix-block", type=int, default=0,
+                   help="+prefix: the server's --prefix-block (default 0: the server's default)")
+    g.add_argument("--max-step-tokens", type=int, default=256,
+                   help="+chunked: the server's --max-step-tokens (default 256)")
+    p.add_argument("--offline-batch", type=int, default=8,
+                   help="offline reference: equal-length prompts per split_generate call (default 8; 1: one call per "
+                   "prompt)")
     p.add_argument("--out", default="runs/serve_load")
     p.add_argument("--server-arg", action="append", default=[], help="extra argument for kvjax.serve")
     return p
 
 
-# ---- prompts and the offline reference -------------------------------------------------------------------------
+def check_args(a) -> list[str]:
+    out = []
+    if a.soak and a.workload != "independent":
+        out.append("--soak runs the independent workload only")
+    if a.workload == "conversation" and (a.turns < 1 or a.system_tokens + a.user_tokens < 2 or a.user_tokens < 1):
+        out.append("conversation: --turns >= 1, --user-tokens >= 1 and a prompt of >= 2 tokens")
+    if a.workload == "arrival" and (a.decoders < 1 or a.short_tokens < 2 or a.long_tokens < 2):
+        out.append("arrival: --decoders >= 1, --short-tokens and --long-tokens >= 2")
+    return out
+
+
+# ---- prompts ---------------------------------------------------------------------------------------------------
+
+def heldout_windows() -> np.ndarray:
+    return np.load(os.path.join(REPO, WINDOWS))
+
+
+def heldout_span(windows: np.ndarray, start: int, n: int) -> list[int]:
+    """n tokens of held-out text from flat position `start` (row * width + offset), continuing into the next rows
+    (and wrapping around the array)."""
+    flat = windows.reshape(-1)
+    return [int(t) for t in flat[(start + np.arange(n)) % flat.size]]
+
 
 def prompt_pool(a) -> list[list[int]]:
-    windows = np.load(os.path.join(REPO, "checkpoints/toy/eval/heldout_windows.npy"))  # held-out toy text
+    windows = heldout_windows()
     lengths = np.linspace(a.min_len, a.max_len, a.lengths).astype(int)
     return [[int(t) for t in windows[i % len(windows), : lengths[i % len(lengths)]]] for i in range(a.prompts)]
 
 
-def offline_reference(a, prompts, out_dir) -> tuple[list[list[int]], str]:
-    """Greedy split_generate of each prompt alone (with the run's gate: the path the server takes), cut after the
-    first EOS; cached by prompt pool, map and settings."""
-    sys.path.insert(0, REPO)
-    from kvjax.serve.cli import locate
-    from kvjax.config_flags import build
-    from kvjax.preflight import resolve_models
-    from kvjax.run_config import RunConfig
-    cfg = resolve_models(build(a.config, [], RunConfig))
-    map_dir, gate_path = locate(cfg, a.config, a.map, "")
-    key = hashlib.sha256(json.dumps([prompts, os.path.abspath(map_dir), a.new_tokens,
-                                     os.path.getmtime(os.path.join(map_dir, "manifest.json"))]).encode()).hexdigest()
-    cache = os.path.join(out_dir, "offline.json")
-    if os.path.isfile(cache):
-        with open(cache) as f:
-            saved = json.load(f)
-        if saved["key"] == key:
-            return saved["answers"], saved["path"]
-    import jax.numpy as jnp
+def conversation_parts(windows: np.ndarray, conversations: int, turns: int, system_tokens: int,
+                       user_tokens: int) -> tuple[list[int], list[list[list[int]]]]:
+    """(system prompt, users[conversation][turn]): the system prompt from the first rows, each user message from
+    the rows after it (message u: row first + u % free, offset (u // free) * user_tokens)."""
+    rows, width = windows.shape
+    first = -(-system_tokens // width)  # rows the system prompt takes
+    free = rows - first
+    if free < 1 or (conversations * turns - 1) // free * user_tokens >= width:
+        raise ValueError(f"{conversations} x {turns} user messages of {user_tokens} tokens do not fit the "
+                         f"held-out windows {windows.shape} after a {system_tokens}-token system prompt")
+    system = heldout_span(windows, 0, system_tokens)
+    users = [[heldout_span(windows, (first + u % free) * width + (u // free) * user_tokens, user_tokens)
+              for u in range(c * turns, (c + 1) * turns)] for c in range(conversations)]
+    return system, users
 
-    import kvjax
-    source = kvjax.load_hf(cfg.source.path, dtype=jnp.dtype(cfg.source.dtype))
-    target = kvjax.load_hf(cfg.target.path, dtype=jnp.dtype(cfg.target.dtype))
-    kvmap = kvjax.load_map(map_dir, source.cfg, target.cfg)
-    gate = kvjax.load_gate(gate_path) if gate_path else True
-    eos = set(target.cfg.eos_token_ids)
-    answers, path = [], "split"
-    t0 = time.time()
+
+def turn_prompt(system: list[int], users: list[list[int]], answers: list[list[int]], k: int) -> list[int]:
+    """Turn k's prompt (0-based): system + user_0 + answer_0 + ... + user_k."""
+    out = list(system)
+    for j in range(k):
+        out += users[j] + answers[j]
+    return out + users[k]
+
+
+def arrival_prompts(windows: np.ndarray, decoders: int, short_tokens: int,
+                    long_tokens: int) -> tuple[list[list[int]], list[int]]:
+    """(decoders' prompts, the long prompt): decoder i from row i (offset (i // rows) * short_tokens past the first
+    pass), the long prompt from the row after the decoders' on."""
+    rows, width = windows.shape
+    short = [heldout_span(windows, (i % rows) * width + (i // rows) * short_tokens, short_tokens)
+             for i in range(decoders)]
+    return short, heldout_span(windows, (decoders % rows) * width, long_tokens)
+
+
+# ---- the offline reference -------------------------------------------------------------------------------------
+
+def cut_at_eos(ids, eos) -> list[int]:
+    ids = [int(t) for t in ids]
+    return ids[: next((j + 1 for j, t in enumerate(ids) if t in eos), len(ids))]
+
+
+def equal_length_groups(prompts: list[list[int]], batch: int) -> list[list[int]]:
+    """Indices of the prompts in groups of equal length, at most `batch` each (first-seen order)."""
+    by_len: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
-        res = kvjax.split_generate(source, target, kvmap, [p], a.new_tokens, gate=gate)
-        ids = [int(t) for t in np.asarray(res.tokens)[0]]
-        cut = next((j + 1 for j, t in enumerate(ids) if t in eos), len(ids))
-        answers.append(ids[:cut])
-        path = res.path
-        print(f"offline {i + 1}/{len(prompts)} ({len(p)} tokens, {time.time() - t0:.0f}s)", flush=True)
-    with open(cache, "w") as f:
-        json.dump({"key": key, "answers": answers, "path": path, "map": map_dir}, f)
-    return answers, path
+        by_len.setdefault(len(p), []).append(i)
+    return [idx[s: s + batch] for idx in by_len.values() for s in range(0, len(idx), max(1, batch))]
 
 
-# ---- the server ------------------------------------------------------------------------------------------------
+def padded_rows(n: int, batch: int) -> int:
+    """The rows of a call for a group of n prompts: the next power of two (at most `batch`), so a few programs
+    serve every group; the extra rows repeat the last prompt and are dropped."""
+    return min(max(batch, 1), 1 << max(0, (n - 1).bit_length()))
+
+
+class Offline:
+    """Greedy split_generate with the run's gate (the path the server takes), answers cut after the first EOS. The
+    models load on the first generate (a cached reference needs none)."""
+
+    def __init__(self, a):
+        sys.path.insert(0, REPO)
+        from kvjax.config_flags import build
+        from kvjax.preflight import resolve_models
+        from kvjax.run_config import RunConfig
+        from kvjax.serve.cli import locate
+        self.cfg = resolve_models(build(a.config, [], RunConfig))
+        self.map_dir, self.gate_path = locate(self.cfg, a.config, a.map, "")
+        self.batch = a.offline_batch
+        self.models = None
+        self.path = "split"
+
+    def key(self, *parts) -> str:
+        mtime = os.path.getmtime(os.path.join(self.map_dir, "manifest.json"))
+        return hashlib.sha256(json.dumps([*parts, os.path.abspath(self.map_dir), mtime]).encode()).hexdigest()
+
+    def _load(self):
+        import jax.numpy as jnp
+
+        import kvjax
+        source = kvjax.load_hf(self.cfg.source.path, dtype=jnp.dtype(self.cfg.source.dtype))
+        target = kvjax.load_hf(self.cfg.target.path, dtype=jnp.dtype(self.cfg.target.dtype))
+        kvmap = kvjax.load_map(self.map_dir, source.cfg, target.cfg)
+        gate = kvjax.load_gate(self.gate_path) if self.gate_path else True
+        self.models = (source, target, kvmap, gate, set(target.cfg.eos_token_ids))
+
+    def generate(self, prompts: list[list[int]], new_tokens: int, what: str = "offline") -> list[list[int]]:
+        import kvjax
+        if self.models is None:
+            self._load()
+        source, target, kvmap, gate, eos = self.models
+        answers: list = [None] * len(prompts)
+        t0, done = time.time(), 0
+        for group in equal_length_groups(prompts, self.batch):
+            rows = [prompts[i] for i in group]
+            rows += [rows[-1]] * (padded_rows(len(rows), self.batch) - len(rows))
+            res = kvjax.split_generate(source, target, kvmap, rows, new_tokens, gate=gate)
+            for i, ids in zip(group, np.asarray(res.tokens)):
+                answers[i] = cut_at_eos(ids, eos)
+            self.path = res.path
+            done += len(group)
+            print(f"{what} {done}/{len(prompts)} ({len(rows[0])} tokens, {time.time() - t0:.0f}s)", flush=True)
+        return answers
+
+
+def cached(out_dir: str, name: str, key: str, compute: Callable[[], dict]) -> dict:
+    """compute() (a JSON-able dict), kept in OUT/name under `key` and reused while the key matches."""
+    path = os.path.join(out_dir, name)
+    if os.path.isfile(path):
+        with open(path) as f:
+            saved = json.load(f)
+        if saved.get("key") == key:
+            return saved
+    saved = dict(compute(), key=key)
+    with open(path, "w") as f:
+        json.dump(saved, f)
+    return saved
+
+
+def offline_reference(a, prompts, out_dir, offline: Offline | None = None) -> tuple[list[list[int]], str]:
+    """Greedy answers of each prompt (cut after the first EOS); cached by prompt pool, map and settings."""
+    off = offline or Offline(a)
+
+    def compute():
+        return {"answers": off.generate(prompts, a.new_tokens), "path": off.path, "map": off.map_dir}
+    saved = cached(out_dir, "offline.json", off.key(prompts, a.new_tokens), compute)
+    return saved["answers"], saved["path"]
+
+
+def conversation_reference(a, system, users, out_dir, offline: Offline | None = None):
+    """(prompts[c][k], answers[c][k], path): turn by turn, every conversation's turn k answered offline before
+    turn k + 1's prompts (which hold those answers) exist; cached like offline_reference."""
+    off = offline or Offline(a)
+
+    def compute():
+        answers = [[] for _ in users]
+        for k in range(len(users[0])):
+            prompts = [turn_prompt(system, u, ans, k) for u, ans in zip(users, answers)]
+            for ans, new in zip(answers, off.generate(prompts, a.new_tokens, f"offline turn {k + 1}")):
+                ans.append(new)
+        return {"answers": answers, "path": off.path, "map": off.map_dir}
+    saved = cached(out_dir, "offline_conversation.json", off.key(system, users, a.new_tokens), compute)
+    answers = saved["answers"]
+    prompts = [[turn_prompt(system, u, ans, k) for k in range(len(u))] for u, ans in zip(users, answers)]
+    return prompts, answers, saved["path"]
+
+
+def arrival_reference(a, short, long, out_dir, offline: Offline | None = None):
+    """(decoders' answers of --decode-tokens, the long prompt's answer of 8 tokens, path); cached."""
+    off = offline or Offline(a)
+
+    def compute():
+        dec = off.generate(short, a.decode_tokens, "offline decoders")
+        return {"decoders": dec, "long": off.generate([long], LONG_NEW_TOKENS, "offline long")[0],
+                "path": off.path, "map": off.map_dir}
+    saved = cached(out_dir, "offline_arrival.json", off.key(short, long, a.decode_tokens, LONG_NEW_TOKENS), compute)
+    return saved["decoders"], saved["long"], saved["path"]
+
+
+# ---- workloads: what each client sends, and what the server must fit ------------------------------------------
+
+@dataclasses.dataclass
+class Plan:
+    """A workload ready to run: `jobs(concurrency)` gives each client c its requests, in order, as dicts (prompt,
+    answer, max_tokens, tags: fields recorded with the request). `capacity` and `warmup` size the server."""
+
+    jobs: Callable[[int], Callable[[int], Iterator[dict]]]
+    per_client: int  # requests per client (a soak: open-ended)
+    capacity: int
+    warmup: tuple[int, int]  # prompt tokens MIN:MAX whose prefill shapes are compiled before timing
+    max_tokens: int
+    arrival: dict | None = None  # arrival: decoders, long, their answers
+
+
+def aligned(n: int) -> int:
+    return -(-int(n) // ALIGN) * ALIGN
+
+
+def independent_plan(a, out_dir, offline=None) -> Plan:
+    prompts = prompt_pool(a)
+    answers, path = offline_reference(a, prompts, out_dir, offline)
+    print(f"offline reference: {len(prompts)} prompts, path {path}", flush=True)
+
+    def jobs(concurrency):
+        t_end = time.perf_counter() + a.soak
+
+        def client(c):
+            j = 0
+            while (j < a.requests) if not a.soak else (time.perf_counter() < t_end):
+                i = (c * a.requests + j) % len(prompts)
+                yield {"prompt": prompts[i], "answer": answers[i], "tags": {"prompt": i}}
+                j += 1
+        return client
+    return Plan(jobs, a.requests, aligned(a.max_len + a.new_tokens), (a.min_len, a.max_len), a.new_tokens)
+
+
+def conversation_plan(a, out_dir, offline=None) -> Plan:
+    n = a.conversations or max(levels(a))
+    system, users = conversation_parts(heldout_windows(), n, a.turns, a.system_tokens, a.user_tokens)
+    prompts, answers, path = conversation_reference(a, system, users, out_dir, offline)
+    lengths = [len(p) for conv in prompts for p in conv]
+    print(f"offline reference: {n} conversations x {a.turns} turns ({min(lengths)}-{max(lengths)} tokens), "
+          f"path {path}", flush=True)
+
+    def jobs(concurrency):
+        def client(c):
+            conv = c % n
+            for k in range(a.turns):
+                yield {"prompt": prompts[conv][k], "answer": answers[conv][k],
+                       "tags": {"conversation": conv, "turn": k + 1, "prompt_tokens": len(prompts[conv][k])}}
+        return client
+    return Plan(jobs, a.turns, aligned(max(lengths) + a.new_tokens), (min(lengths), max(lengths)), a.new_tokens)
+
+
+def arrival_plan(a, out_dir, offline=None) -> Plan:
+    short, long = arrival_prompts(heldout_windows(), a.decoders, a.short_tokens, a.long_tokens)
+    dec_answers, long_answer, path = arrival_reference(a, short, long, out_dir, offline)
+    print(f"offline reference: {len(short)} decoders x {a.decode_tokens} tokens, a {len(long)}-token prompt, "
+          f"path {path}", flush=True)
+    capacity = aligned(max(a.short_tokens + a.decode_tokens, a.long_tokens + LONG_NEW_TOKENS))
+    return Plan(None, 1, capacity, (min(a.short_tokens, a.long_tokens), max(a.short_tokens, a.long_tokens)),
+                max(a.decode_tokens, LONG_NEW_TOKENS),
+                arrival={"short": short, "long": long, "short_answers": dec_answers, "long_answer": long_answer})
+
+
+def levels(a) -> list[int]:
+    return [int(c) for c in a.concurrency.split(",")]
+
+
+# ---- arms and the server ---------------------------------------------------------------------------------------
+
+def parse_arm(entry: str, a) -> tuple[str, list[str]]:
+    """'batched+prefix+chunked' -> ('batched', the server flags of its features)."""
+    topology, *features = entry.strip().split("+")
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"arm {entry!r}: topology {topology!r} is not one of {', '.join(TOPOLOGIES)}")
+    flags = []
+    for f in features:
+        if f == "prefix":
+            flags += ["--prefix-cache-mb", str(a.prefix_mb)]
+            flags += ["--prefix-block", str(a.prefix_block)] if a.prefix_block else []
+        elif f == "chunked":
+            flags += ["--max-step-tokens", str(a.max_step_tokens)]
+        else:
+            raise ValueError(f"arm {entry!r}: feature {f!r} is not prefix or chunked")
+    return topology, flags
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -120,14 +416,16 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, a, topology: str, out_dir: str, faults: bool):
+    def __init__(self, a, arm: str, out_dir: str, faults: bool, plan: Plan):
+        topology, flags = parse_arm(arm, a)
         self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
-        capacity = -(-(a.max_len + a.new_tokens) // 128) * 128
         cmd = [sys.executable, "-m", "kvjax.serve", f"--config={a.config}", "--host", HOST, "--port", str(self.port),
-               "--topology", topology, "--slots", str(a.slots), "--capacity", str(capacity),
-               "--max-prefill-batch", str(a.max_prefill_batch), "--warmup", f"{a.min_len}:{a.max_len}",
-               "--request-timeout", str(a.timeout), "--max-queue", "1024", *a.server_arg]
+               "--topology", topology, "--slots", str(a.slots), "--capacity", str(plan.capacity),
+               "--max-prefill-batch", str(a.max_prefill_batch), "--warmup", "%d:%d" % plan.warmup,
+               "--request-timeout", str(a.timeout), "--max-queue", "1024", *flags, *a.server_arg]
+        if plan.max_tokens > 1024:  # the server's default limit
+            cmd += ["--max-tokens", str(plan.max_tokens)]
         if a.map:
             cmd += ["--map", a.map]
         if faults:
@@ -135,7 +433,7 @@ class ServerProcess:
         env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=os.environ.get("JAX_COMPILATION_CACHE_DIR",
                                                                        os.path.join(out_dir, "jax_cache")),
                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", PYTHONPATH=REPO)
-        self.log_path = os.path.join(out_dir, f"server_{topology}.log")
+        self.log_path = os.path.join(out_dir, f"server_{arm}.log")
         self.log = open(self.log_path, "w")
         self.cmd = cmd
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env=env)
@@ -175,14 +473,47 @@ class ServerProcess:
         self.log.close()
 
 
+# ---- /metrics --------------------------------------------------------------------------------------------------
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {metric name: value}, samples of one name summed over their labels."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name = name_labels.split("{", 1)[0].strip()
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def prefix_stats(before: dict[str, float], after: dict[str, float]) -> dict:
+    """The prefix cache over a level: counter deltas (0 when the server has none), hit rate = hits / lookups,
+    reused / looked-up prompt tokens, and the gauges after (NaN when absent)."""
+    d = {k: after.get(f"kvjax_prefix_{k}_total", 0.0) - before.get(f"kvjax_prefix_{k}_total", 0.0)
+         for k in PREFIX_COUNTERS}
+    out = {f"prefix_{k}": v for k, v in d.items()}
+    out["prefix_hit_rate"] = d["hits"] / d["lookups"] if d["lookups"] else float("nan")
+    out["prefix_reused_frac"] = d["reused_tokens"] / d["lookup_tokens"] if d["lookup_tokens"] else float("nan")
+    for k in PREFIX_GAUGES:
+        out[f"prefix_{k}_after"] = after.get(f"kvjax_prefix_{k}", float("nan"))
+    return out
+
+
 # ---- clients ---------------------------------------------------------------------------------------------------
 
-async def one_request(client, url, prompt, a, model) -> dict:
-    """One streamed greedy completion: timings, token ids, and what went wrong."""
-    body = {"model": model, "prompt": prompt, "max_tokens": a.new_tokens, "temperature": 0, "stream": True}
-    rec = {"ids": [], "ttft": None, "itl": [], "e2e": None, "error": None, "retries": 0, "hung": False}
+async def one_request(client, url, prompt, a, model, max_tokens: int | None = None, on_token=None) -> dict:
+    """One streamed greedy completion: timings (and each token chunk's arrival time, perf_counter), token ids, and
+    what went wrong. `on_token(rec)` is called after each chunk of tokens."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens or a.new_tokens, "temperature": 0,
+            "stream": True}
+    rec = {"ids": [], "ttft": None, "itl": [], "e2e": None, "error": None, "retries": 0, "hung": False,
+           "t0": None, "times": []}
     while True:
-        t0 = time.perf_counter()
+        t0 = rec["t0"] = time.perf_counter()
         last = None
         try:
             async with client.stream("POST", url + "/v1/completions", json=body) as r:
@@ -212,7 +543,10 @@ async def one_request(client, url, prompt, a, model) -> dict:
                         else:
                             rec["itl"].append(now - last)
                         last = now
+                        rec["times"].append(now)
                         rec["ids"] += ids
+                        if on_token:
+                            on_token(rec)
             rec["e2e"] = time.perf_counter() - t0
             return rec
         except Exception as e:  # noqa: BLE001 - recorded: a timeout is a hung request
@@ -222,39 +556,42 @@ async def one_request(client, url, prompt, a, model) -> dict:
             return rec
 
 
-async def run_level(url, prompts, answers, a, concurrency: int, model: str, kill_after: int = 0,
+def checked(rec: dict, job: dict) -> dict:
+    rec.update(job.get("tags", {}))
+    rec["match"] = rec["ids"] == job["answer"] and not rec["error"]
+    return rec
+
+
+async def rss_sampler(samples: list, rss, every: float):
+    while True:
+        samples.append((time.perf_counter(), rss()))
+        await asyncio.sleep(every)
+
+
+async def run_level(url, plan: Plan, a, concurrency: int, model: str, kill_after: int = 0,
                     soak: float = 0.0, rss=None) -> dict:
     import httpx
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
     records = []
     done_count = 0
     killed = asyncio.Event()
-    t_end = time.perf_counter() + soak if soak else None
+    jobs = plan.jobs(concurrency)
 
     async def client_loop(c, client):
         nonlocal done_count
-        j = 0
-        while (j < a.requests) if not soak else (time.perf_counter() < t_end):
-            i = (c * a.requests + j) % len(prompts)
-            rec = await one_request(client, url, prompts[i], a, model)
-            rec["prompt"], rec["match"] = i, rec["ids"] == answers[i] and not rec["error"]
-            records.append(rec)
+        for job in jobs(c):
+            rec = await one_request(client, url, job["prompt"], a, model, job.get("max_tokens"))
+            records.append(checked(rec, job))
             done_count += 1
-            j += 1
             if kill_after and done_count >= kill_after and not killed.is_set():
                 killed.set()
                 await client.post(url + "/admin/faults", json={"stage": "worker", "kind": "kill", "times": 1})
 
     samples = []
-
-    async def sampler():
-        while True:
-            samples.append((time.perf_counter(), rss()))
-            await asyncio.sleep(10 if soak else 2)
-
     async with httpx.AsyncClient(timeout=httpx.Timeout(a.timeout, connect=30), limits=limits) as client:
+        before = (await client.get(url + "/metrics")).text
         t0 = time.perf_counter()
-        sampling = asyncio.ensure_future(sampler()) if rss else None
+        sampling = asyncio.ensure_future(rss_sampler(samples, rss, 10 if soak else 2)) if rss else None
         tasks = [asyncio.ensure_future(client_loop(c, client)) for c in range(concurrency)]
         _, pending = await asyncio.wait(tasks, timeout=a.level_timeout + soak)
         for t in pending:  # past the level's wall limit: whatever is still running is hung
@@ -264,8 +601,71 @@ async def run_level(url, prompts, answers, a, concurrency: int, model: str, kill
             sampling.cancel()
         metrics = (await client.get(url + "/metrics")).text
         health = (await client.get(url + "/health")).json()
-    return summarize(records, wall, concurrency, len(pending), metrics, health, samples)
+    out = summarize(records, wall, concurrency, len(pending), metrics, health, samples)
+    out.update(prefix_stats(parse_metrics(before), parse_metrics(metrics)))
+    if any("turn" in r for r in records):
+        out.update(turn_summary(records))
+        out["detail"] = [{k: r.get(k) for k in ("conversation", "turn", "prompt_tokens", "ttft", "e2e", "match",
+                                                 "error")} for r in records]
+    return out
 
+
+class Progress:
+    """How far the decoders are: set `first` once every one has a token, `lead` once every one has `lead` tokens."""
+
+    def __init__(self, n: int, lead: int):
+        self.n, self.lead, self.tokens = n, lead, {}
+        self.first, self.led = asyncio.Event(), asyncio.Event()
+
+    def __call__(self, rec):
+        self.tokens[id(rec)] = len(rec["ids"])
+        if len(self.tokens) == self.n:
+            self.first.set()
+            if min(self.tokens.values()) >= self.lead:
+                self.led.set()
+
+
+async def run_arrival(url, plan: Plan, a, model: str, rss=None) -> dict:
+    """The decoders start; once each has a token (or --first-token-wait passed), and then each has --lead-tokens
+    (or --settle passed), the long prompt."""
+    import httpx
+    arr, n = plan.arrival, len(plan.arrival["short"])
+    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
+    lead = a.lead_tokens or max(1, a.decode_tokens // 4)
+    progress = Progress(n, min(lead, *map(len, arr["short_answers"])))  # one stopping at EOS has fewer
+
+    samples = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(a.timeout, connect=30), limits=limits) as client:
+        before = (await client.get(url + "/metrics")).text
+        t0 = time.perf_counter()
+        sampling = asyncio.ensure_future(rss_sampler(samples, rss, 2)) if rss else None
+        tasks = [asyncio.ensure_future(one_request(client, url, p, a, model, a.decode_tokens, progress))
+                 for p in arr["short"]]
+        for event, wait, what in ((progress.first, a.first_token_wait, "a token"),
+                                  (progress.led, a.settle, f"{progress.lead} tokens")):
+            try:
+                await asyncio.wait_for(event.wait(), wait)
+            except asyncio.TimeoutError:
+                print(f"arrival: not every decoder had {what} after {wait:.1f}s", flush=True)
+        long = await one_request(client, url, arr["long"], a, model, LONG_NEW_TOKENS)
+        _, pending = await asyncio.wait(tasks, timeout=a.level_timeout)
+        for t in pending:
+            t.cancel()
+        wall = time.perf_counter() - t0
+        if sampling:
+            sampling.cancel()
+        metrics = (await client.get(url + "/metrics")).text
+        health = (await client.get(url + "/health")).json()
+    decs = [checked(t.result(), {"answer": ans, "tags": {"role": "decoder"}})
+            for t, ans in zip(tasks, arr["short_answers"]) if t not in pending]
+    long = checked(long, {"answer": arr["long_answer"], "tags": {"role": "long"}})
+    out = summarize(decs + [long], wall, n + 1, len(pending), metrics, health, samples)
+    out.update(prefix_stats(parse_metrics(before), parse_metrics(metrics)))
+    out.update(arrival_summary(decs, long), long_tokens=len(arr["long"]), decode_tokens=a.decode_tokens)
+    return out
+
+
+# ---- summaries -------------------------------------------------------------------------------------------------
 
 def pct(xs, q):
     return float(np.percentile(xs, q)) if len(xs) else float("nan")
@@ -289,18 +689,83 @@ def summarize(records, wall, concurrency, hung_clients, metrics_text, health, sa
             "health_after": health.get("status"), "rss_mb": [(round(t, 1), round(m, 1)) for t, m in samples]}
 
 
+def turn_summary(records) -> dict:
+    """TTFT p50/p99 of turn 1 and of turns >= 2, and per turn ({turn: {n, ttft_p50, ttft_p99, mismatches}})."""
+    ok = [r for r in records if not r["error"] and r["ttft"] is not None]
+    first = [r["ttft"] for r in ok if r["turn"] == 1]
+    later = [r["ttft"] for r in ok if r["turn"] >= 2]
+    per = {}
+    for t in sorted({r["turn"] for r in records}):
+        xs = [r["ttft"] for r in ok if r["turn"] == t]
+        per[str(t)] = {"n": len(xs), "ttft_p50": pct(xs, 50), "ttft_p99": pct(xs, 99),
+                       "mismatches": sum(1 for r in ok if r["turn"] == t and not r["match"])}
+    return {"ttft_turn1_p50": pct(first, 50), "ttft_turn1_p99": pct(first, 99), "ttft_later_p50": pct(later, 50),
+            "ttft_later_p99": pct(later, 99), "per_turn": per}
+
+
+def token_gaps(times: list[float]) -> list[tuple[float, float]]:
+    """(start, end) of each gap between a request's consecutive token arrivals."""
+    return list(zip(times[:-1], times[1:]))
+
+
+def arrival_summary(decoders: list[dict], long: dict) -> dict:
+    """The decoders' inter-token gaps while the long prompt waited for its first token (gaps ending after its
+    submission and starting before its first token: "during") and in an equal window before its submission (gaps
+    ending in it: "before"); the long request's TTFT; the decoders still streaming at its first token."""
+    t_sub = long["t0"]
+    t_first = long["times"][0] if long["times"] else float("nan")
+    span = t_first - t_sub
+    gaps = [g for r in decoders for g in token_gaps(r["times"])]
+    during = [e - s for s, e in gaps if e > t_sub and s < t_first]
+    before = [e - s for s, e in gaps if t_sub - span < e <= t_sub]
+    p99_before, p99_during = pct(before, 99), pct(during, 99)
+    return {"long_ttft": span,
+            "long_match": long["match"], "itl_before_p50": pct(before, 50), "itl_before_p99": p99_before,
+            "itl_during_p50": pct(during, 50), "itl_during_p99": p99_during,
+            "itl_p99_ratio": p99_during / p99_before if before and during else float("nan"),
+            "gaps_before": len(before), "gaps_during": len(during),
+            "decoders_streaming_at_long_first_token": sum(1 for r in decoders if r["times"] and
+                                                          r["times"][0] <= t_sub and r["times"][-1] >= t_first),
+            "decoder_times": [[round(t - t_sub, 4) for t in r["times"]] for r in decoders]}
+
+
 # ---- report ----------------------------------------------------------------------------------------------------
 
-def report(results: dict, out_dir: str, command: str) -> None:
-    rows = ["| topology | clients | requests | ok | errors | hung | != offline | 429 retries | tokens/s | TTFT p50 (s) "
-            "| TTFT p99 (s) | ITL p50 (ms) | ITL p99 (ms) | e2e p50 (s) | e2e p99 (s) |", "|" + "---|" * 15]
-    for topo, levels in results.items():
-        for r in levels:
-            rows.append(f"| {topo} | {r['concurrency']} | {r['requests']} | {r['ok']} | {r['errors']} | {r['hung']} | "
-                        f"{r['mismatches']} | {r['retries_429']} | {r['tokens_per_s']:.0f} | {r['ttft_p50']:.3f} | "
-                        f"{r['ttft_p99']:.3f} | {1e3 * r['itl_p50']:.1f} | {1e3 * r['itl_p99']:.1f} | "
-                        f"{r['e2e_p50']:.2f} | {r['e2e_p99']:.2f} |")
-    text = f"# kvjax.serve under load\n\n`{command}`\n\n" + "\n".join(rows) + "\n"
+def level_table(results: dict, conversation: bool) -> list[str]:
+    head = ("| topology | clients | requests | ok | errors | hung | != offline | 429 retries | tokens/s | TTFT p50 (s) "
+            "| TTFT p99 (s) | ITL p50 (ms) | ITL p99 (ms) | e2e p50 (s) | e2e p99 (s) |")
+    cols = 15
+    if conversation:
+        head += " TTFT p99 turn 1 (s) | TTFT p99 turns >= 2 (s) | prefix hit rate | reused / looked-up tokens |"
+        cols += 4
+    rows = [head, "|" + "---|" * cols]
+    for topo, levels_ in results.items():
+        for r in levels_:
+            row = (f"| {topo} | {r['concurrency']} | {r['requests']} | {r['ok']} | {r['errors']} | {r['hung']} | "
+                   f"{r['mismatches']} | {r['retries_429']} | {r['tokens_per_s']:.0f} | {r['ttft_p50']:.3f} | "
+                   f"{r['ttft_p99']:.3f} | {1e3 * r['itl_p50']:.1f} | {1e3 * r['itl_p99']:.1f} | "
+                   f"{r['e2e_p50']:.2f} | {r['e2e_p99']:.2f} |")
+            if conversation:
+                row += (f" {r['ttft_turn1_p99']:.3f} | {r['ttft_later_p99']:.3f} | {r['prefix_hit_rate']:.2f} | "
+                        f"{r['prefix_reused_frac']:.2f} |")
+            rows.append(row)
+    return rows
+
+
+def arrival_table(results: dict) -> list[str]:
+    rows = ["| arm | decoders | != offline | errors | hung | long TTFT (s) | ITL p50 / p99 before (ms) "
+            "| ITL p50 / p99 during (ms) | p99 during / before | decoders streaming throughout |", "|" + "---|" * 10]
+    for arm, (r,) in results.items():
+        rows.append(f"| {arm} | {r['concurrency'] - 1} | {r['mismatches']} | {r['errors']} | {r['hung']} | "
+                    f"{r['long_ttft']:.3f} | {1e3 * r['itl_before_p50']:.1f} / {1e3 * r['itl_before_p99']:.1f} | "
+                    f"{1e3 * r['itl_during_p50']:.1f} / {1e3 * r['itl_during_p99']:.1f} | "
+                    f"{r['itl_p99_ratio']:.2f} | {r['decoders_streaming_at_long_first_token']} |")
+    return rows
+
+
+def report(results: dict, out_dir: str, command: str, workload: str = "independent") -> None:
+    rows = arrival_table(results) if workload == "arrival" else level_table(results, workload == "conversation")
+    text = f"# kvjax.serve under load ({workload})\n\n`{command}`\n\n" + "\n".join(rows) + "\n"
     with open(os.path.join(out_dir, "report.md"), "w") as f:
         f.write(text)
     print(text)
@@ -308,55 +773,108 @@ def report(results: dict, out_dir: str, command: str) -> None:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-        for topo, levels in results.items():
-            c = [r["concurrency"] for r in levels]
-            axes[0].plot(c, [r["tokens_per_s"] for r in levels], "o-", label=topo)
-            axes[1].plot(c, [r["ttft_p99"] for r in levels], "o-", label=topo)
-        for ax, title in zip(axes, ("aggregate tokens/s", "TTFT p99 (s)")):
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("concurrent clients")
-            ax.set_title(title)
-            ax.legend()
-        axes[1].set_yscale("log")
+        fig = arrival_chart(plt, results) if workload == "arrival" else level_chart(plt, results, workload)
         fig.tight_layout()
         fig.savefig(os.path.join(out_dir, "load.png"), dpi=100)
     except Exception as e:  # noqa: BLE001 - the table is the result; a chart failure must not lose it
         print(f"chart not drawn: {e}")
 
 
+def level_chart(plt, results: dict, workload: str):
+    """tokens/s and TTFT p99 per arm against clients; a conversation adds TTFT p99 per turn at the largest level."""
+    conversation = workload == "conversation"
+    fig, axes = plt.subplots(1, 3 if conversation else 2, figsize=(15 if conversation else 10, 4))
+    for topo, levels_ in results.items():
+        c = [r["concurrency"] for r in levels_]
+        axes[0].plot(c, [r["tokens_per_s"] for r in levels_], "o-", label=topo)
+        axes[1].plot(c, [r["ttft_p99"] for r in levels_], "o-", label=topo)
+    for ax, title in zip(axes, ("aggregate tokens/s", "TTFT p99 (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_title(title)
+        ax.legend()
+    axes[1].set_yscale("log")
+    if conversation:
+        for topo, levels_ in results.items():
+            per = levels_[-1]["per_turn"]
+            axes[2].plot([int(t) for t in per], [v["ttft_p99"] for v in per.values()], "o-",
+                         label=f"{topo} ({levels_[-1]['concurrency']} clients)")
+        axes[2].set_xticks(range(1, max(len(v[-1]["per_turn"]) for v in results.values()) + 1))
+        axes[2].set_xlabel("turn")
+        axes[2].set_title("TTFT p99 per turn (s)")
+        axes[2].legend()
+    return fig
+
+
+def arrival_chart(plt, results: dict):
+    """Per arm: the decoders' ITL p99 before / during the long prompt's prefill, and the long prompt's TTFT."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    arms = list(results)
+    x = np.arange(len(arms))
+    axes[0].bar(x - 0.2, [1e3 * results[k][0]["itl_before_p99"] for k in arms], 0.4, label="before")
+    axes[0].bar(x + 0.2, [1e3 * results[k][0]["itl_during_p99"] for k in arms], 0.4, label="during")
+    axes[0].set_title("decoders' ITL p99 (ms)")
+    axes[0].legend()
+    axes[1].bar(x, [results[k][0]["long_ttft"] for k in arms], 0.5)
+    axes[1].set_title("long prompt TTFT (s)")
+    for ax in axes:
+        ax.set_xticks(x, arms)
+    return fig
+
+
+# ---- main ------------------------------------------------------------------------------------------------------
+
+PLANS = {"independent": independent_plan, "conversation": conversation_plan, "arrival": arrival_plan}
+
+
+def run_arm(a, arm: str, plan: Plan, server: ServerProcess, out: list, save: Callable[[], None]) -> None:
+    """Every level of one arm (arrival: its one run), each appended to `out` and saved as it finishes."""
+    import httpx
+    model = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    if plan.arrival is not None:
+        out.append(asyncio.run(run_arrival(server.url, plan, a, model, rss=server.rss_mb)))
+        print(json.dumps({k: v for k, v in out[-1].items() if k not in ("rss_mb", "decoder_times")}), flush=True)
+        return save()
+    for c in levels(a):
+        kill = a.kill_prefill and parse_arm(arm, a)[0] == "disaggregated"
+        kill_after = max(1, c * plan.per_client // 3) if kill else 0
+        r = asyncio.run(run_level(server.url, plan, a, c, model, kill_after, a.soak, rss=server.rss_mb))
+        r["killed_prefill_worker"] = bool(kill_after)
+        out.append(r)
+        print(json.dumps({k: v for k, v in r.items() if k not in ("rss_mb", "detail")}), flush=True)
+        save()
+
+
 def main(argv=None) -> int:
     a = args_parser().parse_args(argv)
+    arms = a.topologies.split(",")
+    try:
+        for arm in arms:
+            parse_arm(arm, a)
+    except ValueError as e:
+        args_parser().error(str(e))
+    if check_args(a):
+        args_parser().error("; ".join(check_args(a)))
     out_dir = os.path.abspath(a.out)
     os.makedirs(out_dir, exist_ok=True)
     command = "python -m launch.bench.load " + " ".join(sys.argv[1:] if argv is None else argv)
-    prompts = prompt_pool(a)
-    answers, path = offline_reference(a, prompts, out_dir)
-    print(f"offline reference: {len(prompts)} prompts, path {path}", flush=True)
-    results_path = os.path.join(out_dir, "load.json")
+    plan = PLANS[a.workload](a, out_dir)
     results = {}
-    for topo in a.topologies.split(","):
-        server = ServerProcess(a, topo, out_dir, faults=a.kill_prefill)
+
+    def save():
+        with open(os.path.join(out_dir, "load.json"), "w") as f:
+            json.dump({"command": command, "workload": a.workload, "results": results}, f, indent=1)
+    for arm in arms:
+        server = ServerProcess(a, arm, out_dir, faults=a.kill_prefill, plan=plan)
         try:
             t0 = time.time()
             server.wait_ready()
-            print(f"{topo}: server ready in {time.time() - t0:.0f}s", flush=True)
-            import httpx
-            model = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
-            results[topo] = []
-            levels = [int(c) for c in a.concurrency.split(",")]
-            for c in levels:
-                kill_after = max(1, c * a.requests // 3) if a.kill_prefill and topo == "disaggregated" else 0
-                r = asyncio.run(run_level(server.url, prompts, answers, a, c, model, kill_after, a.soak,
-                                          rss=server.rss_mb))
-                r["killed_prefill_worker"] = bool(kill_after)
-                results[topo].append(r)
-                print(json.dumps({k: v for k, v in r.items() if k != "rss_mb"}), flush=True)
-                with open(results_path, "w") as f:
-                    json.dump({"command": command, "results": results}, f, indent=1)
+            print(f"{arm}: server ready in {time.time() - t0:.0f}s", flush=True)
+            results[arm] = []
+            run_arm(a, arm, plan, server, results[arm], save)
         finally:
             server.stop()
-    report(results, out_dir, command)
+    report(results, out_dir, command, a.workload)
     return 0
 
 
