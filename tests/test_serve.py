@@ -38,14 +38,19 @@ def tiny(layers, hidden, heads, kv_heads, seed, theta, vocab):
     return cfg, kvjax.init_params(cfg, jax.random.key(seed), std=0.1)
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    tok = kvjax.load_tokenizer(TOKENIZER)
-    vocab = tok.get_vocab_size()
+def tiny_pair(vocab):
+    """The serving tests' tiny source and target, and a map fitted on random windows."""
     source = tiny(3, 64, 4, 2, 0, 1e4, vocab)
     target = tiny(2, 32, 2, 1, 1, 5e3, vocab)
     windows = lambda n, seed: np.random.RandomState(seed).randint(1, vocab, (n, 48)).astype(np.int32)  # noqa: E731
     kvmap, _ = kvjax.fit_map(source, target, windows(16, 0), windows(8, 1), batch_size=8, residual_rank=4)
+    return source, target, kvmap
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tok = kvjax.load_tokenizer(TOKENIZER)
+    source, target, kvmap = tiny_pair(tok.get_vocab_size())
     chat_dir = tmp_path_factory.mktemp("chat")
     with open(chat_dir / "tokenizer_config.json", "w") as f:
         json.dump({"chat_template": TEMPLATE, "eos_token": "<|endoftext|>"}, f)

@@ -17,7 +17,7 @@ from kvjax.serve import Engine, EngineConfig
 from kvjax.serve.config import Request
 from kvjax.serve.prefix import PrefixCache
 
-from test_serve import TOKENIZER, tiny
+from test_serve import TOKENIZER, tiny_pair
 
 CAPACITY = 256
 
@@ -26,10 +26,7 @@ CAPACITY = 256
 def stack(tmp_path_factory):
     tok = kvjax.load_tokenizer(TOKENIZER)
     vocab = tok.get_vocab_size()
-    source = tiny(3, 64, 4, 2, 0, 1e4, vocab)
-    target = tiny(2, 32, 2, 1, 1, 5e3, vocab)
-    windows = lambda n, seed: np.random.RandomState(seed).randint(1, vocab, (n, 48)).astype(np.int32)  # noqa: E731
-    kvmap, _ = kvjax.fit_map(source, target, windows(16, 0), windows(8, 1), batch_size=8, residual_rank=4)
+    source, target, kvmap = tiny_pair(vocab)
     # a context map as training leaves one (each position also reads the two before it), through its artifact
     rs = np.random.RandomState(2)
     ctx = with_context(kvmap, 2, seed=0)
