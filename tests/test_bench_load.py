@@ -1,10 +1,11 @@
-"""The pure parts of the load tool (launch/bench/load.py): workload prompts, the offline reference's grouping, arms,
+"""The pure parts of the load tool (launch/bench/load.py, launch/bench/load_workloads.py): workload prompts, the offline reference's grouping, arms,
 /metrics parsing and the per-turn and arrival summaries. No server, no models."""
 
 import numpy as np
 import pytest
 
 from launch.bench import load
+from launch.bench import load_workloads as workloads
 
 
 def windows(rows=12, width=40):
@@ -17,49 +18,49 @@ def args(*argv):
 
 def test_heldout_span_continues_into_the_next_row_and_wraps():
     w = windows(rows=3, width=4)
-    assert load.heldout_span(w, 2, 4) == [2, 3, 4, 5]
-    assert load.heldout_span(w, 10, 4) == [10, 11, 0, 1]
+    assert workloads.heldout_span(w, 2, 4) == [2, 3, 4, 5]
+    assert workloads.heldout_span(w, 10, 4) == [10, 11, 0, 1]
 
 
 def test_conversation_parts_share_the_system_prompt_and_keep_user_messages_apart():
     w = windows()
-    system, users = load.conversation_parts(w, conversations=5, turns=3, system_tokens=50, user_tokens=8)
+    system, users = workloads.conversation_parts(w, conversations=5, turns=3, system_tokens=50, user_tokens=8)
     assert system == list(range(50))
     assert len(users) == 5 and all(len(u) == 3 and all(len(m) == 8 for m in u) for u in users)
     flat = [tuple(m) for u in users for m in u]
     assert len(set(flat)) == len(flat)  # distinct per conversation and turn
     assert not set(t for m in flat for t in m) & set(system)  # other rows than the system prompt's
     # more messages than free rows: the second pass starts further into each row
-    _, users = load.conversation_parts(w, conversations=8, turns=2, system_tokens=40, user_tokens=8)
+    _, users = workloads.conversation_parts(w, conversations=8, turns=2, system_tokens=40, user_tokens=8)
     flat = [tuple(m) for u in users for m in u]
     assert len(set(flat)) == len(flat) and flat[11][0] == 40 + 8  # message 11: row 1 again, 8 further
     with pytest.raises(ValueError, match="do not fit"):
-        load.conversation_parts(w, conversations=100, turns=4, system_tokens=40, user_tokens=8)
+        workloads.conversation_parts(w, conversations=100, turns=4, system_tokens=40, user_tokens=8)
 
 
 def test_turn_prompt_is_system_then_the_user_answer_pairs_then_this_turns_user():
     system, users, answers = [1, 2], [[10], [20, 21], [30]], [[11, 12], [22], [33]]
-    assert load.turn_prompt(system, users, answers, 0) == [1, 2, 10]
-    assert load.turn_prompt(system, users, answers, 1) == [1, 2, 10, 11, 12, 20, 21]
-    assert load.turn_prompt(system, users, answers[:2], 2) == [1, 2, 10, 11, 12, 20, 21, 22, 30]
+    assert workloads.turn_prompt(system, users, answers, 0) == [1, 2, 10]
+    assert workloads.turn_prompt(system, users, answers, 1) == [1, 2, 10, 11, 12, 20, 21]
+    assert workloads.turn_prompt(system, users, answers[:2], 2) == [1, 2, 10, 11, 12, 20, 21, 22, 30]
     # each turn's prompt extends the previous one: a prefix cache can reuse it
-    assert load.turn_prompt(system, users, answers, 2)[:7] == load.turn_prompt(system, users, answers, 1)
+    assert workloads.turn_prompt(system, users, answers, 2)[:7] == workloads.turn_prompt(system, users, answers, 1)
 
 
 def test_arrival_prompts():
-    short, long = load.arrival_prompts(windows(), decoders=3, short_tokens=16, long_tokens=100)
+    short, long = workloads.arrival_prompts(windows(), decoders=3, short_tokens=16, long_tokens=100)
     assert [len(p) for p in short] == [16, 16, 16] and len(long) == 100
     assert short[1][0] == 40 and long[:2] == [120, 121] and long[40] == 160  # row 3 on, across rows
 
 
 def test_offline_grouping_and_eos_cut():
     prompts = [[1] * 5, [2] * 3, [3] * 5, [4] * 5, [5] * 3]
-    assert load.equal_length_groups(prompts, 2) == [[0, 2], [3], [1, 4]]
-    assert load.equal_length_groups(prompts, 1) == [[0], [2], [3], [1], [4]]
-    assert [load.padded_rows(n, 8) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
-    assert load.padded_rows(3, 1) == 1
-    assert load.cut_at_eos(np.array([5, 7, 0, 0]), {0}) == [5, 7, 0]
-    assert load.cut_at_eos([5, 7], {0}) == [5, 7]
+    assert workloads.equal_length_groups(prompts, 2) == [[0, 2], [3], [1, 4]]
+    assert workloads.equal_length_groups(prompts, 1) == [[0], [2], [3], [1], [4]]
+    assert [workloads.padded_rows(n, 8) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    assert workloads.padded_rows(3, 1) == 1
+    assert workloads.cut_at_eos(np.array([5, 7, 0, 0]), {0}) == [5, 7, 0]
+    assert workloads.cut_at_eos([5, 7], {0}) == [5, 7]
 
 
 def test_cached_recomputes_only_when_the_key_changes(tmp_path):
@@ -68,9 +69,9 @@ def test_cached_recomputes_only_when_the_key_changes(tmp_path):
     def compute():
         calls.append(1)
         return {"answers": [[len(calls)]]}
-    assert load.cached(str(tmp_path), "x.json", "k1", compute)["answers"] == [[1]]
-    assert load.cached(str(tmp_path), "x.json", "k1", compute)["answers"] == [[1]]
-    assert load.cached(str(tmp_path), "x.json", "k2", compute)["answers"] == [[2]]
+    assert workloads.cached(str(tmp_path), "x.json", "k1", compute)["answers"] == [[1]]
+    assert workloads.cached(str(tmp_path), "x.json", "k1", compute)["answers"] == [[1]]
+    assert workloads.cached(str(tmp_path), "x.json", "k2", compute)["answers"] == [[2]]
 
 
 def test_parse_arm():
@@ -179,14 +180,14 @@ def test_summarize_keeps_its_fields():
 def test_plan_shapes_the_server(monkeypatch, tmp_path):
     a = args("--workload", "conversation", "--concurrency", "2", "--turns", "2", "--system-tokens", "64",
              "--user-tokens", "32", "--new-tokens", "8")
-    monkeypatch.setattr(load, "heldout_windows", lambda: windows(rows=20, width=100))
+    monkeypatch.setattr(workloads, "heldout_windows", lambda: windows(rows=20, width=100))
 
     def reference(a, system, users, out_dir, offline=None):
         answers = [[[7] * 8 for _ in u] for u in users]
-        prompts = [[load.turn_prompt(system, u, ans, k) for k in range(len(u))] for u, ans in zip(users, answers)]
+        prompts = [[workloads.turn_prompt(system, u, ans, k) for k in range(len(u))] for u, ans in zip(users, answers)]
         return prompts, answers, "split"
-    monkeypatch.setattr(load, "conversation_reference", reference)
-    plan = load.conversation_plan(a, str(tmp_path))
+    monkeypatch.setattr(workloads, "conversation_reference", reference)
+    plan = workloads.conversation_plan(a, str(tmp_path))
     assert plan.warmup == (96, 136) and plan.capacity == 256 and plan.per_client == 2
     jobs = list(plan.jobs(3)(2))  # client 2 of 3 runs conversation 0
     assert [j["tags"]["turn"] for j in jobs] == [1, 2] and jobs[0]["tags"]["conversation"] == 0
@@ -195,10 +196,10 @@ def test_plan_shapes_the_server(monkeypatch, tmp_path):
 
 def test_arrival_plan_fits_the_long_prompt(monkeypatch, tmp_path):
     a = args("--workload", "arrival", "--decoders", "2", "--long-tokens", "512", "--decode-tokens", "32")
-    monkeypatch.setattr(load, "heldout_windows", lambda: windows(rows=20, width=100))
-    monkeypatch.setattr(load, "arrival_reference",
+    monkeypatch.setattr(workloads, "heldout_windows", lambda: windows(rows=20, width=100))
+    monkeypatch.setattr(workloads, "arrival_reference",
                         lambda a, short, long, out_dir, offline=None: ([[1]] * len(short), [1], "split"))
-    plan = load.arrival_plan(a, str(tmp_path))
+    plan = workloads.arrival_plan(a, str(tmp_path))
     assert plan.capacity == 640 and plan.warmup == (256, 512) and len(plan.arrival["short"]) == 2
 
 

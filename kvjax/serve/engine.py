@@ -223,8 +223,6 @@ class Engine:
     def _prefill_once(self, reqs: list[Request], device):
         for r in reqs:
             self.faults.check("prefill", r)
-        bucket = programs.bucket_for(max(len(r.prompt) - 1 for r in reqs), self.buckets)
-        batch = programs.batch_size_for(len(reqs), self.config.max_prefill_batch)
         t0 = time.perf_counter()
         if self._pieces and not reqs[0].audio:
             job = self._new_job(reqs, device, chunk=0)
@@ -235,6 +233,8 @@ class Engine:
             computed = job.computed
         else:
             builder = self._audio_builder(reqs, device) if reqs[0].audio else self._builders[device]
+            bucket = programs.bucket_for(max(len(r.prompt) - 1 for r in reqs), self.buckets)
+            batch = programs.batch_size_for(len(reqs), self.config.max_prefill_batch)
             cache = programs.prefill_batch(builder, [r.prompt for r in reqs], bucket, batch)
             computed = sum(len(r.prompt) - 1 for r in reqs)
         return self._prefilled(cache, device, t0, computed)
