@@ -140,6 +140,10 @@ def test_a_prompt_read_in_pieces_gets_the_cache_it_gets_read_whole(stack, which)
         state = builder.resume(state, tokens[:, lo:hi], n, fresh=i == 0)
     got = state[-1]
     np.testing.assert_array_equal(got.lengths, lengths)
+    if which == "mapped":  # a source that is not plain text (e.g. an audio adapter listening) is refused
+        other = Mapped(stack["source"], stack["target"], stack["kvmap"], shared=NativePrefill(stack["source"]))
+        with pytest.raises(TypeError, match="cannot be read in pieces"):
+            other.resume(other.start(3, 128), tokens[:, :8], np.full(3, 8, np.int32))
     assert got.origin == whole.origin
     for a, b in zip(got.keys + got.values, whole.keys + whole.values):
         for row, n in enumerate(lengths):

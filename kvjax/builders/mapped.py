@@ -64,6 +64,9 @@ class Mapped(CacheBuilder, Resumable):
         return source, init_cache(self.model[0], batch, capacity, dtype).replace(origin=f"mapped:{self.kvmap.map_id}")
 
     def resume(self, state, tokens, lengths, fresh: bool = False) -> tuple[KVCache, KVCache]:
+        if type(self.source) is not SourcePrefill:  # e.g. an AudioPrefill: its prompt is not just these tokens
+            raise TypeError(f"{self!r} reads the prompt through {self.source!r}, which cannot be read in pieces; "
+                            "only a text source (SourcePrefill) can")
         (source, target), (cfg, params) = state, self.source.model
         start = jnp.copy(source.lengths)  # the prefill donates the source cache
         _, source, _, _ = prefill_jit(params, cfg, jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32),
