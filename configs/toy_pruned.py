@@ -15,7 +15,10 @@ cache-map issue's quality goals: the ridge's key / value cosine >= 0.90 / 0.60 (
 the native target's on purpose), the residual >= 20% below the ridge in source-teacher KL, and on every
 multiple-choice set the mapped target ahead of the native one (paired interval above zero) by >= 60% of the
 target-to-source gap. The per-head ridge peer (kvjax.fitting.perhead, top-3 source layers per target head) is fitted
-on the same calibration windows and scored on the same items (arm "perhead"). The default run
+on the same calibration windows and scored on the same items (arm "perhead"), and so is the bridge map
+(kvjax.fitting.bridge: each target KV head on its 2 best-matched source KV heads of the ridge's paired layers, the fit
+weighted by the target's attention mass; arm "bridge"; not in the default run: its fit takes ~65 CPU s there). The
+default run
 (configs/toy_pruned_quick.py) is this pair in minutes.
 """
 
@@ -38,8 +41,10 @@ def get_config():
         residual=dataclasses.replace(base.residual, steps=3000, warmup_steps=20, save_every=100),
         eval=dataclasses.replace(base.eval, kl=dataclasses.replace(base.eval.kl, windows=128),
                                  mc=dataclasses.replace(base.eval.mc, limit=1000,
-                                                        arms=(*base.eval.mc.arms, "perhead"))),
-        peers=PeerConfig(perhead_topk=3),  # the per-head ridge peer (Heo et al.) as an arm: issue 22's peer table
+                                                        arms=(*base.eval.mc.arms, "perhead", "bridge"))),
+        # the per-head ridge peer (Heo et al.) as an arm: issue 22's peer table; the bridge map (issue 40: each target
+        # KV head on its 2 best-matched source KV heads, attention-weighted) beside it
+        peers=PeerConfig(perhead_topk=3, bridge_topk=2),
         gate=GateConfig(min_key_cos=0.9, min_value_cos=0.6, max_kl_vs_target=1.0, min_kl_reduction=0.2,
                         min_mc_retention=1.0, min_mc_gap_recovered=0.6, min_mc_gain_ci_lo=0.0, cos_arm="ridge"),
     )

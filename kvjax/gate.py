@@ -30,10 +30,23 @@ class GateConfig:
     # exact-match retrieval of the gated map, worst length (0..1): where the native target retrieves nothing (a
     # target that cannot read its context alone) retention is undefined, and this is the check that can fail
     min_retrieval: float | None = None
+    # RULER-style retrieval (evaluation `ruler`): the gated map's exact match on the worst needle format never shown in
+    # training, at the shortest length scored (the goal: >= 0.5 at 1K on each unseen format)
+    min_ruler_unseen: float | None = None
     # (mapped - target) / (source - target) accuracy, worst multiple-choice set (undefined where the source is not
     # ahead of the target: then the check is not measured)
     min_mc_gap_recovered: float | None = None
     min_mc_gain_ci_lo: float | None = None  # lower end of the paired 95% interval of mapped - target, worst set
+    # chance-normalised retention (mapped - chance) / (native target - chance), worst multiple-choice set: the share
+    # of the target's margin over guessing the mapped cache keeps (undefined where the target is at chance)
+    min_chance_retention: float | None = None
+    # next-token agreement with the source's argmax of the target reading the gated map's cache / that of the target
+    # reading direct injection (evaluation `agreement`; the seed's "30x over direct injection")
+    min_agreement_vs_direct: float | None = None
+    # end-to-end latency of a request on the split path (source prefill, map, target decode of the throughput
+    # evaluation's new tokens) / the native source's, worst prefix length: above 1 the split path answers later than
+    # the source would have (the seed's "integrated end-to-end latency" gate)
+    max_latency_vs_source: float | None = None
     # the arm whose cache distances min_key_cos / min_value_cos check (None: the gated map). A KL-trained residual
     # moves the cache away from the native target's on purpose, so a gate may hold the ridge to the cosine bounds
     cos_arm: str | None = None
@@ -52,8 +65,9 @@ class GateConfig:
         return {k: v for k, v in dataclasses.asdict(self).items() if not (k in ADDED_LATER and v is None)}
 
 
-ADDED_LATER = ("min_attn_cos", "min_retrieval", "min_audio_gain_ci_lo", "min_audio_gap_recovered",
-               "min_audio_margin_kept", "min_audio_decode_ratio")  # checks that did not exist in earlier runs (see GateConfig.hashed)
+ADDED_LATER = ("min_ruler_unseen", "min_attn_cos", "min_retrieval", "min_audio_gain_ci_lo", "min_audio_gap_recovered",
+               "min_audio_margin_kept", "min_audio_decode_ratio", "min_chance_retention",
+               "min_agreement_vs_direct", "max_latency_vs_source")  # checks that did not exist in earlier runs (see GateConfig.hashed)
 
 
 @dataclasses.dataclass(frozen=True)

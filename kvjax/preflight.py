@@ -214,6 +214,13 @@ def validate(cfg: RunConfig) -> None:
     if not 0 <= cfg.residual.context <= 8:
         problems.append(f"residual.context={cfg.residual.context}: use 0 (each position alone) or 1..8 previous "
                         "positions")
+    if not 0 <= cfg.residual.attention_heads <= 16 or cfg.residual.attention_dim < 2 or cfg.residual.attention_dim % 2:
+        problems.append(f"residual.attention_heads={cfg.residual.attention_heads}, residual.attention_dim="
+                        f"{cfg.residual.attention_dim}: use 0 heads (no cross-position attention) or 1..16 heads of an "
+                        "even width >= 2 (RoPE rotates pairs)")
+    if cfg.residual.ridge_lr <= 0:
+        problems.append(f"residual.ridge_lr={cfg.residual.ridge_lr} must be > 0 (the ridge's learning rate as a "
+                        "multiple of the residual's; residual.train_ridge=false keeps the ridge frozen)")
     if not 0.0 <= cfg.residual.ema < 1.0:
         problems.append(f"residual.ema={cfg.residual.ema}: must be in [0, 1) (e.g. 0.995; 0: the last iterate)")
     problems += copy_window_problems(cfg, cfgs)
@@ -222,6 +229,13 @@ def validate(cfg: RunConfig) -> None:
         problems.append(f"peers.perhead_topk={peers.perhead_topk}: use 0 (off) or 1..the source's layers")
     if peers.perhead_lambda <= 0:
         problems.append(f"peers.perhead_lambda={peers.perhead_lambda} must be > 0")
+    paired = 1 if cfg.map.pairing == "depth" else int(cfg.map.pairing[3:]) if cfg.map.pairing[3:].isdigit() else 1
+    heads = paired * cfgs["source"].num_kv_heads if "source" in cfgs else None  # the bridge's candidate heads
+    if peers.bridge_topk < 0 or (heads is not None and peers.bridge_topk > heads):
+        problems.append(f"peers.bridge_topk={peers.bridge_topk}: use 0 (off) or 1..the source KV heads of the layers "
+                        f"the ridge pairs with a target layer ({heads if heads is not None else '?'} here)")
+    if peers.bridge_clip < 0:
+        problems.append(f"peers.bridge_clip={peers.bridge_clip}: use 0 (no clip) or a multiple of the mean weight > 0")
     problems += cfg.arms.problems(cfgs['target'].num_layers if 'target' in cfgs else None)
     problems += suite.preflight(cfg)  # each evaluation's settings and inputs (gate.cos_arm: distances)
     for f in dataclasses.fields(GateConfig):
@@ -265,7 +279,8 @@ def copy_window_problems(cfg: RunConfig, model_cfgs: dict) -> list[str]:
         fmt = fact_format(load_tokenizer(cfg.target.path), rc.copy_separator, rc.copy_values)
         if rc.copy_span < fmt.min_span():
             problems.append(f"residual.copy_span={rc.copy_span}: a fact (a key of up to 5 tokens, the separator "
-                            f"{rc.copy_separator!r} = {len(fmt.separator)} tokens, a value) needs >= {fmt.min_span()}")
+                            f"{rc.copy_separator!r} = up to {fmt.max_separator()} tokens, a value) needs >= "
+                            f"{fmt.min_span()}")
     except ValueError as e:  # the format's text under the pair's tokenizer
         problems.append(f"residual.copy_separator / copy_values: {e}")
     except CheckpointError:

@@ -69,6 +69,12 @@ class PeerConfig:
     # "perhead" (score it with --config.eval.mc.arms=...,perhead); 0: not fitted
     perhead_topk: int = 0
     perhead_lambda: float = 1e-3  # relative to the mean eigenvalue of cov(x)
+    # > 0: also fit the bridge map (kvjax.fitting.bridge, CacheBridge-style: each target KV head on its best
+    # `bridge_topk` source KV heads of the ridge's paired layers, matched by held-out R^2, the fit weighting each
+    # calibration token by the target's attention mass on it) as stage `bridge` and arm "bridge"; 0: not fitted
+    bridge_topk: int = 0
+    bridge_weighted: bool = True  # false: every token weight 1 (head matching alone)
+    bridge_clip: float = 10.0  # weights clipped at this multiple of the window's mean (0: no clip)
 
 
 # one field per evaluation of the job's registry (its settings: --config.eval.NAME.FIELD), then `bootstrap` (the

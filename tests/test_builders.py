@@ -96,6 +96,16 @@ def test_partial_recompute_ends(pair, kvmap):
         PartialRecompute(source, target, kvmap, 3)
     with pytest.raises(ValueError, match="mode must be one of"):
         PartialRecompute(source, target, kvmap, 1, mode="middle")
+    # an explicit placement: the named layers, their k and mode; the bottom / top sets are named as such
+    one = PartialRecompute(source, target, kvmap, layers=(1,))
+    assert (one.layers, one.k, one.mode, one.name) == ((1,), 1, "top", "partial_top1")
+    assert PartialRecompute(source, target, kvmap, layers=(0,)).mode == "bottom"
+    assert_same_cache(PartialRecompute(source, target, kvmap, layers=(1, 0))(tokens, lengths), native,
+                      forward_terms(target[0], tokens.shape[1]))
+    with pytest.raises(ValueError, match="distinct layers of the target's 0..1"):
+        PartialRecompute(source, target, kvmap, layers=(0, 2))
+    with pytest.raises(ValueError, match="distinct layers"):
+        PartialRecompute(source, target, kvmap, layers=(1, 1))
 
 
 def test_partial_recompute_reads_mapped_layers_and_rewrites_only_its_own():

@@ -74,6 +74,27 @@ def test_fact_windows_repeat_a_fact_at_the_stated_gap_deterministically():
         fact_windows(TOKENS, 4, 160, 8, FMT, seed=0)  # key (5) + separator (3) + a value leave no room
 
 
+def test_random_separators_are_drawn_per_fact_from_the_window_text():
+    """copy_separator "*": each fact's separator is 1-3 tokens of its own window's text (no one format to learn)."""
+    fmt = fact_format(char_tokenizer(), "*", "0123456789")
+    assert fmt.separator == () and fmt.max_separator() == 3 and fmt.min_span() == 9
+    windows, at = fact_windows(TOKENS, 60, 160, 12, fmt, seed=3)
+    values = set(fmt.values)
+    seps = set()
+    for w, a in zip(windows, at):
+        fact = w[a : a + 12]
+        np.testing.assert_array_equal(w[160:], fact)
+        # the value: the longest run of alphabet tokens at the fact's end; key + separator: 3..8 tokens before it
+        v = 12
+        while v > 0 and fact[v - 1] in values:
+            v -= 1
+        assert 3 <= v <= 8 or set(fact[v:].tolist()) <= values
+        seps.add(tuple(fact[max(2, v - 3) : v].tolist()))
+    assert len(seps) > 20  # separators differ from fact to fact
+    with pytest.raises(ValueError, match="span must be"):
+        fact_windows(TOKENS, 4, 160, 8, fmt, seed=0)
+
+
 def test_copy_windows_change_the_step_and_training_resumes_exactly(pair, ridge, tmp_path):
     source, target = pair
     tok = char_tokenizer()

@@ -537,7 +537,8 @@ def test_arm_table():
     from kvjax import config_flags
     from kvjax.eval import arms
     from kvjax.run_config import RunConfig
-    assert [a.name for a in arms.TABLE] == ["target", "direct", "perhead", "ridge", "residual", "partial", "source"]
+    assert [a.name for a in arms.TABLE] == ["target", "direct", "perhead", "bridge", "ridge", "residual", "partial",
+                                            "source"]
     assert len({a.colour for a in arms.TABLE}) == len(arms.TABLE)
     for name in ("toy", "toy_pruned", "toy_pruned_quick", "qwen32_8"):  # every arm a shipped config names: in the table
         cfg = config_flags.build(name, [], RunConfig)
@@ -557,14 +558,14 @@ def test_every_arm_builds_its_cache(params):
     target = (CFG, other)
     ridge = injection_map(CFG, CFG)
     built = arms.make_arms([a.name for a in arms.TABLE], source, target,
-                           {"direct": ridge, "perhead": ridge, "ridge": ridge, "residual": ridge})
+                           {"direct": ridge, "perhead": ridge, "bridge": ridge, "ridge": ridge, "residual": ridge})
     tokens, lengths = np.asarray([[5, 6, 7, 8], [9, 10, 0, 0]], np.int32), np.asarray([4, 2], np.int32)
     caches = {a.name: a.batch_fn(tokens, lengths) for a in built}
     assert [a.name for a in built] == [a.name for a in arms.TABLE]
     assert {a.name for a in built if a.model is source} == {"source"}
     np.testing.assert_array_equal(np.asarray(caches["target"].lengths), lengths)
     mapped = apply_map(ridge, caches["source"])  # the mapped arms translate the source's cache
-    for name in ("direct", "perhead", "ridge", "residual"):
+    for name in ("direct", "perhead", "bridge", "ridge", "residual"):
         np.testing.assert_allclose(np.asarray(caches[name].k), np.asarray(mapped.k), atol=1e-6)
         np.testing.assert_allclose(np.asarray(caches[name].v), np.asarray(mapped.v), atol=1e-6)
     assert not np.allclose(np.asarray(caches["target"].k), np.asarray(caches["source"].k))
@@ -582,3 +583,26 @@ def test_every_arm_builds_its_cache(params):
         arms.make_arms(["oracle"], source, target, {})
     with pytest.raises(ValueError, match="no map 'ridge'"):
         arms.make_arms(["ridge"], source, target, {})
+
+
+def test_throughput_reserves_both_devices_and_gates_end_to_end_latency():
+    """Reserved accelerator seconds count every device a path holds for the whole request (the split path: two), and
+    the gate's latency check is the worst prefix length's split-path / source latency."""
+    from kvjax.eval.suite import MetricsContext, throughput
+    from kvjax.gate import GateConfig
+
+    def row(mapped_latency):
+        return {"decode_tps": {"target": 100.0, "source": 50.0, "mapped": 99.0},
+                "active_s": {"target": 0.5, "source": 1.0, "mapped": 0.9},
+                "ttft_s": {"target": 0.1, "source": 0.2, "mapped": 0.3},
+                "latency_s": {"target": 0.6, "source": 1.2, "mapped": mapped_latency},
+                "batch_size": 1, "new_tokens": 64, "repeats": 5, "decode_repeats": 5}
+    m = throughput.metrics({"256": row(0.9), "1024": row(1.5)}, MetricsContext(100, "residual"))
+    assert m["256"]["reserved_s"] == {"target": 0.6, "source": 1.2, "mapped": 1.8}
+    assert m["1024"]["mapped_latency_over_source"] == 1.25 and m["256"]["mapped_latency_over_target"] == 1.5
+    (c,) = throughput.gate(m, GateConfig(max_latency_vs_source=1.1), "residual")
+    assert (c.name, c.value, c.kind) == ("latency_vs_source", 1.25, "max")
+    assert throughput.gate(m, GateConfig(), "residual") == []  # off unless a threshold is set
+    old = {"256": {k: v for k, v in row(0.9).items() if k != "latency_s"}}  # a record from before latency
+    assert "reserved_s" not in throughput.metrics(old, MetricsContext(100, "residual"))["256"]
+    assert any("reserved" in line for line in throughput.report(m, type("Ctx", (), {"charts": {}})()))

@@ -258,7 +258,8 @@ def test_default_config_is_the_pruned_pair_with_the_method_goals_in_its_gate():
     assert "perhead" not in launch.plan(old) and launch.plan(old)["report"].settings["gate"] == \
         {k: v for k, v in dataclasses.asdict(old.gate).items()
          if k not in ("min_attn_cos", "min_retrieval", "min_audio_gain_ci_lo", "min_audio_gap_recovered",
-                      "min_audio_margin_kept", "min_audio_decode_ratio")}  # old runs keep their hash
+                      "min_audio_margin_kept", "min_audio_decode_ratio", "min_ruler_unseen", "min_chance_retention",
+                      "min_agreement_vs_direct", "max_latency_vs_source")}  # old runs keep their hash
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -360,7 +360,84 @@ def test_context_map_reads_the_positions_before_each_one(pair, tmp_path):
         np.testing.assert_array_equal(a, b)
     kvjax.save_map(tmp_path / "plain", kvmap)
     assert kvjax.load_map(tmp_path / "plain").keys[0].down_prev is None
-    with pytest.raises(ValueError, match="residual rank or context"):
+    with pytest.raises(ValueError, match="residual rank, context"):
         warm_start(ctx, str(tmp_path / "plain"))
     np.testing.assert_array_equal(warm_start(ctx, str(tmp_path / "ctx")).values[1].down_prev,
                                   trained.values[1].down_prev)
+
+
+def test_cross_position_map_attends_over_every_earlier_position(pair, tmp_path, monkeypatch):
+    from kvjax.kernels.map_insert import insert_layers, map_insert_reference
+    from kvjax.mapper import kvmap as kvmap_module
+    from kvjax.mapper.kvmap import LinearMap, apply_map
+    from kvjax.fitting.residual import warm_start, with_attention
+
+    ks = jax.random.split(jax.random.key(1), 10)
+    fx, fy, h, r, a, d = 12, 8, 4, 3, 2, 6
+    m = LinearMap(mu=jax.random.normal(ks[0], (fx,)), scale=jnp.float32(2.0), w_in=jax.random.normal(ks[1], (fx, r)),
+                  w_out=jax.random.normal(ks[2], (r, fy)), bias=jax.random.normal(ks[3], (fy,)),
+                  down=jax.random.normal(ks[4], (fx, h)), res_bias=jnp.zeros(h), up=jax.random.normal(ks[5], (h, fy)),
+                  att_q=jax.random.normal(ks[6], (a, fx, d)), att_k=jax.random.normal(ks[7], (a, fx, d)),
+                  att_v=jax.random.normal(ks[8], (a, fx, d)), att_o=jax.random.normal(ks[9], (a, d, h)))
+    x = jax.random.normal(jax.random.key(2), (2, 10, fx))
+    whole = m(x)
+    np.testing.assert_allclose(m(x[:, 4:], x[:, :4]), whole[:, 4:], atol=1e-5)  # a later block reads all its past
+    moved = m(x.at[:, 0].add(3.0))  # position 0 reaches every later position (a context map's few would not)
+    np.testing.assert_array_equal(moved[:, :0], whole[:, :0])
+    assert np.abs(np.asarray(moved - whole))[:, 1:].min(axis=-1).max() > 0 and not np.allclose(moved[:, 9], whole[:, 9])
+    moved = m(x.at[:, 6].add(3.0))
+    np.testing.assert_array_equal(moved[:, :6], whole[:, :6])  # causal: nothing before it moves
+    monkeypatch.setattr(kvmap_module, "ATTENTION_BLOCK", 3)  # queries in blocks give the same answer
+    np.testing.assert_allclose(m(x), whole, atol=1e-5)
+    monkeypatch.undo()
+    assert not np.allclose(whole, m.replace(att_q=None, att_k=None, att_v=None, att_o=None)(x), atol=1e-3)
+
+    source, target = pair
+    kvmap, _ = kvjax.fit_map(source, target, windows(16, 40), windows(8, 40, seed=1), batch_size=8, residual_rank=4)
+    att = with_attention(kvmap, 2, 8, seed=0)
+    assert all(lm.attends and lm.att_q.shape == (2, lm.down.shape[0], 8) for lm in (*att.keys, *att.values))
+    assert with_attention(att, 2, 8, seed=0) is att
+    with pytest.raises(ValueError, match="attends with"):
+        with_attention(att, 1, 8, seed=0)
+    cache = native_cache(source[1], source[0], jnp.asarray(windows(2, 24, seed=4)))
+    np.testing.assert_allclose(apply_map(att, cache).k, apply_map(kvmap, cache).k, atol=1e-6)  # fresh: unchanged
+
+    tokens = np.random.RandomState(3).randint(1, VOCAB, 4000).astype(np.uint16)
+    rc = ResidualConfig(steps=4, batch_size=2, prefix_len=24, cont_len=8, lr=3e-2, warmup_steps=1, attention_heads=2,
+                        attention_dim=8)
+    trained, hist = kvjax.train_residual(kvmap, source, target, tokens, rc)
+    assert len(hist) == 4 and all(np.abs(np.asarray(lm.att_o)).max() > 0 for lm in trained.keys)
+    np.testing.assert_array_equal(trained.keys[0].w_in, kvmap.keys[0].w_in)  # the ridge stays frozen
+    args = dict(pairing=trained.spec.pairing, tgt_layers=(0, 1), src_rope=source[0].rope, tgt_rope=target[0].rope)
+    zeros = jnp.zeros((2, 2, target[0].num_kv_heads, 24, target[0].head_dim))
+    whole = map_insert_reference(cache.k, cache.v, zeros, zeros, trained.keys, trained.values, length=24, **args)
+    part = (zeros, zeros)
+    for lo, n in ((0, 1), (1, 9), (10, 14)):  # each block reads every position before it
+        part = map_insert_reference(cache.k, cache.v, *part, trained.keys, trained.values, length=n, src_offset=lo,
+                                    dst_offset=lo, **args)
+    for got, want in zip(part, whole):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    with pytest.raises(ValueError, match="cross-position map"):
+        insert_layers(cache.k, cache.v, zeros, zeros, trained.keys, trained.values, length=24, impl="pallas", **args)
+
+    kvjax.save_map(tmp_path / "att", trained)
+    loaded = kvjax.load_map(tmp_path / "att", source[0], target[0])
+    for got, want in zip(jax.tree.leaves(loaded), jax.tree.leaves(trained)):
+        np.testing.assert_array_equal(got, want)
+    kvjax.save_map(tmp_path / "plain", kvmap)
+    with pytest.raises(ValueError, match="context or attention"):
+        warm_start(att, str(tmp_path / "plain"))
+
+
+def test_train_ridge_moves_the_ridge_and_never_mu_or_scale(pair):
+    source, target = pair
+    kvmap, _ = kvjax.fit_map(source, target, windows(16, 40), windows(8, 40, seed=1), batch_size=8, residual_rank=4)
+    tokens = np.random.RandomState(3).randint(1, VOCAB, 4000).astype(np.uint16)
+    rc = ResidualConfig(steps=3, batch_size=2, prefix_len=24, cont_len=8, lr=3e-2, warmup_steps=1, train_ridge=True,
+                        ridge_lr=0.5, ema=0.5)
+    trained, _ = kvjax.train_residual(kvmap, source, target, tokens, rc)
+    for new, old in zip((*trained.keys, *trained.values), (*kvmap.keys, *kvmap.values)):
+        assert not np.allclose(new.w_in, old.w_in) and not np.allclose(new.bias, old.bias)
+        np.testing.assert_array_equal(new.mu, old.mu)
+        np.testing.assert_array_equal(new.scale, old.scale)
+    # (without train_ridge the ridge stays as fitted: test_cross_position_map_attends_over_every_earlier_position)

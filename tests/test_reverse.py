@@ -104,8 +104,8 @@ def test_forward_default_job_is_unchanged():
     cfg = config_flags.build("toy", [], RunConfig)
     stages = launch.plan(dataclasses.replace(cfg, source=dataclasses.replace(cfg.source, path=os.path.join(
         REPO, cfg.source.path)), target=dataclasses.replace(cfg.target, path=os.path.join(REPO, cfg.target.path))))
-    assert list(stages) == ["calibrate", "ridge", "residual", "distances", "kl", "mc", "retrieval", "throughput",
-                            "report"]
+    assert list(stages) == ["calibrate", "ridge", "residual", "distances", "kl", "agreement", "mc", "retrieval",
+                            "throughput", "report"]
     assert stages["residual"].settings == {"residual": {k: v for k, v in dataclasses.asdict(cfg.residual).items()
                                                         if k not in ADDED_LATER}}
     assert not cfg.eval.native_kl.enabled and not cfg.eval.ttft.enabled

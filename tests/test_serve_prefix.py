@@ -12,7 +12,7 @@ import pytest
 
 import kvjax
 from kvjax.builders import Mapped, NativePrefill
-from kvjax.fitting.residual import with_context
+from kvjax.fitting.residual import with_attention, with_context
 from kvjax.serve import Engine, EngineConfig
 from kvjax.serve.config import Request
 from kvjax.serve.prefix import PrefixCache
@@ -35,7 +35,13 @@ def stack(tmp_path_factory):
                                    for m in ctx.values))
     path = tmp_path_factory.mktemp("ctxmap") / "map"
     kvjax.save_map(str(path), ctx)
-    return dict(source=source, target=target, kvmap=kvmap, context=kvjax.load_map(str(path)), tok=tok, vocab=vocab)
+    # a cross-position map (its residual attends over every earlier position), its output projection non-zero
+    att = with_attention(kvmap, 2, 8, seed=0)
+    att = att.replace(**{kind: tuple(m.replace(up=jnp.asarray(rs.randn(*m.up.shape) * 0.1, jnp.float32),
+                                               att_o=jnp.asarray(rs.randn(*m.att_o.shape), jnp.float32))
+                                     for m in getattr(att, kind)) for kind in ("keys", "values")})
+    return dict(source=source, target=target, kvmap=kvmap, context=kvjax.load_map(str(path)), attending=att, tok=tok,
+                vocab=vocab)
 
 
 def ids(stack, n, seed):
@@ -125,10 +131,10 @@ def test_prefix_cache_shares_whole_blocks_evicts_lru_leaves_and_never_a_pinned_o
 
 # ---- reading a prompt in pieces --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("which", ["mapped", "context", "native"])
+@pytest.mark.parametrize("which", ["mapped", "context", "attending", "native"])
 def test_a_prompt_read_in_pieces_gets_the_cache_it_gets_read_whole(stack, which):
     builder = (NativePrefill(stack["target"]) if which == "native" else
-               Mapped(stack["source"], stack["target"], stack["kvmap" if which == "mapped" else "context"]))
+               Mapped(stack["source"], stack["target"], stack["kvmap" if which == "mapped" else which]))
     rs = np.random.RandomState(1)
     tokens = rs.randint(1, stack["vocab"], (3, 90)).astype(np.int32)
     lengths = np.array([90, 70, 41], np.int32)

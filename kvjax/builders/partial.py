@@ -11,7 +11,9 @@ prompt itself repairs that at a fraction of its prefill. Two placements:
              that reading produced. Costs a full pass of target queries and MLPs, so its value is quality, not speed.
 
 Both are one function, `recompute`: layer i uses its own K/V if i is in `layers`, else the mapped cache's; the
-target runs up to its highest recomputed layer and stops there.
+target runs up to its highest recomputed layer and stops there. Any other set of layers is a placement too
+(`PartialRecompute(..., layers=(0, 2))`: layer 0 natively, layer 1 read from the map, layer 2 recomputed from what
+reading it produced).
 """
 
 from __future__ import annotations
@@ -36,6 +38,14 @@ def recompute_layers(num_layers: int, k: int, mode: str) -> tuple[int, ...]:
     if not 0 <= k <= num_layers:
         raise ValueError(f"k = {k} recomputed layers: the target has {num_layers}; pass 0..{num_layers}")
     return tuple(range(k)) if mode == "bottom" else tuple(range(num_layers - k, num_layers))
+
+
+def check_layers(num_layers: int, layers) -> tuple[int, ...]:
+    """An explicit placement: distinct target layers, sorted."""
+    out = tuple(sorted({int(i) for i in layers}))
+    if len(out) != len(tuple(layers)) or any(not 0 <= i < num_layers for i in out):
+        raise ValueError(f"recomputed layers {tuple(layers)}: pass distinct layers of the target's 0..{num_layers - 1}")
+    return out
 
 
 def recompute(params, cfg, tokens: jax.Array, lengths: jax.Array, mapped: KVCache, layers: tuple[int, ...]
@@ -67,14 +77,22 @@ recompute_jit = jax.jit(recompute, static_argnames=("cfg", "layers"), donate_arg
 
 
 class PartialRecompute(CacheBuilder):
-    """A mapped cache in which the target recomputes `k` of its layers (`mode` "bottom" or "top"). k = 0 is the
-    mapped cache itself; k = L (all layers) is the target's own prefill."""
+    """A mapped cache in which the target recomputes `k` of its layers (`mode` "bottom" or "top"; or the explicit
+    `layers`, then k and mode are theirs). k = 0 is the mapped cache itself; k = L (all layers) is the target's own
+    prefill."""
 
-    def __init__(self, source, target, kvmap: KVMap, k: int, mode: str = "bottom", name: str | None = None,
-                 impl: str = "xla", shared: SourcePrefill | None = None):
-        self.layers = recompute_layers(target[0].num_layers, k, mode)
+    def __init__(self, source, target, kvmap: KVMap, k: int = 0, mode: str = "bottom", name: str | None = None,
+                 impl: str = "xla", shared: SourcePrefill | None = None, layers=None):
+        n = target[0].num_layers
+        if layers is None:
+            self.layers = recompute_layers(n, k, mode)
+        else:
+            self.layers = check_layers(n, layers)
+            k, mode = len(self.layers), ("bottom" if self.layers == recompute_layers(n, len(self.layers), "bottom")
+                                         else "top" if self.layers == recompute_layers(n, len(self.layers), "top")
+                                         else "set")
         self.k, self.mode = k, mode
-        self.name = name or f"partial_{mode}{k}"
+        self.name = name or (f"partial_{mode}{k}" if mode != "set" else "partial_" + "_".join(map(str, self.layers)))
         self.mapped = Mapped(source, target, kvmap, impl=impl, shared=shared)
         self.model = self.mapped.model
 

@@ -5,6 +5,8 @@
             widths differ, each layer's features are cut or zero-padded to the target's width (the "raw" baseline)
   perhead   the per-head ridge peer (kvjax.fitting.perhead, Heo et al.: each target KV head on its top-k source
             layers, fixed lambda, no residual); fitted when RunConfig.peers.perhead_topk > 0
+  bridge    the bridge map (kvjax.fitting.bridge, CacheBridge-style: each target KV head on its best-matched source
+            KV heads, the fit weighted by the target's attention mass); fitted when RunConfig.peers.bridge_topk > 0
   ridge     the target answers from the source cache mapped by the ridge map
   residual  the same with the ridge + residual map
   partial   the final map's cache with k target layers recomputed natively (kvjax.builders.PartialRecompute; k and
@@ -67,6 +69,7 @@ class ArmSpec:
 
 TARGET, DIRECT, RIDGE, RESIDUAL, PARTIAL, SOURCE = "target", "direct", "ridge", "residual", "partial", "source"
 PERHEAD = "perhead"
+BRIDGE = "bridge"
 
 TABLE = (
     ArmSpec(TARGET, "native target", "#4C72B0", lambda c: NativePrefill(c.target, name=TARGET)),
@@ -74,6 +77,8 @@ TABLE = (
             lambda c: Mapped(c.source, c.target, c.map(DIRECT), name=DIRECT, shared=c.shared)),
     ArmSpec(PERHEAD, "per-head ridge (peer)", "#DA8BC3",
             lambda c: Mapped(c.source, c.target, c.map(PERHEAD), name=PERHEAD, shared=c.shared), needs=PERHEAD),
+    ArmSpec(BRIDGE, "bridge (head-matched, attention-weighted)", "#64B5CD",
+            lambda c: Mapped(c.source, c.target, c.map(BRIDGE), name=BRIDGE, shared=c.shared), needs=BRIDGE),
     ArmSpec(RIDGE, "ridge", "#8172B3", lambda c: Mapped(c.source, c.target, c.map(RIDGE), name=RIDGE, shared=c.shared),
             needs=RIDGE),
     ArmSpec(RESIDUAL, "ridge + residual", "#55A868",

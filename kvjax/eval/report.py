@@ -54,6 +54,10 @@ def header(metrics: dict) -> list[str]:
     context = run["map"].get("residual_context", 0)
     if run["map"]["residual_steps"] > 0 and context:  # a context map (ResidualConfig.context)
         kind += f" (reading {context} previous position{'s' if context > 1 else ''})"
+    if run["map"]["residual_steps"] > 0 and run["map"].get("residual_attention"):  # a cross-position map
+        kind += f" (attending over every earlier position, {run['map']['residual_attention']} heads)"
+    if run["map"].get("ridge_trained"):  # ResidualConfig.train_ridge
+        kind += ", trained end to end"
     return [f"# kvjax run `{run['config']}`: {src} reads, {tgt} answers", "",
             f"Source **{src}** ({run['source']['params_m']:.1f}M params, {run['source']['layers']} layers) prefills "
             f"the prompt; a {kind} "

@@ -27,26 +27,33 @@ import numpy as np
 KEY_TOKENS = (2, 5)  # key length range (inclusive), as the toy source's own fact-copy training phase drew them
 MIN_GAP = 64  # the nearest and (from the window's start) the farthest a fact sits from the repeat
 COPY_SKIP = 2  # repeat tokens not scored: the first key token cannot be foreseen, the second barely
+RANDOM = "*"  # the separator setting that draws each fact's separator from the window's own text
+RANDOM_SEPARATOR = (1, 3)  # its length range (inclusive), in tokens
 
 
 @dataclasses.dataclass(frozen=True)
 class FactFormat:
-    """A fact's token ids: what separates key from value, and the value alphabet (one token per symbol)."""
+    """A fact's token ids: what separates key from value (empty: RANDOM, each fact's own 1-3 tokens of its window's
+    text), and the value alphabet (one token per symbol)."""
 
     separator: tuple[int, ...]
     values: tuple[int, ...]
 
+    def max_separator(self) -> int:
+        return len(self.separator) if self.separator else RANDOM_SEPARATOR[1]
+
     def min_span(self) -> int:
         """The shortest span that holds the longest key, the separator and a value token scored after COPY_SKIP."""
-        return max(KEY_TOKENS[1] + len(self.separator) + 1, COPY_SKIP + 1)
+        return max(KEY_TOKENS[1] + self.max_separator() + 1, COPY_SKIP + 1)
 
 
 def fact_format(tokenizer, separator: str, values: str) -> FactFormat:
-    """The FactFormat of text settings under a `tokenizers.Tokenizer` (e.g. " = " and "0123456789"). Each value
+    """The FactFormat of text settings under a `tokenizers.Tokenizer` (e.g. " = " and "0123456789"; the separator
+    RANDOM, "*": drawn per fact from the text, so that what the map learns to carry is no one format's). Each value
     symbol must be a single token (as Qwen3's tokenizer splits digits): a multi-token symbol would make values whose
     tokens the model never sees together."""
-    sep = tuple(tokenizer.encode(separator, add_special_tokens=False).ids)
-    if not sep:
+    sep = () if separator == RANDOM else tuple(tokenizer.encode(separator, add_special_tokens=False).ids)
+    if not sep and separator != RANDOM:
         raise ValueError(f"the fact separator {separator!r} tokenizes to nothing; use visible text such as ' = '")
     ids = []
     for ch in dict.fromkeys(values):  # distinct, in order
@@ -84,9 +91,12 @@ def fact_windows(tokens: np.ndarray, n: int, length: int, span: int, fmt: FactFo
         w = np.array(tokens[s : s + length], np.int32)
         a = length - int(rng.integers(lo, hi + 1))
         key = int(rng.integers(KEY_TOKENS[0], KEY_TOKENS[1] + 1))
-        v = a + key + len(fmt.separator)
+        separator = fmt.separator
+        if not separator:  # RANDOM: this fact's own separator, tokens of its window's text
+            separator = w[rng.integers(0, length, int(rng.integers(RANDOM_SEPARATOR[0], RANDOM_SEPARATOR[1] + 1)))]
+        v = a + key + len(separator)
         w[a : a + key] = w[rng.integers(0, length, key)]
-        w[a + key : v] = fmt.separator
+        w[a + key : v] = separator
         w[v : a + span] = rng.choice(values, a + span - v)
         out[i], at[i] = np.concatenate([w, w[a : a + span]]), a
     return out, at

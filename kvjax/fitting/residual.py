@@ -4,7 +4,8 @@ A training window is prefix + continuation. The teacher reads the whole window (
 continuation): the source when it is the stronger model (large reads, small answers), or with `teacher="target"`
 the target itself having read the prefix natively (small reads, large answers: the map should make the large model
 behave as after its own prefill). The target reads the continuation from the *mapped* cache of the prefix
-(the student). Only the residual parameters (down, res_bias, up) move; the ridge part stays frozen. With
+(the student). Only the residual parameters (down, res_bias, up; a context map's down_prev, a cross-position map's
+attention) move; the ridge part stays frozen, unless `train_ridge` trains the whole map end to end. With
 `rollout`, the continuation is the target's own greedy rollout from the mapped cache (seed 004's rollout-aware
 correction), so the residual learns on the states it will actually decode from.
 """
@@ -41,20 +42,33 @@ from kvjax.models.decoder import forward, forward_nocache, prefill_forward
 from kvjax.windows import step_batch, step_starts
 
 log = logging.getLogger(__name__)
-TRAINABLE = ("down", "res_bias", "up", "down_prev")  # down_prev: a context map's (None otherwise)
+# the residual's leaves (down_prev: a context map's, att_*: a cross-position map's; None otherwise)
+TRAINABLE = ("down", "res_bias", "up", "down_prev", "att_q", "att_k", "att_v", "att_o")
 FROZEN = ("mu", "scale", "w_in", "w_out", "bias")
+RIDGE = ("w_in", "w_out", "bias")  # the part of FROZEN that ResidualConfig.train_ridge trains (mu, scale: never)
 
 
-def _labels(kvmap: KVMap):
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: "train" if getattr(path[-1], "name", None) in TRAINABLE else "freeze", kvmap)
+def _labels(kvmap: KVMap, train_ridge: bool = False):
+    def label(path, _):
+        name = getattr(path[-1], "name", None)
+        return "train" if name in TRAINABLE else "ridge" if train_ridge and name in RIDGE else "freeze"
+    return jax.tree_util.tree_map_with_path(label, kvmap)
+
+
+def moving(rc: ResidualConfig) -> tuple[str, ...]:
+    """The map's leaves a training under `rc` moves."""
+    return TRAINABLE + (RIDGE if rc.train_ridge else ())
 
 
 def make_optimizer(rc: ResidualConfig, kvmap: KVMap) -> optax.GradientTransformation:
-    schedule = optax.warmup_cosine_decay_schedule(0.0, rc.lr, rc.warmup_steps, max(rc.steps, rc.warmup_steps + 1),
-                                                  end_value=rc.lr * 0.1)
-    train = optax.chain(optax.clip_by_global_norm(rc.grad_clip), optax.adam(schedule))
-    return optax.multi_transform({"train": train, "freeze": optax.set_to_zero()}, _labels(kvmap))
+    def adam(scale):
+        schedule = optax.warmup_cosine_decay_schedule(0.0, rc.lr * scale, rc.warmup_steps,
+                                                      max(rc.steps, rc.warmup_steps + 1), end_value=rc.lr * scale * 0.1)
+        return optax.chain(optax.clip_by_global_norm(rc.grad_clip), optax.adam(schedule))
+    groups = {"train": adam(1.0), "freeze": optax.set_to_zero()}
+    if rc.train_ridge:  # only then: a frozen-ridge optimizer's state is what it was before train_ridge existed
+        groups["ridge"] = adam(rc.ridge_lr)
+    return optax.multi_transform(groups, _labels(kvmap, rc.train_ridge))
 
 
 def student_logits(kvmap: KVMap, target: Model, source_cache, tokens: jax.Array, prefix: int) -> jax.Array:
@@ -216,6 +230,32 @@ def with_context(kvmap: KVMap, context: int, seed: int) -> KVMap:
                          values=tuple(widen(m, keys[n + i]) for i, m in enumerate(kvmap.values)))
 
 
+def with_attention(kvmap: KVMap, heads: int, dim: int, seed: int) -> KVMap:
+    """`kvmap` made a cross-position map (ResidualConfig.attention_heads): each layer's residual also reads a causal
+    attention of `heads` x `dim` over every earlier position (kvjax.mapper.kvmap), its queries, keys and values drawn
+    fresh (a pure function of `seed`) and its output projection zero, so the map is unchanged until it trains. A map
+    that already attends with these sizes is returned as it is; other sizes are refused."""
+    have = {None if m.att_q is None else (m.att_q.shape[0], m.att_q.shape[2]) for m in (*kvmap.keys, *kvmap.values)}
+    if have == {(heads, dim)}:
+        return kvmap
+    if have != {None}:
+        raise ValueError(f"this map's residual attends with (heads, width) {sorted(have, key=str)}, not residual."
+                         f"attention_heads={heads} x attention_dim={dim}; train from its ridge or match the sizes")
+    keys = jax.random.split(jax.random.fold_in(jax.random.key(seed), 0x6174), len(kvmap.keys) + len(kvmap.values))
+
+    def add(m, key):
+        fx, h = m.down.shape
+        q, k, v = (np.asarray(jax.random.normal(kk, (heads, fx, dim), jnp.float32) / np.sqrt(fx))
+                   for kk in jax.random.split(key, 3))
+        arrays = dict(att_q=q, att_k=k, att_v=v, att_o=np.zeros((heads, dim, h), np.float32))
+        if isinstance(m.down, jax.Array) and m.down.is_fully_addressable:  # placed as the map (a mesh run re-places)
+            arrays = {n: jax.device_put(a, m.down.sharding) for n, a in arrays.items()}
+        return m.replace(**arrays)
+    n = len(kvmap.keys)
+    return kvmap.replace(keys=tuple(add(m, keys[i]) for i, m in enumerate(kvmap.keys)),
+                         values=tuple(add(m, keys[n + i]) for i, m in enumerate(kvmap.values)))
+
+
 def warm_start(kvmap: KVMap, path: str) -> KVMap:
     """`kvmap` with the residual (down, res_bias, up) of the map saved at `path` (ResidualConfig.init_from), each
     array placed as `kvmap`'s. Refuses a map of other models, pairing or residual rank, or of another frozen ridge
@@ -225,14 +265,17 @@ def warm_start(kvmap: KVMap, path: str) -> KVMap:
                          "map saved by kvjax.save_map (e.g. a run's map/) or '' for a fresh residual")
     manifest = read_manifest(path)
     spec = manifest["spec"]
+    att = kvmap.keys[0].att_q
     mine = (kvmap.spec.source_fingerprint, kvmap.spec.target_fingerprint, kvmap.spec.residual_rank,
-            kvmap.keys[0].context, [list(p) for p in kvmap.spec.pairing])
+            kvmap.keys[0].context, 0 if att is None else att.shape[0], [list(p) for p in kvmap.spec.pairing])
     theirs = (spec["source_fingerprint"], spec["target_fingerprint"], spec["residual_rank"],
-              manifest["layers"][0].get("context", 0), [list(p) for p in spec["pairing"]])
+              manifest["layers"][0].get("context", 0), manifest["layers"][0].get("heads", 0),
+              [list(p) for p in spec["pairing"]])
     if mine != theirs:
-        raise ValueError(f"residual.init_from={path!r} is a map of other models, pairing, residual rank or context "
-                         f"(source, target, rank, context {theirs[:4]} vs this map's {mine[:4]}); start from a map "
-                         "fitted on this run's ridge with the same residual.context, or '' for a fresh residual")
+        raise ValueError(f"residual.init_from={path!r} is a map of other models, pairing, residual rank, context or "
+                         f"attention (source, target, rank, context, heads {theirs[:5]} vs this map's {mine[:5]}); "
+                         "start from a map fitted on this run's ridge with the same residual.context and "
+                         "residual.attention_heads, or '' for a fresh residual")
     init = load_map(path)
     if _sha256(init, FROZEN) != _sha256(kvmap, FROZEN):
         raise ValueError(f"residual.init_from={path!r} was trained on another ridge fit (its frozen part differs from "
@@ -240,16 +283,17 @@ def warm_start(kvmap: KVMap, path: str) -> KVMap:
 
     def take(mine, theirs):
         place = lambda new, old: jax.device_put(new, old.sharding) if isinstance(old, jax.Array) else new  # noqa
-        return mine.replace(**{n: place(getattr(theirs, n), getattr(mine, n)) for n in TRAINABLE})
+        return mine.replace(**{n: place(getattr(theirs, n), getattr(mine, n)) for n in TRAINABLE
+                               if getattr(mine, n) is not None})
     return kvmap.replace(keys=tuple(map(take, kvmap.keys, init.keys)),
                          values=tuple(map(take, kvmap.values, init.values)))
 
 
-def ema_update(decay: float):
-    """(average, live map) -> the average moved towards the live map by 1 - decay in the residual parameters; the
-    frozen part is kept as it is (bit-exact: decay * x + (1 - decay) * x need not round to x)."""
+def ema_update(decay: float, names: tuple[str, ...] = TRAINABLE):
+    """(average, live map) -> the average moved towards the live map by 1 - decay in the trained parameters `names`
+    (`moving(rc)`); the frozen part is kept as it is (bit-exact: decay * x + (1 - decay) * x need not round to x)."""
     def mix(avg, live):
-        return avg.replace(**{n: decay * getattr(avg, n) + (1.0 - decay) * getattr(live, n) for n in TRAINABLE
+        return avg.replace(**{n: decay * getattr(avg, n) + (1.0 - decay) * getattr(live, n) for n in names
                               if getattr(avg, n) is not None})
 
     @jax.jit
@@ -317,6 +361,8 @@ def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarra
     then the ordinary windows' KL and "copy_kl" the copies'."""
     if rc.context:
         kvmap = with_context(kvmap, rc.context, rc.seed)
+    if rc.attention_heads:
+        kvmap = with_attention(kvmap, rc.attention_heads, rc.attention_dim, rc.seed)
     if rc.init_from:
         kvmap = warm_start(kvmap, rc.init_from)
     identity = None if workdir is None else run_identity(kvmap, rc)  # before any placement on a mesh
@@ -359,7 +405,7 @@ def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarra
                        out_shardings=(map_sh, opt_sh, sharding.replicated(mesh)))
 
     # with rc.ema the average rides along in the checkpoint (a resumed run continues the same average)
-    average, averaged = (kvmap, ema_update(rc.ema)) if rc.ema > 0 else (None, None)
+    average, averaged = (kvmap, ema_update(rc.ema, moving(rc))) if rc.ema > 0 else (None, None)
     state = lambda: (kvmap, opt_state) if average is None else (kvmap, opt_state, average)  # noqa: E731
     start, manager = 0, None
     if workdir is not None:

@@ -41,6 +41,16 @@ class ResidualConfig:
     # (launch/research/cache_oracle.py); a target that lost the source's previous-token layer needs keys that
     # carry their neighbours. The Pallas map kernel maps positions alone: context maps run the XLA map. 0: off
     context: int = 0
+    # > 0: a cross-position map (kvjax.mapper.kvmap, LinearMap.att_*): the residual's hidden layer also reads a causal
+    # attention of this many heads, `attention_dim` wide each, over the source's features of every position so far
+    # (the C2C / Latent Cache Flow class: what a per-position or context map cannot compute). The Pallas map kernel
+    # maps positions alone: such maps run the XLA map. 0: off
+    attention_heads: int = 0
+    attention_dim: int = 32
+    # True: the ridge part (w_in, w_out, bias; not mu or scale) trains too, end to end on the same loss, at
+    # `ridge_lr` x the residual's learning rate (the closed-form fit is its start). False: the ridge stays frozen
+    train_ridge: bool = False
+    ridge_lr: float = 0.1
     # > 0: fact-copy windows (kvjax.fitting.copy_windows) mixed into every step, this many drawn once into a pool as
     # pool_windows does: `copy_len` tokens of training text with a `copy_span`-token "key<separator>value" fact
     # written 64..copy_len-64 tokens before the end, then repeated; KL to the teacher on the repeat. The ordinary
@@ -52,7 +62,9 @@ class ResidualConfig:
     copy_batch: int = 4  # fact-copy windows per step, beside `batch_size` ordinary windows
     copy_weight: float = 0.5  # share of the step's loss on the fact-copy windows (the rest: the ordinary KL)
     # the fact's format as text, tokenized with the pair's tokenizer: the separator between key and value, and the
-    # value alphabet (each symbol one token, as Qwen3 tokenizes digits); " = " and digits read like `timeout_x = 41199`
+    # value alphabet (each symbol one token, as Qwen3 tokenizes digits); " = " and digits read like `timeout_x = 41199`.
+    # "*": each fact's separator is 1-3 tokens of its window's own text, so the map learns to carry what any format
+    # needs rather than one format's (the RULER evaluation's unseen needle formats)
     copy_separator: str = " = "
     copy_values: str = "0123456789"
 
@@ -66,4 +78,5 @@ TEACHERS = ("source", "target")
 # field -> its default (see ResidualConfig.hashed)
 ADDED_LATER = {"teacher": "source", "pool_windows": 0, "init_from": "", "ema": 0.0, "copy_windows": 0,
                "copy_len": 1024, "copy_span": 16, "copy_batch": 4, "copy_weight": 0.5, "copy_separator": " = ",
-               "copy_values": "0123456789", "context": 0}
+               "copy_values": "0123456789", "context": 0, "attention_heads": 0, "attention_dim": 32,
+               "train_ridge": False, "ridge_lr": 0.1}

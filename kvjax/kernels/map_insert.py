@@ -362,8 +362,9 @@ def map_insert_reference(src_k, src_v, tgt_k, tgt_v, keys: Sequence, values: Seq
                                                  dst_offset - back) for a, layer in zip(arrays, layers)], -1)
 
     def mapped(m, arrays, layers, rope):
-        # a context map (LinearMap.down_prev) also reads the positions before a block that does not start at 0
-        back = min(getattr(m, "context", 0), src_offset)
+        # a context map (LinearMap.down_prev) also reads the positions before a block that does not start at 0, a
+        # cross-position map (LinearMap.att_*) all of them
+        back = m.reach(src_offset) if hasattr(m, "reach") else 0
         if back == 0:
             return m(features(arrays, layers, rope))
         x = features(arrays, layers, rope, back)
@@ -403,11 +404,13 @@ def insert_layers(src_k, src_v, tgt_k, tgt_v, keys: Sequence, values: Sequence, 
     """`map_insert` (impl "pallas"), `map_insert_reference` (impl "xla") or the platform's choice ("auto"), from
     unpacked per-layer maps (traceable). Returns (tgt_k, tgt_v)."""
     src0 = src_k if isinstance(src_k, jax.Array) else src_k[0]
-    if any(getattr(m, "context", 0) for m in (*keys, *values)):
-        # the kernel maps each position alone; a context map (LinearMap.down_prev) runs the XLA map
+    if any(getattr(m, "context", 0) or getattr(m, "attends", False) for m in (*keys, *values)):
+        # the kernel maps each position alone; a context map (LinearMap.down_prev) or a cross-position map
+        # (LinearMap.att_*) runs the XLA map
         if impl == "pallas":
             raise ValueError("the Pallas map-and-insert kernel maps each position alone and this is a context map "
-                             "(residual.context > 0); use impl='xla' or 'auto'")
+                             "or a cross-position map (residual.context > 0 or residual.attention_heads > 0); use "
+                             "impl='xla' or 'auto'")
         impl = "xla"
     impl = resolve_impl(impl, src0.shape[4], tgt_k.shape[4], length, interpret)
     args = dict(pairing=tuple(tuple(p) for p in pairing), tgt_layers=tuple(tgt_layers), length=length,

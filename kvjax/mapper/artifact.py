@@ -29,6 +29,8 @@ def _shapes(m: LinearMap) -> dict:
     shapes = {"fx": m.w_in.shape[0], "r": m.w_in.shape[1], "fy": m.w_out.shape[1], "h": m.down.shape[1]}
     if m.down_prev is not None:  # a context map (absent: maps saved before context maps existed read as before)
         shapes["context"] = m.down_prev.shape[0]
+    if m.att_q is not None:  # a cross-position map: its attention's heads and width
+        shapes["heads"], shapes["att_dim"] = m.att_q.shape[0], m.att_q.shape[2]
     return shapes
 
 
@@ -90,6 +92,10 @@ def _abstract(shapes: dict) -> dict:
                   up=s(shapes["h"], shapes["fy"]))
     if shapes.get("context"):
         fields["down_prev"] = s(shapes["context"], shapes["fx"], shapes["h"])
+    if shapes.get("heads"):
+        a, d = shapes["heads"], shapes["att_dim"]
+        fields.update(att_q=s(a, shapes["fx"], d), att_k=s(a, shapes["fx"], d), att_v=s(a, shapes["fx"], d),
+                      att_o=s(a, d, shapes["h"]))
     return fields
 
 

@@ -11,6 +11,17 @@ the residual the features of the C positions before each one (x[-1-c]: the sourc
 the first position, mu), so a target position can be given what the source knew about its neighbours (e.g. the
 previous token, which a target that lost the source's previous-token layer cannot put into its keys itself). A map
 without it translates each position alone.
+
+A cross-position map (`att_*` set: the C2C / Latent Cache Flow class of translators) adds to the residual's hidden
+layer a small causal attention over the source's features of every position so far:
+
+    pre += sum_a softmax_causal(rope(z q_a) rope(z k_a)' / sqrt(d)) (z v_a) o_a,   z = (x - mu) / scale
+
+so a target position can be given anything the source wrote anywhere before it (a per-position map computes from
+one position alone; a context map from a fixed few before it). RoPE on the translator's queries and keys makes its
+attention position-aware (relative), as the models' own attention is. Its output enters through `up`, which starts
+at zero, so a fresh translator leaves the map unchanged. Cost: O(T^2 d) per layer and kind on top of the per-position
+map's O(T F r).
 """
 
 from __future__ import annotations
@@ -29,6 +40,9 @@ from kvjax.mapper.pairing import Pairing
 from kvjax.mapper.ridge import RidgeFit
 from kvjax.models.config import Qwen3Config
 from kvjax.models.rope import Rope, apply_rope, rope_table, unapply_rope
+
+ATTENTION_THETA = 10_000.0  # RoPE of the translator's own attention (its head width is its own, not a model's)
+ATTENTION_BLOCK = 512  # queries per block: scores [..., heads, 512, T] bound the memory of a long prompt
 from kvjax.sharding import tree_shardings
 
 
@@ -45,29 +59,65 @@ class LinearMap:
     res_bias: jax.Array  # [h]
     up: jax.Array  # [h, Fy], zero at init
     down_prev: jax.Array | None = None  # [C, Fx, h]: the C previous positions into the residual (a context map)
+    att_q: jax.Array | None = None  # [A, Fx, d]: a cross-position map's attention (A heads of width d) ...
+    att_k: jax.Array | None = None  # [A, Fx, d]
+    att_v: jax.Array | None = None  # [A, Fx, d]
+    att_o: jax.Array | None = None  # [A, d, h]: ... into the residual's hidden layer
 
     @property
     def context(self) -> int:
         """How many previous positions the residual reads (0: each position alone)."""
         return 0 if self.down_prev is None else self.down_prev.shape[0]
 
+    @property
+    def attends(self) -> bool:
+        """Whether the residual attends over every position before each one (a cross-position map): it then reads
+        the whole sequence so far, `before` holding all of it."""
+        return self.att_q is not None
+
+    def reach(self, start: int) -> int:
+        """How many positions before a block starting at `start` the map reads (what `before` must hold)."""
+        return start if self.attends else min(self.context, start)
+
     def __call__(self, x: jax.Array, before: jax.Array | None = None) -> jax.Array:
         """x [..., T, Fx] -> [..., T, Fy]. A context map's first positions also read `before` [..., n, Fx], the
-        n <= context positions just before the block (oldest first); positions before those, and before the
-        sequence's start (None: the block starts it), read mu."""
+        positions just before the block (oldest first; the last `context` of them are read); positions before
+        those, and before the sequence's start (None: the block starts it), read mu. A cross-position map reads
+        all of `before`, which must then hold every position from the sequence's start (`reach`)."""
         xc = x - self.mu
         y = (xc @ self.w_in) @ self.w_out + self.bias
         pre = xc @ (self.down / self.scale) + self.res_bias
         if self.context:
             c, t = self.context, x.shape[-2]
-            n = 0 if before is None else before.shape[-2]
+            n = 0 if before is None else min(before.shape[-2], c)
             head = [jnp.zeros(x.shape[:-2] + (c - n, x.shape[-1]), xc.dtype)]
             if n:
-                head.append(before.astype(xc.dtype) - self.mu)
+                head.append(before[..., before.shape[-2] - n :, :].astype(xc.dtype) - self.mu)
             padded = jnp.concatenate([*head, xc], axis=-2)  # [..., C + T, Fx]: row c + i is position i
             for j in range(c):  # position i reads position i - 1 - j = row c + i - 1 - j
                 pre = pre + padded[..., c - 1 - j : c - 1 - j + t, :] @ (self.down_prev[j] / self.scale)
+        if self.attends:
+            seq = xc if before is None else jnp.concatenate([before.astype(xc.dtype) - self.mu, xc], axis=-2)
+            pre = pre + self._attend(seq / self.scale, x.shape[-2])
         return y + jax.nn.gelu(pre) @ self.up
+
+    def _attend(self, z: jax.Array, t: int) -> jax.Array:
+        """The translator's causal attention: z [..., N, Fx] (centred, scaled) of positions 0..N-1, queries at the
+        last t of them -> [..., t, h]. Queries run in blocks of ATTENTION_BLOCK (static slices)."""
+        n, d = z.shape[-2], self.att_q.shape[-1]
+        cos, sin = (jnp.asarray(a)[:, None, :] for a in rope_table(n, d, ATTENTION_THETA))  # [N, 1, d] host tables
+        k = apply_rope(jnp.einsum("...nf,afd->...nad", z, self.att_k), cos, sin)  # [..., N, A, d]
+        v = jnp.einsum("...nf,afd->...nad", z, self.att_v)
+        out = []
+        for lo in range(n - t, n, ATTENTION_BLOCK):
+            hi = min(lo + ATTENTION_BLOCK, n)
+            q = apply_rope(jnp.einsum("...nf,afd->...nad", z[..., lo:hi, :], self.att_q), cos[lo:hi], sin[lo:hi])
+            s = jnp.einsum("...qad,...kad->...aqk", q, k[..., :hi, :, :]) / np.sqrt(d)
+            causal = np.arange(hi)[None, :] <= np.arange(lo, hi)[:, None]  # [q, k] host constant
+            p = jax.nn.softmax(jnp.where(causal, s, -jnp.inf), axis=-1)
+            o = jnp.einsum("...aqk,...kad->...qad", p, v[..., :hi, :, :])
+            out.append(jnp.einsum("...qad,adh->...qh", o, self.att_o))
+        return jnp.concatenate(out, axis=-2) if len(out) > 1 else out[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +155,12 @@ LINEAR_MAP_AXES = LinearMap(mu=("map_in",), scale=(), w_in=("map_in", "map_rank"
 
 def kvmap_axes(kvmap: KVMap) -> KVMap:
     """A KVMap-shaped tree of logical-axis tuples (leaves are tuples), for ``kvjax.sharding.tree_shardings``."""
-    axes = lambda m: (LINEAR_MAP_AXES if m.down_prev is None  # noqa: E731
-                      else LINEAR_MAP_AXES.replace(down_prev=(None, "map_in", "map_rank")))
+    def axes(m):
+        a = LINEAR_MAP_AXES if m.down_prev is None else LINEAR_MAP_AXES.replace(down_prev=(None, "map_in", "map_rank"))
+        if m.attends:
+            a = a.replace(att_q=(None, "map_in", None), att_k=(None, "map_in", None), att_v=(None, "map_in", None),
+                          att_o=(None, None, "map_rank"))
+        return a
     return kvmap.replace(keys=tuple(map(axes, kvmap.keys)), values=tuple(map(axes, kvmap.values)))
 
 
@@ -201,7 +255,8 @@ def map_span(kvmap: KVMap, source_cache: KVCache, target_cache: KVCache, start: 
     features, the same RoPE tables, the same residual), so a prompt read in pieces gets the cache it gets read
     whole, up to float rounding. A context map reads the `context` positions before the span from the source
     cache (the source keeps the prefix's own keys and values for that, and for its attention); before the
-    sequence's start it reads mu, as `apply_map` does. XLA only: the Pallas map-and-insert kernel writes a span at
+    sequence's start it reads mu, as `apply_map` does. A cross-position map reads every position so far: it maps
+    them all and keeps the span's. XLA only: the Pallas map-and-insert kernel writes a span at
     one static offset for every row."""
     if target_cache.keys_transposed or source_cache.keys_transposed:
         raise ValueError("map_span reads and writes caches in the prefill layout (keys not transposed)")
@@ -231,12 +286,18 @@ def map_span(kvmap: KVMap, source_cache: KVCache, target_cache: KVCache, start: 
     dst = jnp.where(live, new, t_tgt)  # positions past a row's span are dropped by the scatter
 
     def mapped(m, buffers, paired, rope, out, out_rope):
+        if m.attends:  # a cross-position map reads every position so far: map them all, keep the span's
+            y = m(features(buffers, paired, rope, jnp.broadcast_to(jnp.arange(t_src), (b, t_src))))[rows, slots]
+            return write(y, out, out_rope)
         x = features(buffers, paired, rope, new)
         before = None
         if m.context:
             back = start[:, None] - m.context + jnp.arange(m.context)[None, :]  # oldest first, as LinearMap reads
             before = jnp.where((back >= 0)[..., None], features(buffers, paired, rope, back), m.mu)  # mu: no token
-        y = m(x, before).reshape(b, width, hkv, hd)  # [B, W, Ht, hdt]
+        return write(m(x, before), out, out_rope)
+
+    def write(y, out, out_rope):  # y [B, W, Fy] of the span's positions -> the target's buffer
+        y = y.reshape(b, width, hkv, hd)  # [B, W, Ht, hdt]
         if out_rope is not None:
             y = apply_rope(y, *angles(out_rope, slots, hd))
         return out.at[rows, :, dst].set(y.astype(out.dtype), mode="drop")

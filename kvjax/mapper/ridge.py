@@ -106,14 +106,23 @@ def tree_sum(a: jax.Array) -> jax.Array:
     return a[0]
 
 
-def chunk_stats(x: jax.Array, y: jax.Array, mask: jax.Array, ref: jax.Array | None = None):
+def chunk_stats(x: jax.Array, y: jax.Array, mask: jax.Array, ref: jax.Array | None = None,
+                weights: jax.Array | None = None):
     """Traceable float32 statistics of one chunk: x [N, Fx], y [N, Fy], mask [N] (1 = a real token); with `ref`
-    [Fx, Fy] the y sums are of the residual y - x @ ref (see Stats)."""
+    [Fx, Fy] the y sums are of the residual y - x @ ref (see Stats).
+
+    `weights` [N] (>= 0) weights each token's contribution: n is then the sum of the weights, the means are weighted
+    means and every scatter sum is sum w (.)(.)' (an integer weight counts a token that many times; a zero weight
+    drops it), so the ridge solved from them minimises the weighted squared error. The centred rows are scaled by
+    sqrt(w): with every weight 1 the sums are today's bit for bit (sqrt(1) = 1 exactly)."""
     m = mask.astype(jnp.float32)[:, None]
-    n = m.sum()  # an exact integer below 2^24 tokens
-    safe = jnp.maximum(n, 1.0)
+    if weights is not None:
+        m = m * weights.astype(jnp.float32)[:, None]
+    n = m.sum()  # unweighted: an exact integer below 2^24 tokens
+    safe = jnp.maximum(n, 1.0) if weights is None else jnp.where(n > 0, n, 1.0)
     mx, my = tree_sum(x * m) / safe, tree_sum(y * m) / safe
-    xc, rc = (x - mx) * m, (y - my) * m
+    root = m if weights is None else jnp.sqrt(m)  # a 0/1 mask is its own square root
+    xc, rc = (x - mx) * root, (y - my) * root
     if ref is not None:
         rc = rc - _dot(xc, ref.astype(jnp.float32))  # centred y minus centred prediction: the centred residual
     return n, mx, my, _dot(xc.T, xc), _dot(xc.T, rc), tree_sum(rc * rc)

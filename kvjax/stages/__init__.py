@@ -5,7 +5,7 @@
   context     what the stages share: the mesh, the models, the maps, the tokenizer, the calibration data
   job         the Job: runs the plan (resume, --redo, multi-process), and `start`, what the command hands over to
   calibrate   data/: tokenized calibration text, calibration / lambda-selection / held-out windows
-  fit         map_ridge/, map/ (+ residual/ checkpoints), map_perhead/: the maps
+  fit         map_ridge/, map/ (+ residual/ checkpoints), map_perhead/, map_bridge/: the maps
   evaluate    eval/NAME.json: one evaluation of the registry (kvjax.eval.suite)
   report      metrics.json, report.md, charts, gate.json
 

@@ -84,8 +84,8 @@ class Context:
         return tree if mesh.size == 1 else distributed.replicate(tree, mesh)
 
     def map(self, name: str):
-        """A map by arm name (ridge, residual, perhead: fitted by this run; direct, raw: the untrained injection),
-        replicated over the current mesh (the job empties this cache when the mesh changes)."""
+        """A map by arm name (ridge, residual, perhead, bridge: fitted by this run; direct, raw: the untrained
+        injection), replicated over the current mesh (the job empties this cache when the mesh changes)."""
         if name not in self._maps:
             source, target = self.models()
             if name in ("direct", "raw"):

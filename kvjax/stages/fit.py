@@ -1,6 +1,7 @@
 """The stages that fit maps: ridge -> map_ridge/ (both models over the calibration windows, a ridge per target layer
 for K and V), residual -> map/ (the residual on source-teacher KL, resumable from its orbax checkpoints in
-residual/), perhead -> map_perhead/ (the per-head ridge peer). Directories: kvjax.stages.plan.MAP_DIRS."""
+residual/), perhead -> map_perhead/ (the per-head ridge peer), bridge -> map_bridge/ (the head-matched,
+attention-weighted bridge map on the ridge's pairing). Directories: kvjax.stages.plan.MAP_DIRS."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import logging
 
 import numpy as np
 
+from kvjax.fitting.bridge import fit_bridge
 from kvjax.fitting.fit import fit_map
 from kvjax.fitting.perhead import fit_perhead
 from kvjax.fitting.residual import train_residual
@@ -69,3 +71,20 @@ def perhead(job, stage: Stage) -> None:
     log.info("perhead: top-%d source layers per head, lambda %g, pairing (union per layer) %s, %d bytes, fit "
              "%.1fs", peers.perhead_topk, peers.perhead_lambda, report["pairing"], report["size_bytes"],
              report["fit_seconds"])
+
+
+def bridge(job, stage: Stage) -> None:
+    source, target = job.models()
+    peers = job.cfg.peers
+    pairing = read_manifest(job.run.path(MAP_DIRS["ridge"]))["info"]["pairing"]  # the ridge's source layers
+    kvmap, report = fit_bridge(source, target, np.asarray(job.data("calib")), np.asarray(job.data("select")),
+                               k=peers.bridge_topk, pairing=pairing, weighted=peers.bridge_weighted,
+                               clip=peers.bridge_clip or None, batch_size=job.cfg.map.batch_size)
+    info = {"source": job.cfg.source.path, "target": job.cfg.target.path, "config": job.cfg.name,
+            "peer": "bridge (head-matched, attention-weighted ridge)", **report}
+    save_map(job.run.path(MAP_DIRS["bridge"]), kvmap, info=info)
+    job.forget_map("bridge")
+    log.info("bridge: top-%d source heads per target head on pairing %s (%s), held-out R^2 (key, value) per layer "
+             "%s, %d bytes, fit %.1fs", peers.bridge_topk, report["pairing"],
+             f"attention-weighted, clip {peers.bridge_clip:g}" if peers.bridge_weighted else "unweighted",
+             [[round(x, 3) for x in r] for r in report["heldout_r2"]], report["size_bytes"], report["fit_seconds"])

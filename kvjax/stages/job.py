@@ -46,6 +46,7 @@ class Job(Context):
     stage_ridge = fit.ridge
     stage_residual = fit.residual
     stage_perhead = fit.perhead
+    stage_bridge = fit.bridge
     stage_eval = evaluate.run
     stage_report = report.run
 

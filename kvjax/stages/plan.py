@@ -12,16 +12,17 @@ from kvjax.eval import suite
 from kvjax.run_config import RunConfig
 from kvjax.stages.markers import Stage, model_identity
 
-MAP_DIRS = {"ridge": "map_ridge", "residual": "map", "perhead": "map_perhead"}
+MAP_DIRS = {"ridge": "map_ridge", "residual": "map", "perhead": "map_perhead", "bridge": "map_bridge"}
 EVALS = suite.NAMES  # the evaluation registry (kvjax.eval.suite), one stage each
-STAGES = ("calibrate", "ridge", "residual", "perhead", *EVALS, "report")  # every stage there is, in order
+STAGES = ("calibrate", "ridge", "residual", "perhead", "bridge", *EVALS, "report")  # every stage there is, in order
 COLLECTIVE = ("ridge", "residual")  # the data-parallel stages: every process of a multi-process run takes part
 
 
 def fitted_maps(cfg: RunConfig) -> tuple[str, ...]:
     """The maps this run fits, each named after the stage that fits it (and its arm in kvjax.eval.arms), the final
     map last: the one the gate judges and throughput times."""
-    peers = ("perhead",) if cfg.peers.perhead_topk > 0 else ()  # before the run's own maps: the final one is last
+    peers = (("perhead",) if cfg.peers.perhead_topk > 0 else ()) + (("bridge",) if cfg.peers.bridge_topk > 0 else ())
+    # the peers before the run's own maps: the final one is last
     return (*peers, "ridge", "residual") if cfg.residual.steps > 0 else (*peers, "ridge")
 
 
@@ -48,9 +49,15 @@ def plan(cfg: RunConfig) -> dict[str, Stage]:
                                            [MAP_DIRS["residual"], "residual"])
     peers = []
     if cfg.peers.perhead_topk > 0:  # the per-head ridge peer (kvjax.fitting.perhead), on the same calibration windows
-        peers.append(Stage("perhead", {"models": models, "peers": d["peers"], "batch_size": cfg.map.batch_size},
+        own = {k: v for k, v in d["peers"].items() if k.startswith("perhead_")}  # other peers' fields: not its hash
+        peers.append(Stage("perhead", {"models": models, "peers": own, "batch_size": cfg.map.batch_size},
                            [calibrate], [MAP_DIRS["perhead"]]))
         stages["perhead"] = peers[-1]
+    if cfg.peers.bridge_topk > 0:  # the bridge map (kvjax.fitting.bridge), on the ridge's pairing and windows
+        own = {k: v for k, v in d["peers"].items() if k.startswith("bridge_")}
+        peers.append(Stage("bridge", {"models": models, "peers": own, "batch_size": cfg.map.batch_size},
+                           [calibrate, ridge], [MAP_DIRS["bridge"]]))
+        stages["bridge"] = peers[-1]
     evals = []
     for ev in suite.EVALUATIONS:
         if getattr(cfg.eval, ev.name).enabled:

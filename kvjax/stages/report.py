@@ -58,7 +58,10 @@ def run_info(job) -> dict:
     info["map"] = {"pairing": mi["pairing"], "rank": mi["rank"], "lambdas": mi["lambdas"],
                    "heldout_r2": mi["heldout_r2"], "residual_rank": manifest["spec"]["residual_rank"],
                    "residual_steps": mi.get("residual_steps", 0),
-                   "residual_context": manifest["layers"][0].get("context", 0), "final": final_arm(cfg)}
+                   "residual_context": manifest["layers"][0].get("context", 0),
+                   "residual_attention": manifest["layers"][0].get("heads", 0),
+                   "ridge_trained": bool(cfg.residual.train_ridge and mi.get("residual_steps", 0)),
+                   "final": final_arm(cfg)}
     info["data"] = {"train_text": data["train_text"], "train_tokens": data["train_tokens"],
                     "calib_tokens": mi["calib_tokens"], "heldout_windows": data["heldout_windows"]}
     info["devices"] = f"{jax.device_count()} x {jax.devices()[0].platform} ({jax.devices()[0].device_kind})"
@@ -85,10 +88,11 @@ def map_costs(job, stage_seconds: dict) -> dict:
 
 def map_size_bytes(manifest: dict, kvmap, name: str) -> int:
     """Bytes of a fitted map's float32 parameters as the method stores them: the ridge's mu, w_in, w_out, bias per
-    target layer and kind; the residual adds its network (a context map's down_prev too); the per-head peer its
+    target layer and kind; the residual adds its network (a context map's down_prev, a cross-position map's attention too); the per-head peer its
     per-head blocks (its manifest)."""
     if "size_bytes" in manifest["info"]:
         return int(manifest["info"]["size_bytes"])
-    parts = ("mu", "w_in", "w_out", "bias") + (("down", "res_bias", "up", "down_prev") if name == "residual" else ())
+    parts = ("mu", "w_in", "w_out", "bias") + (("down", "res_bias", "up", "down_prev", "att_q", "att_k", "att_v",
+                                                 "att_o") if name == "residual" else ())
     return int(sum(4 * getattr(m, p).size for m in (*kvmap.keys, *kvmap.values) for p in parts
                    if getattr(m, p) is not None))

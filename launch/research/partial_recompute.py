@@ -1,6 +1,7 @@
 """Partial recomputation, k = 0..L: what letting the target recompute k of its layers does to a mapped cache.
 
     python -m launch.research.partial_recompute --run runs/toy [--map residual|ridge] [--modes bottom,top] [--mc 200]
+        [--sets 0,2] [--map-dir DIR] [--positions]
 
 Reads a finished main-job run (its config.json for the models, its fitted map, its held-out windows) and measures,
 for each placement (bottom k: the target's first k layers run natively; top k: the target reads the mapped lower
@@ -8,6 +9,9 @@ layers and recomputes its top k) and each k:
   - next-token agreement with the native target and with the source, and source-teacher KL, on the KL evaluation's
     held-out windows (the rows after the distance windows, prefix 256 + 64 continuation tokens by default);
   - multiple-choice accuracy on the run's HellaSwag / PIQA schema sets (same items for every arm);
+  - with --sets, explicit placements too ("0,2;1": layers 0 and 2, then layer 1 alone), k = |set|;
+  - with --positions, where the disagreements with the native target are: by continuation position and by the
+    native target's own top-1 / top-2 margin (log-probability gap, nats) at the position, per arm;
   - cost at one prompt length: the builder's phases (source prefill, map, recompute) timed with block_until_ready,
     arms interleaved, medians; the recompute phase as a fraction of the target's own prefill and the whole build as
     a fraction of the source's prefill.
@@ -42,6 +46,10 @@ def parse(argv):
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--cost-only", action="store_true", help="skip agreement, KL and multiple choice")
     p.add_argument("--no-cost", action="store_true", help="skip the cost measurement")
+    p.add_argument("--sets", default="", help='explicit placements, e.g. "0,2;1" (layers recomputed per arm)')
+    p.add_argument("--map-dir", default="", help="a saved map to use instead of the run's --map (e.g. another run's)")
+    p.add_argument("--positions", action="store_true",
+                   help="where the disagreements are: by continuation position and the native target's margin")
     p.add_argument("--out", default="")
     return p.parse_args(argv)
 
@@ -49,7 +57,7 @@ def parse(argv):
 def main(argv=None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     cfg_path = os.path.join(args.run, "config.json")
-    map_dir = os.path.join(args.run, MAP_DIRS[args.map])
+    map_dir = args.map_dir or os.path.join(args.run, MAP_DIRS[args.map])
     for path, fix in ((cfg_path, "run the main job first"), (map_dir, "pass --map ridge or finish the run")):
         if not os.path.exists(path):
             print(f"partial_recompute: {path} does not exist; {fix}", file=sys.stderr)
@@ -78,7 +86,20 @@ def main(argv=None) -> int:
                 continue  # the same cache as bottom 0: the map alone
             name = "mapped" if k == 0 else f"{mode}{k}"
             arms[name] = PartialRecompute(source, target, kvmap, k, mode, name=name, shared=shared)
-    rows = {name: {"mode": getattr(b, "mode", None), "k": getattr(b, "k", None)} for name, b in arms.items()}
+    for spec in filter(None, args.sets.split(";")):
+        layers = tuple(int(i) for i in spec.split(","))
+        name = "layers" + "_".join(map(str, layers))
+        try:
+            arms[name] = PartialRecompute(source, target, kvmap, layers=layers, name=name, shared=shared)
+        except ValueError as e:
+            print(f"partial_recompute: --sets {spec}: {e}", file=sys.stderr)
+            return 2
+    rows = {name: {"mode": getattr(b, "mode", None), "k": getattr(b, "k", None),
+                   "layers": list(getattr(b, "layers", range(n_layers)))} for name, b in arms.items()}
+    if args.positions:
+        where = disagreements(arms, target, windows, args.prefix)
+        for name, w in where.items():
+            rows[name]["disagreements"] = w
 
     if not args.cost_only:
         print(f"agreement and KL on {len(windows)} windows ({args.prefix} + {args.cont})", flush=True)
@@ -127,8 +148,51 @@ def main(argv=None) -> int:
     return _write(args, rows, len(windows), src_s, tgt_s)
 
 
+POSITION_BUCKETS = ((0, 1), (1, 8), (8, 32), (32, None))  # continuation positions [lo, hi)
+MARGIN_EDGES = (0.05, 0.2, 0.5, 1.0, 2.0)  # nats: the native target's top-1 minus top-2 log-probability
+
+
+def disagreements(arms: dict, target, windows: np.ndarray, prefix: int, batch_size: int = 8) -> dict:
+    """Per arm: how often its next token differs from the native target's, by continuation position bucket and by
+    the native target's own margin there (a near tie flips on the smallest change of the cache), and the share of
+    all its disagreements that fall where the margin is below MARGIN_EDGES[1]."""
+    import jax
+
+    from kvjax.models.decoder import forward
+
+    tcfg, tparams = target
+    step = jax.jit(lambda p, cache, cont: forward(p, tcfg, cont, cache)[0])
+    native_b, picks = arms["target"], {n: [] for n in arms if n != "target"}
+    margins, native_picks = [], []
+    for i in range(0, len(windows), batch_size):
+        batch = np.asarray(windows[i : i + batch_size], np.int32)
+        cont = batch[:, prefix - 1 : -1]
+        ref = jax.nn.log_softmax(step(tparams, native_b(batch[:, : prefix - 1], capacity=batch.shape[1]), cont))
+        top2 = jax.lax.top_k(ref, 2)[0]
+        margins.append(np.asarray(top2[..., 0] - top2[..., 1]))
+        native_picks.append(np.asarray(ref.argmax(-1)))
+        for n in picks:
+            picks[n].append(np.asarray(step(tparams, arms[n](batch[:, : prefix - 1], capacity=batch.shape[1]),
+                                            cont).argmax(-1)))
+    margin, native = np.concatenate(margins), np.concatenate(native_picks)
+    edges = (0.0, *MARGIN_EDGES, np.inf)
+    out = {}
+    for n, p in picks.items():
+        differ = np.concatenate(p) != native  # [N, T']
+        by_pos = {f"{lo}-{(hi or differ.shape[1]) - 1}": float(differ[:, lo:hi].mean()) for lo, hi in POSITION_BUCKETS}
+        by_margin = {}
+        for lo, hi in zip(edges, edges[1:]):
+            sel = (margin >= lo) & (margin < hi)
+            by_margin[f"{lo:g}-{hi:g}"] = {"positions": float(sel.mean()),
+                                           "differ": float(differ[sel].mean()) if sel.any() else None}
+        out[n] = {"rate": float(differ.mean()), "by_position": by_pos, "by_margin": by_margin,
+                  "share_near_ties": float((differ & (margin < MARGIN_EDGES[1])).sum() / max(differ.sum(), 1)),
+                  "count": int(differ.sum()), "positions": int(differ.size)}
+    return out
+
+
 def _write(args, rows: dict, windows: int, src_s, tgt_s) -> int:
-    result = {"run": args.run, "map": args.map, "windows": windows, "prefix": args.prefix, "cont": args.cont,
+    result = {"run": args.run, "map": args.map_dir or args.map, "windows": windows, "prefix": args.prefix, "cont": args.cont,
               "mc_items": args.mc, "cost_len": args.cost_len, "source_prefill_s": src_s, "target_prefill_s": tgt_s,
               "arms": rows, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
     out = args.out or os.path.join(args.run, "partial_recompute.json")
@@ -139,6 +203,13 @@ def _write(args, rows: dict, windows: int, src_s, tgt_s) -> int:
     print("| arm | " + " | ".join(cols) + " |\n|---|" + "---:|" * len(cols))
     for n, r in rows.items():
         print(f"| {n} | " + " | ".join("" if r.get(c) is None else f"{r[c]:.4f}" for c in cols) + " |")
+    for n, r in rows.items():
+        if "disagreements" in r:
+            d = r["disagreements"]
+            print(f"{n}: {d['count']} of {d['positions']} differ; by position {d['by_position']}; "
+                  f"{100 * d['share_near_ties']:.0f}% where the native margin < {MARGIN_EDGES[1]} nats; by margin "
+                  + ", ".join(f"{k}: {v['differ'] if v['differ'] is None else round(v['differ'], 3)} "
+                              f"({100 * v['positions']:.0f}% of positions)" for k, v in d["by_margin"].items()))
     print(f"wrote {out}")
     return 0
 

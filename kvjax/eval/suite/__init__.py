@@ -15,8 +15,9 @@ Add an evaluation NAME
      results: the report stage derives everything else, so a report rebuilds without models),
      `metrics(record, ctx: MetricsContext) -> dict`, and `EVALUATION = Evaluation(name="NAME", settings=NameEval,
      run=run, metrics=metrics, section=S, ...)` with whichever of report / summary / charts / depends / heldout /
-     preflight / gate it needs (kl.py is a compact example; `section` places it in report.md: mc 10, throughput 20,
-     distances 30, kl 40, retrieval 50).
+     preflight / gate it needs (kl.py is a compact example; `section` places it in report.md: mc 10, ttft 15,
+     throughput 20, speculative 25, dflash 26, distances 30, rank_sweep 32, native_kl 35, kl 40, agreement 42,
+     rollout 45, retrieval 50, ruler 55, audio 60).
   2. Add `NAME.EVALUATION` to EVALUATIONS below (the position is the stage order).
   Then `python -m kvjax.launch` runs stage NAME (`--redo=NAME`, `--config.eval.NAME.enabled=false`), writes
   eval/NAME.json and metrics.json key NAME; document that key in docs/metrics.md. A gate threshold is a
@@ -37,16 +38,20 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from kvjax.eval.suite import audio, dflash, distances, kl, mc, native_kl, retrieval, rollout, speculative, throughput, ttft
+from kvjax.eval.suite import (agreement, audio, dflash, distances, kl, mc, native_kl, rank_sweep, retrieval, rollout,
+                               ruler, speculative, throughput, ttft)
 from kvjax.eval.suite.evaluation import (Chart, ChartContext, EvalContext, Evaluation, MetricsContext,
                                          ReportContext)
 
 EVALUATIONS: tuple[Evaluation, ...] = (
     distances.EVALUATION,
+    rank_sweep.EVALUATION,  # off by default (it refits): the reduced-rank ridge at ten ranks, three criteria
     kl.EVALUATION,
+    agreement.EVALUATION,  # every arm's next-token agreement with the source / native target, over direct injection
     rollout.EVALUATION,  # off by default: seed 004's 32-step divergence of the target decoding from each map's cache
     mc.EVALUATION,
     retrieval.EVALUATION,
+    ruler.EVALUATION,  # off by default: RULER-style multi-task retrieval (unseen needle formats, multi-key, VT)
     throughput.EVALUATION,
     native_kl.EVALUATION,  # small reads, large answers (off by default): the answerer's KL to its own predictions
     ttft.EVALUATION,  # ... and its time to first token from the reader's prefill

@@ -92,12 +92,12 @@ def chart(d: dict, path: str, ctx) -> str:
 
 
 def preflight(ec: DistancesEval, cfg) -> list[str]:
-    from kvjax.eval.arms import PERHEAD, RESIDUAL, RIDGE
+    from kvjax.eval.arms import BRIDGE, PERHEAD, RESIDUAL, RIDGE
     problems = at_least_one("eval.distances", ec, "batch_size", "windows")
     # the gate's cosine checks read this evaluation's maps
-    if cfg.gate.cos_arm not in (None, RAW, RIDGE, RESIDUAL, PERHEAD):
-        problems.append(f"gate.cos_arm={cfg.gate.cos_arm!r}: use {RIDGE}, {RESIDUAL}, {PERHEAD}, {RAW} or None (the "
-                        "gated map)")
+    if cfg.gate.cos_arm not in (None, RAW, RIDGE, RESIDUAL, PERHEAD, BRIDGE):
+        problems.append(f"gate.cos_arm={cfg.gate.cos_arm!r}: use {RIDGE}, {RESIDUAL}, {PERHEAD}, {BRIDGE}, {RAW} or "
+                        "None (the gated map)")
     return problems
 
 

@@ -1,7 +1,8 @@
 """Evaluation `mc`: multiple choice (HellaSwag, PIQA schemas), every arm on the same items (continuation
 log-likelihood), with bootstrap intervals, paired differences to the native target and the share of the target-to-
-source gap each arm recovers, and the final map against each peer map arm (per-head ridge, the seed's ridge-only).
-metrics.json `mc`; the gate's mc_retention, mc_gap_recovered and mc_gain_ci_lo."""
+source gap each arm recovers, the final map against each peer map arm (per-head ridge, the seed's ridge-only) and
+chance-normalised retention (each arm's margin over guessing as a share of the native target's / the source's).
+metrics.json `mc`; the gate's mc_retention, mc_gap_recovered, mc_gain_ci_lo and mc_chance_retention."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ from kvjax.gate import check, retention
 log = logging.getLogger(__name__)
 SETS = ("hellaswag", "piqa")  # the schemas kvjax.eval.load_mc reads; each has its own settings field
 PEERS = ("perhead", "ridge")  # maps the final map is compared with, paired by item: the per-head peer, the seed's ridge
+# options per item of each schema: chance = 1 / choices. Records written since they store it ("choices"); this is for
+# the records made before (kvjax.eval.multiple_choice reads 4 endings per HellaSwag item, 2 solutions per PIQA item)
+CHOICES = {"hellaswag": 4, "piqa": 2}
+CHUNK = 1000  # bootstrap resamples drawn at once (as kvjax.eval.stats)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +52,7 @@ def run(ec: MCEval, ctx) -> dict:
         items = load_mc(where, schema=schema, split=ec.split, limit=ec.limit)
         results = score_mc_arms(items, tokenizer, arms, ec.normalize, ec.batch_size, desc=schema)
         out[schema] = {"items": len(items), "normalize": ec.normalize, "source": where,
+                       "choices": len(items[0].options),  # every item has as many (score_mc_arms checks)
                        "arms": {name: {"correct": r.correct.tolist(), "predictions": r.predictions.tolist()}
                                 for name, r in results.items()}}
         log.info("%s (%d items): %s", schema, len(items), {n: round(r.accuracy, 4) for n, r in results.items()})
@@ -83,7 +89,55 @@ def metrics(ev: dict, ctx) -> dict:
             for peer in (p for p in PEERS if p in correct and p != ctx.final):
                 ci = paired_bootstrap_ci(correct[ctx.final], correct[peer], n=ctx.n_boot)
                 m["delta_vs_peer"][peer] = {"mean": ci.mean, "ci95": [ci.lo, ci.hi]}
+        choices = s.get("choices") or CHOICES.get(name)  # None: a set of unknown options per item
+        if choices:
+            m["choices"], m["chance"] = choices, 1.0 / choices
+            m["chance_retention"] = _chance_retention(correct, m["chance"], ctx.n_boot)
         out[name] = m
+    return out
+
+
+def ratio_ci(num, den, n: int = 10_000, seed: int = 0, alpha: float = 0.05) -> tuple[float | None, list | None]:
+    """mean(num) / mean(den) of per-item values [N] of the same items, and its (1 - alpha) percentile-bootstrap
+    interval resampling the items jointly (paired; same resampling recipe as kvjax.eval.stats). (None, None) when
+    mean(den) <= 0 (the ratio is undefined); the interval is None when more than alpha / 2 of the resamples have
+    mean(den) <= 0 (the denominator is not distinguishable from zero, so the ratio is unbounded); otherwise the
+    quantiles of the resamples whose denominator is positive."""
+    num, den = np.asarray(num, np.float64), np.asarray(den, np.float64)
+    if num.shape != den.shape or num.ndim != 1 or len(num) == 0:
+        raise ValueError(f"paired values need the same non-empty 1-D shape: got {num.shape} and {den.shape}")
+    if den.mean() <= 1e-12:
+        return None, None
+    value = float(num.mean() / den.mean())
+    rng = np.random.default_rng(seed)
+    nums, dens = [], []
+    for start in range(0, n, CHUNK):
+        idx = rng.integers(0, len(num), (min(CHUNK, n - start), len(num)))
+        nums.append(num[idx].mean(axis=1))
+        dens.append(den[idx].mean(axis=1))
+    nums, dens = np.concatenate(nums), np.concatenate(dens)
+    ok = dens > 1e-12
+    if np.mean(~ok) > alpha / 2:
+        return value, None
+    lo, hi = np.quantile(nums[ok] / dens[ok], [alpha / 2, 1 - alpha / 2])
+    return value, [float(lo), float(hi)]
+
+
+def _chance_retention(correct: dict, chance: float, n_boot: int) -> dict:
+    """{vs_target, vs_source}: {arm: {value, ci95}} for every arm that answers from a built cache: (arm - chance) /
+    (reference - chance), the share of the reference's margin over guessing the arm keeps, paired by item. value
+    None: the reference is at or below chance; ci95 None: its margin is not distinguishable from zero."""
+    from kvjax.eval.arms import SOURCE, TARGET
+    out = {}
+    for key, ref in (("vs_target", TARGET), ("vs_source", SOURCE)):
+        if ref not in correct:
+            continue
+        out[key] = {}
+        for arm, c in correct.items():
+            if arm in (TARGET, SOURCE):
+                continue
+            value, ci = ratio_ci(c - chance, correct[ref] - chance, n=n_boot)
+            out[key][arm] = {"value": value, "ci95": ci}
     return out
 
 
@@ -111,6 +165,9 @@ def summary(mc: dict, ctx) -> list[str]:
             # a gap to recover only when the reader is the better model (small reads, large answers: it is not)
             if m.get("gap_recovered") is not None and acc.get(SOURCE, 0.0) > acc[TARGET]:
                 s += f"; {pct(m['gap_recovered'])} of the target-to-source gap recovered"
+            kept = ((m.get("chance_retention") or {}).get("vs_target") or {}).get(final)
+            if kept and kept["value"] is not None:
+                s += f"; it keeps {_kept(kept)} of the target's margin over chance ({pct(m['chance'])})"
             out.append(s + ".")
     return out
 
@@ -137,9 +194,34 @@ def report(mc: dict, ctx) -> list[str]:
     out += ["", "Arms: target / source = the native models; direct = the source's nearest-depth layers injected "
             f"without a map ({raw_kind}); ridge / residual = the "
             "fitted maps. Gap recovered = (mapped - target) / (source - target).", ""]
+    out += _chance_table(mc, arms)
     if "mc" in ctx.charts:
         out += [f"![multiple choice]({ctx.charts['mc']})", ""]
     return out
+
+
+def _chance_table(mc: dict, arms: list[str]) -> list[str]:
+    """Chance-normalised retention: (arm - chance) / (native target - chance) and / (source - chance)."""
+    rows = []
+    for name, s in mc.items():
+        cr = s.get("chance_retention") or {}
+        for a in arms:
+            cells = [(cr.get(key) or {}).get(a) for key in ("vs_target", "vs_source")]
+            if any(cells):
+                rows.append(f"| {name} | {pct(s['chance'])} | {a} | " + " | ".join(_kept(c) for c in cells) + " |")
+    if not rows:
+        return []
+    return ["Chance-normalised retention: the share of the reference's margin over guessing (1 / options per item) "
+            "that the arm keeps, (arm - chance) / (reference - chance); 95% bootstrap intervals paired by item (n/a: "
+            "the reference is at or below chance; no interval: its margin is not distinguishable from zero).", "",
+            "| set | chance | arm | vs native target (95% CI) | vs source (95% CI) |", "|---|---|---|---|---|",
+            *rows, ""]
+
+
+def _kept(c: dict | None) -> str:
+    if not c or c["value"] is None:
+        return "n/a"
+    return pct(c["value"]) + (f" [{100 * c['ci95'][0]:.1f}, {100 * c['ci95'][1]:.1f}]" if c["ci95"] else "")
 
 
 def chart(mc: dict, path: str, ctx) -> str:
@@ -220,7 +302,12 @@ def gate(mc: dict, config, map_arm: str) -> list:
     lows = [(m["delta_vs_target"][map_arm]["ci95"][0], name) for name, m in mc.items()
             if map_arm in (m.get("delta_vs_target") or {})]
     worst, where = min(lows, default=(None, ""))
-    return checks + check("mc_gain_ci_lo", worst, config.min_mc_gain_ci_lo, "min", where)
+    checks += check("mc_gain_ci_lo", worst, config.min_mc_gain_ci_lo, "min", where)
+    kept = [(r["value"], name) for name, m in mc.items()
+            if (r := ((m.get("chance_retention") or {}).get("vs_target") or {}).get(map_arm))
+            and r["value"] is not None]
+    worst, where = min(kept, default=(None, ""))
+    return checks + check("mc_chance_retention", worst, config.min_chance_retention, "min", where)
 
 
 EVALUATION = Evaluation(

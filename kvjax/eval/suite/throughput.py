@@ -15,6 +15,7 @@ from kvjax.eval.suite.evaluation import Chart, Evaluation
 log = logging.getLogger(__name__)
 MAPPED = "mapped"  # the split path's key in the record and metrics (source prefill -> final map -> target decode)
 MAPPED_COLOUR = "#55A868"
+DEVICES = {"target": 1, "source": 1, MAPPED: 2}  # devices a path holds for a request (reserved seconds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +50,12 @@ def metrics(ev: dict, ctx) -> dict:
         row["mapped_over_target_decode"] = row["decode_tps"][MAPPED] / row["decode_tps"][TARGET]
         row["mapped_over_source_decode"] = row["decode_tps"][MAPPED] / row["decode_tps"][SOURCE]
         row["active_saving_vs_source"] = 1.0 - row["active_s"][MAPPED] / row["active_s"][SOURCE]
+        if "latency_s" in row:  # records made before end-to-end latency was reported lack it
+            # reserved accelerator seconds: every device a path holds, for the whole request (the seed's accounting:
+            # the split path holds the source's and the target's devices), beside the active compute above
+            row["reserved_s"] = {arm: DEVICES[arm] * row["latency_s"][arm] for arm in DEVICES}
+            row["mapped_latency_over_source"] = row["latency_s"][MAPPED] / row["latency_s"][SOURCE]
+            row["mapped_latency_over_target"] = row["latency_s"][MAPPED] / row["latency_s"][TARGET]
         out[str(length)] = row
     return out
 
@@ -86,6 +93,18 @@ def report(tp: dict, ctx) -> list[str]:
                    f"{r['mapped_over_target_decode']:.3f} | {t[TARGET]:.3f} | {t[SOURCE]:.3f} | {t[MAPPED]:.3f} | "
                    f"{a[TARGET]:.3f} | {a[SOURCE]:.3f} | {a[MAPPED]:.3f} | {pct(r['active_saving_vs_source'])} |")
     out.append("")
+    if all("reserved_s" in r for r in tp.values()):
+        out += ["End-to-end latency of a request (prefill [+ map] + every new token) and reserved accelerator seconds "
+                "(each device a path holds, for the whole request: the split path holds the source's and the "
+                "target's), beside the active compute above:", "",
+                "| prefix | latency s target | source | mapped | mapped / source | reserved s target | source | "
+                "mapped |", "|---|---|---|---|---|---|---|---|"]
+        for length, r in tp.items():
+            lat, res = r["latency_s"], r["reserved_s"]
+            out.append(f"| {length_label(int(length))} | {lat[TARGET]:.3f} | {lat[SOURCE]:.3f} | {lat[MAPPED]:.3f} | "
+                       f"{r['mapped_latency_over_source']:.3f} | {res[TARGET]:.3f} | {res[SOURCE]:.3f} | "
+                       f"{res[MAPPED]:.3f} |")
+        out.append("")
     for name, alt in (("throughput", "decode throughput"), ("active_compute", "active compute"), ("ttft", "TTFT")):
         if name in ctx.charts:
             out += [f"![{alt}]({ctx.charts[name]})", ""]
@@ -170,7 +189,15 @@ def preflight(ec: ThroughputEval, cfg) -> list[str]:
     return []
 
 
+def gate(tp: dict, config, map_arm: str) -> list:
+    """End-to-end latency of the split path / the native source's, worst prefix length (the split path is timed with
+    the run's final map; the maps of one run differ in cost by their map phase alone)."""
+    from kvjax.gate import check
+    ratios = [r["mapped_latency_over_source"] for r in (tp or {}).values() if "mapped_latency_over_source" in r]
+    return check("latency_vs_source", max(ratios) if ratios else None, config.max_latency_vs_source, "max")
+
+
 EVALUATION = Evaluation(
     name="throughput", settings=ThroughputEval, run=run, metrics=metrics, section=20, report=report,
     summary=summary, charts=(Chart("throughput", throughput_chart), Chart("ttft", ttft_chart),
-                             Chart("active_compute", active_compute_chart)), preflight=preflight)
+                             Chart("active_compute", active_compute_chart)), preflight=preflight, gate=gate)
