@@ -297,7 +297,7 @@ def test_cli_errors_exit_nonzero_and_write_nothing(tmp_path, capsys):
     assert launch.main([f"--config.output_dir={out}", f"--config.eval.mc.hellaswag={wrong}"]) == 2
     assert "lacks field 'ctx' of the 'hellaswag' schema" in capsys.readouterr().err
     assert launch.main([f"--config.output_dir={out}", "--config.gate.cos_arm=ridg"]) == 2
-    assert "gate.cos_arm='ridg': use ridge, residual, perhead, raw or None" in capsys.readouterr().err
+    assert "gate.cos_arm='ridg': use ridge, residual, perhead, bridge, raw or None" in capsys.readouterr().err
     assert not out.exists()
 
 

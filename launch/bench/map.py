@@ -5,6 +5,8 @@ against the source prefill it follows.
     python -m launch.bench.map --part fit       # fit at 3 calibration sizes (4x steps), one subprocess each
     python -m launch.bench.map --part apply     # apply_map vs source prefill at 2K tokens
     python -m launch.bench.map --target checkpoints/toy/pruned --pairing 3 --residual-rank 64   # toy_pruned's map
+    python -m launch.bench.map --part apply --target checkpoints/toy/pruned --maps base=RUN/map att=RUN2/map
+                                                # saved maps (any family) side by side, interleaved
 
 Fit: each size runs in its own process (peak RSS is per process); a warm-up fit on a few windows compiles
 everything first, so the timed parts are streaming
@@ -93,30 +95,41 @@ def bench_apply(args) -> dict:
     (scfg, sparams) = source
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, scfg.vocab_size, 400_000).astype(np.int32)
-    kvmap, _ = kvjax.fit_map(source, target, sample(tokens, 16, 256, seed=1),
-                             sample(tokens, 8, 256, seed=2), pairing=pairing_arg(args),
-                             residual_rank=args.residual_rank)
+    if args.maps:  # saved maps, NAME=DIR each
+        try:
+            maps = {spec.split("=", 1)[0]: kvjax.load_map(spec.split("=", 1)[1], scfg, target[0])
+                    for spec in args.maps}
+        except (IndexError, ValueError, FileNotFoundError) as e:
+            sys.exit(f"--maps takes NAME=DIR of maps saved for these models (--target): {e}")
+    else:
+        maps = {"map": kvjax.fit_map(source, target, sample(tokens, 16, 256, seed=1), sample(tokens, 8, 256, seed=2),
+                                     pairing=pairing_arg(args), residual_rank=args.residual_rank)[0]}
     prompt = jnp.asarray(tokens[None, : args.apply_tokens])
     prefill = jax.jit(lambda p, t: prefill_forward(p, scfg, t, logits=False).cache)
     apply = jax.jit(lambda m, c: kvjax.apply_map(m, c))
     cache = jax.block_until_ready(prefill(sparams, prompt))
-    jax.block_until_ready(apply(kvmap, cache))
-    t_prefill, t_apply = [], []
-    for _ in range(args.repeats):
+    for kvmap in maps.values():
+        jax.block_until_ready(apply(kvmap, cache))
+    t_prefill, t_apply = [], {name: [] for name in maps}
+    for _ in range(args.repeats):  # the prefill and every map in turn, each round
         t0 = time.perf_counter()
         cache = jax.block_until_ready(prefill(sparams, prompt))
-        t1 = time.perf_counter()
-        jax.block_until_ready(apply(kvmap, cache))
-        t2 = time.perf_counter()
-        t_prefill.append(t1 - t0)
-        t_apply.append(t2 - t1)
-    row = {"tokens": args.apply_tokens, "prefill_s": statistics.median(t_prefill),
-           "apply_s": statistics.median(t_apply)}
-    row["ratio"] = row["apply_s"] / row["prefill_s"]
+        t_prefill.append(time.perf_counter() - t0)
+        for name, kvmap in maps.items():
+            t1 = time.perf_counter()
+            jax.block_until_ready(apply(kvmap, cache))
+            t_apply[name].append(time.perf_counter() - t1)
+    prefill_s = statistics.median(t_prefill)
+    rows = {}
     print(f"\napply_map vs source prefill at {args.apply_tokens} tokens (batch 1, median of {args.repeats}): "
-          f"prefill {row['prefill_s'] * 1e3:.1f} ms, map {row['apply_s'] * 1e3:.2f} ms, "
-          f"ratio {row['ratio']:.3f} (goal <= 0.05)")
-    return row
+          f"prefill {prefill_s * 1e3:.1f} ms")
+    for name, ts in t_apply.items():
+        apply_s = statistics.median(ts)
+        rows[name] = {"tokens": args.apply_tokens, "prefill_s": prefill_s, "apply_s": apply_s,
+                      "us_per_token": 1e6 * apply_s / args.apply_tokens, "ratio": apply_s / prefill_s}
+        print(f"  {name}: map {apply_s * 1e3:.2f} ms ({rows[name]['us_per_token']:.2f} us / token), ratio "
+              f"{rows[name]['ratio']:.3f} (goal <= 0.05)")
+    return rows if args.maps else rows["map"]
 
 
 def main(argv=None) -> None:
@@ -130,6 +143,8 @@ def main(argv=None) -> None:
     p.add_argument("--sizes", type=int, nargs="+", default=[16, 64, 256], help="calibration windows per fit")
     p.add_argument("--apply-tokens", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--maps", nargs="+", default=[], metavar="NAME=DIR",
+                   help="apply part: time these saved maps (of --target) instead of fitting one")
     p.add_argument("--fit-one", type=int, help=argparse.SUPPRESS)  # internal: one fit in this process
     args = p.parse_args(argv)
     if args.fit_one:
