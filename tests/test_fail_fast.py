@@ -178,7 +178,8 @@ def test_map_directories_come_from_one_table(tmp_path):
     from kvjax.serve import cli
     from kvjax.stages.plan import MAP_DIRS, final_arm, plan
     assert cli.MANIFEST == MANIFEST
-    cfg = config_flags.build("toy", [("output_dir", str(tmp_path)), ("peers.perhead_topk", "2")], RunConfig)
+    cfg = config_flags.build("toy", [("output_dir", str(tmp_path)), ("peers.perhead_topk", "2"),
+                                     ("peers.bridge_topk", "1")], RunConfig)
     stages = plan(cfg)
     for arm, where in MAP_DIRS.items():
         assert stages[arm].outputs[0] == where

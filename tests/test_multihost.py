@@ -33,7 +33,8 @@ TOY = ["--config=toy", "--config.data.max_train_tokens=6000", "--config.map.cali
        "--config.map.residual_rank=4", f"--config.residual.steps={STEPS}", "--config.residual.batch_size=4",
        "--config.residual.prefix_len=24", "--config.residual.cont_len=8", "--config.residual.warmup_steps=1",
        f"--config.residual.save_every={SAVE_EVERY}",
-       *[f"--config.eval.{e}.enabled=false" for e in ("distances", "kl", "mc", "retrieval", "throughput")]]
+       *[f"--config.eval.{e}.enabled=false"
+         for e in ("distances", "kl", "agreement", "mc", "retrieval", "throughput")]]
 TWO_BY_TWO = ["--config.mesh.data=2", "--config.mesh.model=2", "--heartbeat_timeout=10", "--init_timeout=120"]
 # One process vs two: the same sums in another order (per data-shard float32 chunks merged in float64, all-reduced
 # gradients). Lambda (chosen from a grid) and the pairing must be identical. The weights themselves are not the
