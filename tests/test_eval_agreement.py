@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import kvjax
+from kvjax.eval import stats
 from kvjax.eval.arm_settings import ArmSettings
 from kvjax.eval.arms import ARMS
 from kvjax.eval.suite import agreement, mc
@@ -215,10 +216,10 @@ def test_mc_chance_normalised_retention():
 
 def test_ratio_ci():
     num, den = np.array([1.0, 0.0, 1.0, 1.0]), np.array([1.0, 1.0, 1.0, 0.0])
-    value, ci = mc.ratio_ci(num, den, n=500)
+    value, ci = stats.ratio_ci(num, den, n=500)
     assert value == pytest.approx(1.0) and ci[0] <= 1.0 <= ci[1]
-    assert mc.ratio_ci(num, np.zeros(4), n=100) == (None, None)
-    value, ci = mc.ratio_ci(num, np.array([1.0, -1.0, 0.0, 0.5]), n=500)  # mean(den) > 0, often not resampled
+    assert stats.ratio_ci(num, np.zeros(4), n=100) == (None, None)
+    value, ci = stats.ratio_ci(num, np.array([1.0, -1.0, 0.0, 0.5]), n=500)  # mean(den) > 0, often not resampled
     assert value == pytest.approx(0.75 / 0.125) and ci is None
     with pytest.raises(ValueError):
-        mc.ratio_ci(num, den[:3])
+        stats.ratio_ci(num, den[:3])

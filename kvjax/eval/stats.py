@@ -53,3 +53,29 @@ def paired_bootstrap_ci(a, b, n: int = 10_000, seed: int = 0, alpha: float = 0.0
     if a.shape != b.shape:
         raise ValueError(f"paired scores need the same items: got {a.shape} and {b.shape}")
     return bootstrap_ci(a - b, n=n, seed=seed, alpha=alpha)
+
+
+def ratio_ci(num, den, n: int = 10_000, seed: int = 0, alpha: float = 0.05) -> tuple[float | None, list | None]:
+    """mean(num) / mean(den) of per-item values [N] of the same items, and its (1 - alpha) percentile-bootstrap
+    interval resampling the items jointly (paired; the resampling recipe of paired_bootstrap_ci). (None, None) when
+    mean(den) <= 0 (the ratio is undefined); the interval is None when more than alpha / 2 of the resamples have
+    mean(den) <= 0 (the denominator is not distinguishable from zero, so the ratio is unbounded); otherwise the
+    quantiles of the resamples whose denominator is positive."""
+    num, den = np.asarray(num, np.float64), np.asarray(den, np.float64)
+    if num.shape != den.shape or num.ndim != 1 or len(num) == 0:
+        raise ValueError(f"paired values need the same non-empty 1-D shape: got {num.shape} and {den.shape}")
+    if den.mean() <= 1e-12:
+        return None, None
+    value = float(num.mean() / den.mean())
+    rng = np.random.default_rng(seed)
+    nums, dens = [], []
+    for start in range(0, n, CHUNK):
+        idx = rng.integers(0, len(num), (min(CHUNK, n - start), len(num)))
+        nums.append(num[idx].mean(axis=1))
+        dens.append(den[idx].mean(axis=1))
+    nums, dens = np.concatenate(nums), np.concatenate(dens)
+    ok = dens > 1e-12
+    if np.mean(~ok) > alpha / 2:
+        return value, None
+    lo, hi = np.quantile(nums[ok] / dens[ok], [alpha / 2, 1 - alpha / 2])
+    return value, [float(lo), float(hi)]

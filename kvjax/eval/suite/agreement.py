@@ -28,10 +28,9 @@ import logging
 import numpy as np
 
 from kvjax.eval.report import pct
-from kvjax.eval.stats import bootstrap_ci, paired_bootstrap_ci
+from kvjax.eval.stats import bootstrap_ci, paired_bootstrap_ci, ratio_ci
 from kvjax.eval.suite.evaluation import Chart, Evaluation, unknown_arms
 from kvjax.eval.suite.kl import first_row, windows_of
-from kvjax.eval.suite.mc import ratio_ci
 from kvjax.gate import check
 
 log = logging.getLogger(__name__)

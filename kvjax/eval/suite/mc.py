@@ -14,7 +14,7 @@ import re
 import numpy as np
 
 from kvjax.eval.report import pct, pts
-from kvjax.eval.stats import bootstrap_ci, paired_bootstrap_ci
+from kvjax.eval.stats import bootstrap_ci, paired_bootstrap_ci, ratio_ci
 from kvjax.eval.suite.evaluation import Chart, Evaluation, at_least_one, unknown_arms
 from kvjax.gate import check, retention
 
@@ -24,7 +24,6 @@ PEERS = ("perhead", "ridge")  # maps the final map is compared with, paired by i
 # options per item of each schema: chance = 1 / choices. Records written since they store it ("choices"); this is for
 # the records made before (kvjax.eval.multiple_choice reads 4 endings per HellaSwag item, 2 solutions per PIQA item)
 CHOICES = {"hellaswag": 4, "piqa": 2}
-CHUNK = 1000  # bootstrap resamples drawn at once (as kvjax.eval.stats)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,32 +94,6 @@ def metrics(ev: dict, ctx) -> dict:
             m["chance_retention"] = _chance_retention(correct, m["chance"], ctx.n_boot)
         out[name] = m
     return out
-
-
-def ratio_ci(num, den, n: int = 10_000, seed: int = 0, alpha: float = 0.05) -> tuple[float | None, list | None]:
-    """mean(num) / mean(den) of per-item values [N] of the same items, and its (1 - alpha) percentile-bootstrap
-    interval resampling the items jointly (paired; same resampling recipe as kvjax.eval.stats). (None, None) when
-    mean(den) <= 0 (the ratio is undefined); the interval is None when more than alpha / 2 of the resamples have
-    mean(den) <= 0 (the denominator is not distinguishable from zero, so the ratio is unbounded); otherwise the
-    quantiles of the resamples whose denominator is positive."""
-    num, den = np.asarray(num, np.float64), np.asarray(den, np.float64)
-    if num.shape != den.shape or num.ndim != 1 or len(num) == 0:
-        raise ValueError(f"paired values need the same non-empty 1-D shape: got {num.shape} and {den.shape}")
-    if den.mean() <= 1e-12:
-        return None, None
-    value = float(num.mean() / den.mean())
-    rng = np.random.default_rng(seed)
-    nums, dens = [], []
-    for start in range(0, n, CHUNK):
-        idx = rng.integers(0, len(num), (min(CHUNK, n - start), len(num)))
-        nums.append(num[idx].mean(axis=1))
-        dens.append(den[idx].mean(axis=1))
-    nums, dens = np.concatenate(nums), np.concatenate(dens)
-    ok = dens > 1e-12
-    if np.mean(~ok) > alpha / 2:
-        return value, None
-    lo, hi = np.quantile(nums[ok] / dens[ok], [alpha / 2, 1 - alpha / 2])
-    return value, [float(lo), float(hi)]
 
 
 def _chance_retention(correct: dict, chance: float, n_boot: int) -> dict:
