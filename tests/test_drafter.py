@@ -135,3 +135,38 @@ def test_dflash_evaluation(pair, tmp_path):
     assert dflash.preflight(ec, None) == []
     assert "trained for block sizes" in dflash.preflight(dataclasses.replace(ec, blocks=(8,)), None)[0]
     assert "not a drafter directory" in dflash.preflight(dataclasses.replace(ec, drafter=str(tmp_path)), None)[0]
+
+
+def test_training_data_mixes_greedy_and_sampled_continuations(pair, tmp_path):
+    """DFlash's data: the verifier's own continuations, greedy for most batches and sampled for a share of them;
+    the sampled batches are reproducible, and an interrupted generation resumes to the same sequences."""
+    from kvjax.drafter.train import make_sequences, sampled_batch
+    verifier, _, _ = pair
+    cfg, params = verifier
+    assert [sampled_batch(i, 0.5) for i in range(4)] == [False, True, False, True]
+    assert not any(sampled_batch(i, 0.0) for i in range(8)) and all(sampled_batch(i, 1.0) for i in range(8))
+    rng = np.random.default_rng(3)
+    prompts = rng.integers(1, VOCAB, (8, 12)).astype(np.int32)
+    plen = rng.integers(4, 13, 8).astype(np.int32)
+    data = make_sequences(verifier, prompts, plen, 10, 4, str(tmp_path / "a"), -1, sampled_frac=0.5,
+                          temperature=1.0)
+    greedy = np.asarray(kvjax.generate(params, cfg, prompts, 10, prompt_lengths=plen, eos_token_ids=()))
+    cont = np.stack([row[p: p + 10] for row, p in zip(data["tokens"], plen)])
+    np.testing.assert_array_equal(cont[:4], greedy[:4])  # batch 0: greedy
+    assert (cont[4:] != greedy[4:]).any()  # batch 1: sampled at temperature 1 over 12 tokens
+    for i, p in enumerate(plen):
+        np.testing.assert_array_equal(data["tokens"][i, :p], prompts[i, :p])
+    # interrupted after the first batch: the rerun generates only the rest, with the same key
+    again = tmp_path / "b"
+    make_sequences(verifier, prompts[:4], plen[:4], 10, 4, str(again), -1, sampled_frac=0.5, temperature=1.0)
+    (again / "sequences.npz").unlink()
+    resumed = make_sequences(verifier, prompts, plen, 10, 4, str(again), -1, sampled_frac=0.5, temperature=1.0)
+    np.testing.assert_array_equal(resumed["tokens"], data["tokens"])
+
+
+def test_toy_drafter_refuses_to_mix_data_recipes(tmp_path, capsys):
+    from launch.toy.drafter import check_recipe
+    check_recipe(str(tmp_path), {"sequences": 8, "sampled_frac": 0.0})
+    check_recipe(str(tmp_path), {"sequences": 8, "sampled_frac": 0.0})  # the same recipe continues
+    with pytest.raises(SystemExit, match=r"another recipe \(sampled_frac: 0.0 -> 0.5\)"):
+        check_recipe(str(tmp_path), {"sequences": 8, "sampled_frac": 0.5})

@@ -35,7 +35,10 @@ TOY = ["--config=toy", "--config.data.max_train_tokens=6000", "--config.map.cali
        f"--config.residual.save_every={SAVE_EVERY}",
        *[f"--config.eval.{e}.enabled=false"
          for e in ("distances", "kl", "agreement", "mc", "retrieval", "throughput")]]
-TWO_BY_TWO = ["--config.mesh.data=2", "--config.mesh.model=2", "--heartbeat_timeout=10", "--init_timeout=120"]
+TWO_BY_TWO = ["--config.mesh.data=2", "--config.mesh.model=2", "--heartbeat_timeout=30", "--init_timeout=120"]
+# 30 s, the job's default: at 10 s a loaded CI machine (two test workers and three jobs compiling on 2 cores) once
+# starved the coordination service long enough to end a healthy run. A dead peer is then noticed in ~30-40 s,
+# still well before the launcher's own 90 s grace would end the survivor
 # One process vs two: the same sums in another order (per data-shard float32 chunks merged in float64, all-reduced
 # gradients). Lambda (chosen from a grid) and the pairing must be identical. The weights themselves are not the
 # thing to compare: at lambda 1e-3 on 512 calibration tokens the ridge solve amplifies float32 rounding to ~4e-4 of
@@ -154,7 +157,7 @@ def test_dead_peer_ends_the_job_and_the_rerun_resumes_to_the_same_map(runs):
         pids = child_pids(log_path)
         os.kill(pids[1], signal.SIGKILL)  # a peer dies mid-training
         killed_at = time.monotonic()
-        while alive(pids[0]) and time.monotonic() - killed_at < 90:
+        while alive(pids[0]) and time.monotonic() - killed_at < 150:
             time.sleep(0.1)
         survivor_s = time.monotonic() - killed_at
         code = finish(proc)
@@ -163,7 +166,7 @@ def test_dead_peer_ends_the_job_and_the_rerun_resumes_to_the_same_map(runs):
             os.killpg(proc.pid, signal.SIGKILL)
     log = read(log_path)
     print(f"process 0 ended {survivor_s:.1f} s after its peer was killed")
-    assert survivor_s < 60, f"process 0 still alive {survivor_s:.0f} s after its peer died:\n{log[-4000:]}"
+    assert survivor_s < 80, f"process 0 still alive {survivor_s:.0f} s after its peer died:\n{log[-4000:]}"
     assert code != 0 and "process 1 was killed by SIGKILL" in log
     assert "all 2 processes finished" not in log, "the job finished before the kill: make it longer"
     assert re.search(r"\[p0\].*(detected fatal errors|another task died|unhealthy)", log), log[-4000:]

@@ -1,9 +1,11 @@
 """Training the block drafter on the verifier's own outputs (what it must predict for speculative decoding).
 
 Data (cached on disk in the work directory, each stage resumable):
-  1. sequences: prompts (corpus windows of varied length) and the verifier's greedy continuations of them
-     (kvjax.generate in batches): tokens int32 [N, S] = prompt + continuation, right-padded, with prompt_len [N] and
-     valid_len [N] (prompt + continuation up to and including its first EOS);
+  1. sequences: prompts (corpus windows of varied length) and the verifier's own continuations of them
+     (kvjax.generate in batches; greedy, and for a `sampled_frac` share of the batches sampled at `temperature`, as
+     DFlash trains on the target's generated responses: sampled text shows the drafter the verifier's less likely
+     but still plausible paths, which greedy data never visits): tokens int32 [N, S] = prompt + continuation,
+     right-padded, with prompt_len [N] and valid_len [N] (prompt + continuation up to and including its first EOS);
   2. features: the verifier's outputs of the drafter's feature layers at every position, float16 [N, S, F]
      (computed once: the verifier is frozen, so re-running it every step would only repeat this work);
   3. the draft vocabulary: the `draft_vocab` most frequent tokens of the continuations.
@@ -62,9 +64,16 @@ class DrafterTrainConfig:
 
 # ---- data -----------------------------------------------------------------------------------------------------------
 
+def sampled_batch(index: int, sampled_frac: float) -> bool:
+    """Whether continuation batch `index` is sampled: evenly spread, so any prefix of the batches (a run stopped
+    early) has the same share."""
+    return int((index + 1) * sampled_frac) > int(index * sampled_frac)
+
+
 def make_sequences(model, prompts: np.ndarray, prompt_len: np.ndarray, gen_len: int, batch: int, work: str,
-                   eos: int) -> dict:
-    """The verifier's greedy continuations of prompts int32 [N, P] (right-padded to prompt_len [N]), cached in
+                   eos: int, *, sampled_frac: float = 0.0, temperature: float = 0.8, seed: int = 0) -> dict:
+    """The verifier's continuations of prompts int32 [N, P] (right-padded to prompt_len [N]): greedy, or sampled at
+    `temperature` for a `sampled_frac` share of the batches (key: (seed, batch index)). Cached in
     `work`/sequences.npz; batches already generated are kept in `work`/gen/ (an interrupted run resumes)."""
     out = os.path.join(work, "sequences.npz")
     if os.path.isfile(out):
@@ -73,12 +82,15 @@ def make_sequences(model, prompts: np.ndarray, prompt_len: np.ndarray, gen_len: 
     os.makedirs(os.path.join(work, "gen"), exist_ok=True)
     n = len(prompts)
     gens = []
-    for lo in tqdm(range(0, n, batch), desc="greedy continuations", unit="batch"):
+    for lo in tqdm(range(0, n, batch), desc="verifier continuations", unit="batch"):
         part = os.path.join(work, "gen", f"{lo:06d}.npy")
         if not os.path.isfile(part):
             hi = min(lo + batch, n)
             rows = np.arange(lo, lo + batch) % n  # a full last batch: one compiled shape
+            sample = sampled_batch(lo // batch, sampled_frac)
             g = np.asarray(generate(params, cfg, prompts[rows], gen_len, prompt_lengths=prompt_len[rows],
+                                    temperature=temperature if sample else 0.0,
+                                    key=jax.random.key(seed * 1_000_003 + lo) if sample else None,
                                     eos_token_ids=(eos,), pad_token_id=eos))[: hi - lo]
             np.save(part + ".tmp.npy", g)
             os.replace(part + ".tmp.npy", part)
@@ -256,4 +268,33 @@ def train_drafter(model, dcfg: DrafterConfig, tc: DrafterTrainConfig, data: dict
     manager.wait_until_finished()
     plot_loss(metrics_path, os.path.join(wdir, "loss.png"), title="block drafter (weighted CE over the draft vocab)",
               labels=["drafter"])
+    plot_tau(metrics_path, os.path.join(wdir, "tau.png"), dcfg.max_block)
     return state.params
+
+
+def plot_tau(metrics_path: str, out: str, block: int) -> None:
+    """Held-out acceptance length and first-token accuracy against training tokens: where the curve flattens is
+    where more training of this recipe stops paying."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    if not rows:
+        return
+    tokens = [r["tokens"] / 1e6 for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(tokens, [r["heldout_tau"] for r in rows], label=f"held-out tau (b = {block})")
+    ax.set_xlabel("training tokens (M block positions)")
+    ax.set_ylabel("acceptance length tau")
+    ax.grid(alpha=0.3)
+    ax2 = ax.twinx()
+    ax2.plot(tokens, [r["heldout_acc1"] for r in rows], color="tab:orange", alpha=0.7, label="first-token accuracy")
+    ax2.set_ylabel("first-token accuracy")
+    ax2.set_ylim(0, 1)
+    lines = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+    ax.legend(lines, [ln.get_label() for ln in lines], loc="lower right")
+    ax.set_title("block drafter: held-out acceptance against training")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)

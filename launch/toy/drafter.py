@@ -63,6 +63,23 @@ def train_split_tokens(work: str) -> np.ndarray:
     return arr
 
 
+def check_recipe(work: str, recipe: dict) -> None:
+    """The cached data stages in `work` belong to one data recipe: refuse to mix another into them."""
+    path = os.path.join(work, "recipe.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            old = json.load(f)
+        if old != recipe:
+            diff = ", ".join(f"{k}: {old.get(k)} -> {v}" for k, v in recipe.items() if old.get(k) != v)
+            sys.exit(f"error: {work} holds data of another recipe ({diff}); pass another --work, or delete it to "
+                     "rebuild")
+    elif any(os.path.exists(os.path.join(work, n)) for n in ("sequences.npz", "gen", "features.npy")):
+        sys.exit(f"error: {work} holds data without a recipe.json (an older run); pass another --work, or delete it")
+    else:
+        with open(path, "w") as f:
+            json.dump(recipe, f, indent=2)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--source", default="checkpoints/toy/source", help="the verifier the drafter drafts for")
@@ -71,6 +88,9 @@ def main(argv=None) -> None:
     p.add_argument("--sequences", type=int, default=2048)
     p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 384))
     p.add_argument("--gen-len", type=int, default=128)
+    p.add_argument("--sampled-frac", type=float, default=0.0,
+                   help="share of the continuations sampled (at --temperature) instead of greedy, as DFlash's data")
+    p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--layers", type=int, default=2, help="drafter layers")
     p.add_argument("--block-sizes", type=int, nargs="+", default=(4, 8, 16))
     p.add_argument("--draft-vocab", type=int, default=2048, help="draft vocabulary size (0: the whole vocabulary)")
@@ -86,7 +106,12 @@ def main(argv=None) -> None:
     work = os.path.join(a.work, "smoke") if a.smoke else a.work
     if a.smoke:
         a.sequences, a.steps, a.gen_len, a.prompt_len = 96, 20, 32, (16, 64)
+    if not 0.0 <= a.sampled_frac <= 1.0 or a.temperature <= 0:
+        p.error("--sampled-frac must lie in [0, 1] and --temperature be > 0")
     os.makedirs(work, exist_ok=True)
+    check_recipe(work, {"sequences": a.sequences, "prompt_len": list(a.prompt_len), "gen_len": a.gen_len,
+                        "sampled_frac": a.sampled_frac, "temperature": a.temperature if a.sampled_frac else None,
+                        "source": os.path.abspath(a.source)})
     t0 = time.time()
     model = load_hf(a.source)
     cfg = model.cfg
@@ -102,7 +127,8 @@ def main(argv=None) -> None:
     prompts = np.stack([np.asarray(corpus[s: s + hi], np.int32) for s in starts])
     log.info("corpus %d train tokens; %d prompts of %d-%d tokens (%.0fs)", len(corpus), a.sequences, lo, hi,
              time.time() - t0)
-    data = make_sequences(model, prompts, plen, a.gen_len, 64, work, EOS)
+    data = make_sequences(model, prompts, plen, a.gen_len, 64, work, EOS, sampled_frac=a.sampled_frac,
+                          temperature=a.temperature)
     feats = make_features(model, data["tokens"], dcfg.feature_layers, 16, work)
     vocab = draft_vocabulary(data["tokens"], data["prompt_len"], data["valid_len"], a.draft_vocab, cfg.vocab_size)
     if vocab is not None:
@@ -120,9 +146,11 @@ def main(argv=None) -> None:
         last = [json.loads(line) for line in f if line.strip()][-1]
     notes = {"trained_by": "python -m launch.toy.drafter " + " ".join(argv if argv is not None else sys.argv[1:]),
              "sequences": a.sequences, "prompt_len": list(a.prompt_len), "gen_len": a.gen_len,
+             "sampled_frac": a.sampled_frac, "temperature": a.temperature if a.sampled_frac else None,
              "steps": a.steps, "final": last}
     save_drafter(a.out, dcfg, with_vocab(params, vocab), notes=notes)
-    shutil.copyfile(os.path.join(work, "train", "loss.png"), os.path.join(a.out, "loss.png"))
+    for chart in ("loss.png", "tau.png"):
+        shutil.copyfile(os.path.join(work, "train", chart), os.path.join(a.out, chart))
     log.info("exported to %s (%.1f MB) in %.0fs", a.out,
              os.path.getsize(os.path.join(a.out, "drafter.safetensors")) / 1e6, time.time() - t0)
 
