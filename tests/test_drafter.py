@@ -154,6 +154,7 @@ def test_training_data_mixes_greedy_and_sampled_continuations(pair, tmp_path):
     cont = np.stack([row[p: p + 10] for row, p in zip(data["tokens"], plen)])
     np.testing.assert_array_equal(cont[:4], greedy[:4])  # batch 0: greedy
     assert (cont[4:] != greedy[4:]).any()  # batch 1: sampled at temperature 1 over 12 tokens
+    np.testing.assert_array_equal(data["sampled"], [False] * 4 + [True] * 4)
     for i, p in enumerate(plen):
         np.testing.assert_array_equal(data["tokens"][i, :p], prompts[i, :p])
     # interrupted after the first batch: the rerun generates only the rest, with the same key
@@ -170,3 +171,9 @@ def test_toy_drafter_refuses_to_mix_data_recipes(tmp_path, capsys):
     check_recipe(str(tmp_path), {"sequences": 8, "sampled_frac": 0.0})  # the same recipe continues
     with pytest.raises(SystemExit, match=r"another recipe \(sampled_frac: 0.0 -> 0.5\)"):
         check_recipe(str(tmp_path), {"sequences": 8, "sampled_frac": 0.5})
+
+
+def test_toy_drafter_records_its_recipe_without_paths():
+    from launch.toy.drafter import recipe_args
+    assert recipe_args(["--work", "w", "--steps", "5", "--out=o", "--sampled-frac", "0.5"]) == [
+        "--steps", "5", "--sampled-frac", "0.5"]

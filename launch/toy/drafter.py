@@ -1,14 +1,15 @@
 """Train the toy block drafter (DFlash-style) for the shipped toy source and ship it in checkpoints/toy/drafter.
 
-    python -m launch.toy.drafter                 # ~45 min on 2 shared cores; resumable at every stage
-    python -m launch.toy.drafter --smoke         # a 2-minute end-to-end run of every stage (tiny sizes)
+    python -m launch.toy.drafter                 # ~75 min on 2 idle cores; resumable at every stage
+    python -m launch.toy.drafter --smoke         # a 1-minute end-to-end run of every stage (tiny sizes)
 
-Stages, each cached in --work (git-ignored; rerunning continues where a run stopped): the train-split corpus text
-(work/toy/data/train.npy when `python -m launch.toy.data` has built it, else the manifest's stdlib train files read
-and tokenized here, sha256-checked); --sequences prompts of random length in --prompt-len taken at random offsets of
-it; the source's greedy continuations of --gen-len tokens (kvjax.generate); the source's features at the drafter's
-feature layers; the draft vocabulary; training (kvjax.drafter.train, orbax checkpoints, progress bar,
-metrics.jsonl, loss.png); export with kvjax.drafter.io.save_drafter (manifest: the source's config fingerprint and
+Stages, each cached in --work (git-ignored; rerunning continues where a run stopped; the data recipe is kept in
+--work/recipe.json and another recipe is refused there): the train-split corpus text (work/toy/data/train.npy when
+`python -m launch.toy.data` has built it, else the manifest's stdlib train files read and tokenized here,
+sha256-checked); --sequences prompts of random length in --prompt-len taken at random offsets of it; the source's own
+continuations of --gen-len tokens (kvjax.generate; greedy, and sampled at --temperature for a --sampled-frac share);
+the source's features at the drafter's feature layers; the draft vocabulary; training (kvjax.drafter.train, orbax
+checkpoints, progress bar, metrics.jsonl, loss.png, tau.png: held-out acceptance against training tokens); export with kvjax.drafter.io.save_drafter (manifest: the source's config fingerprint and
 the trained block sizes 4, 8, 16: one drafter trained with random block truncation serves all three).
 The held-out files never enter: prompts come from the train split only, so launch/bench/dflash.py's held-out
 prompt sets are unseen.
@@ -63,6 +64,19 @@ def train_split_tokens(work: str) -> np.ndarray:
     return arr
 
 
+def recipe_args(argv: list[str]) -> list[str]:
+    """The command line less where it reads and writes (--work, --out), which do not change the drafter."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--work", "--out"):
+            skip = True
+        elif not arg.startswith(("--work=", "--out=")):
+            out.append(arg)
+    return out
+
+
 def check_recipe(work: str, recipe: dict) -> None:
     """The cached data stages in `work` belong to one data recipe: refuse to mix another into them."""
     path = os.path.join(work, "recipe.json")
@@ -85,16 +99,16 @@ def main(argv=None) -> None:
     p.add_argument("--source", default="checkpoints/toy/source", help="the verifier the drafter drafts for")
     p.add_argument("--out", default="checkpoints/toy/drafter")
     p.add_argument("--work", default="work/toy/drafter")
-    p.add_argument("--sequences", type=int, default=2048)
+    p.add_argument("--sequences", type=int, default=8192)
     p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 384))
     p.add_argument("--gen-len", type=int, default=128)
-    p.add_argument("--sampled-frac", type=float, default=0.0,
+    p.add_argument("--sampled-frac", type=float, default=0.5,
                    help="share of the continuations sampled (at --temperature) instead of greedy, as DFlash's data")
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--layers", type=int, default=2, help="drafter layers")
     p.add_argument("--block-sizes", type=int, nargs="+", default=(4, 8, 16))
     p.add_argument("--draft-vocab", type=int, default=2048, help="draft vocabulary size (0: the whole vocabulary)")
-    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--steps", type=int, default=6000)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--stop-at", type=int, help="stop (checkpointed) after this step; rerun to continue")
@@ -144,7 +158,8 @@ def main(argv=None) -> None:
         return
     with open(os.path.join(work, "train", "metrics.jsonl")) as f:
         last = [json.loads(line) for line in f if line.strip()][-1]
-    notes = {"trained_by": "python -m launch.toy.drafter " + " ".join(argv if argv is not None else sys.argv[1:]),
+    notes = {"trained_by": "python -m launch.toy.drafter " + " ".join(recipe_args(argv if argv is not None
+                                                                               else sys.argv[1:])),
              "sequences": a.sequences, "prompt_len": list(a.prompt_len), "gen_len": a.gen_len,
              "sampled_frac": a.sampled_frac, "temperature": a.temperature if a.sampled_frac else None,
              "steps": a.steps, "final": last}
