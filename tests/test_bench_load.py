@@ -84,6 +84,11 @@ def test_parse_arm():
     for bad in ("batched+turbo", "pipelined"):
         with pytest.raises(ValueError):
             load.parse_arm(bad, a)
+    # the server's own checks, before the offline reference runs: it would refuse these at start
+    with pytest.raises(ValueError, match=r"max_step_tokens must be 0 \(off\) or >= 16"):
+        load.parse_arm("batched+chunked", args("--max-step-tokens", "8"))
+    with pytest.raises(ValueError, match="use --topology=batched"):
+        load.parse_arm("serial+chunked", a)
 
 
 def test_defaults_and_workload_checks():

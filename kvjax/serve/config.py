@@ -49,7 +49,8 @@ class EngineConfig:
         if self.prefix_block < 1:
             out.append(f"prefix_block must be >= 1 token, got {self.prefix_block}")
         if self.max_step_tokens and self.max_step_tokens < 16:
-            out.append(f"max_step_tokens must be 0 (off) or >= 16, got {self.max_step_tokens}")
+            out.append(f"max_step_tokens must be 0 (off) or >= 16 (a prompt is read in pieces of multiples of 16 "
+                       f"tokens, which bounds the compiled programs), got {self.max_step_tokens}")
         if self.max_step_tokens and self.topology != "batched":
             out.append(f"max_step_tokens (chunked prefill) interleaves prefill with decode on one device: use "
                        f"--topology=batched (the {self.topology} topology "

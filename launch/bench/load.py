@@ -64,12 +64,12 @@ from typing import Callable
 
 import numpy as np
 
+from kvjax.serve.config import TOPOLOGIES, EngineConfig
 from launch.bench.load_workloads import (LONG_NEW_TOKENS, REPO, Plan, arrival_plan, conversation_plan,
                                          independent_plan, levels)
 
 HOST = "127.0.0.1"  # localhost only
 WORKLOADS = ("independent", "conversation", "arrival")
-TOPOLOGIES = ("serial", "batched", "disaggregated")
 # the server's prefix-cache counters (Prometheus counters: NAME_total) and gauges
 PREFIX_COUNTERS = ("lookups", "hits", "lookup_tokens", "reused_tokens", "evictions")
 PREFIX_GAUGES = ("bytes", "blocks")
@@ -158,6 +158,13 @@ def parse_arm(entry: str, a) -> tuple[str, list[str]]:
             flags += ["--max-step-tokens", str(a.max_step_tokens)]
         else:
             raise ValueError(f"arm {entry!r}: feature {f!r} is not prefix or chunked")
+    # the server's own checks, before minutes of offline reference decoding (kvjax.serve would refuse at start)
+    engine = EngineConfig(topology=topology,
+                          prefix_cache_mb=a.prefix_mb if "prefix" in features else 0.0,
+                          prefix_block=a.prefix_block or EngineConfig.prefix_block,
+                          max_step_tokens=a.max_step_tokens if "chunked" in features else 0)
+    if engine.problems():
+        raise ValueError(f"arm {entry!r}: " + "; ".join(engine.problems()))
     return topology, flags
 
 
