@@ -9,8 +9,9 @@ Stages, each cached in --work (git-ignored; rerunning continues where a run stop
 sha256-checked); --sequences prompts of random length in --prompt-len taken at random offsets of it; the source's own
 continuations of --gen-len tokens (kvjax.generate; greedy, and sampled at --temperature for a --sampled-frac share);
 the source's features at the drafter's feature layers; the draft vocabulary; training (kvjax.drafter.train, orbax
-checkpoints, progress bar, metrics.jsonl, loss.png, tau.png: held-out acceptance against training tokens); export with kvjax.drafter.io.save_drafter (manifest: the source's config fingerprint and
-the trained block sizes 4, 8, 16: one drafter trained with random block truncation serves all three).
+checkpoints, progress bar, metrics.jsonl, loss.png, tau.png: held-out acceptance against training tokens); export
+with kvjax.drafter.io.save_drafter (manifest: the source's config fingerprint and the trained block sizes 4, 8, 16:
+one drafter trained with random block truncation serves all three).
 The held-out files never enter: prompts come from the train split only, so launch/bench/dflash.py's held-out
 prompt sets are unseen.
 """
