@@ -210,6 +210,8 @@ def test_bad_requests_are_4xx_json_errors_and_the_next_request_succeeds(stack):
         (dict(good, temperature="hot"), 400, "temperature"),
         (dict(good, n=3), 400, "not supported"),
         (b"[1, 2]", 400, "JSON object"),
+        (b'{"model": "tiny", "prompt": [1, 2], "temperature": NaN}', 400, "not JSON"),  # Python's json reads NaN
+        (b'{"model": "tiny", "prompt": [1, 2], "top_p": 1e999}', 400, "finite"),  # and 1e999 as infinity
     ]
     with Running(stack) as srv:
         for body, status, words in cases:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 
 class ApiError(Exception):
@@ -88,13 +89,18 @@ def parse_body(raw: bytes) -> dict:
     if not text.strip():
         raise ApiError(400, "the request body is empty; send a JSON object")
     try:
-        body = json.loads(text)
+        body = json.loads(text, parse_constant=_not_json)
     except json.JSONDecodeError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") \
             from None
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got a JSON {type(body).__name__}")
     return body
+
+
+def _not_json(constant: str):
+    # Python's json reads NaN and Infinity, which JSON does not have; a NaN would pass every range check below
+    raise ApiError(400, f"the request body holds {constant}, which is not JSON; send finite numbers")
 
 
 def _number(body, name, default, lo, hi, kind=float, lo_open=False):
@@ -104,6 +110,8 @@ def _number(body, name, default, lo, hi, kind=float, lo_open=False):
     if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
         raise ApiError(400, f"'{name}' must be {'a number' if kind is float else 'an integer'}, got "
                             f"{json.dumps(value)}", param=name)
+    if not math.isfinite(value):  # 1e999 reads as infinity
+        raise ApiError(400, f"'{name}' must be a finite number, got {value}", param=name)
     if (value <= lo if lo_open else value < lo) or value > hi:
         raise ApiError(400, f"'{name}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}", param=name)
     return kind(value)
