@@ -177,3 +177,21 @@ def test_toy_drafter_records_its_recipe_without_paths():
     from launch.toy.drafter import recipe_args
     assert recipe_args(["--work", "w", "--steps", "5", "--out=o", "--sampled-frac", "0.5"]) == [
         "--steps", "5", "--sampled-frac", "0.5"]
+
+
+def test_training_continues_from_a_trained_drafter(pair, tmp_path):
+    """`init`: training starts from the given drafter (its vocabulary aside), not from the verifier's layers. At the
+    first step the warm-up's learning rate is 0, so one step returns exactly where it started."""
+    from kvjax.drafter.train import DrafterTrainConfig, make_features, make_sequences, train_drafter
+    verifier, dcfg, dp = pair
+    rng = np.random.default_rng(4)
+    prompts = rng.integers(1, VOCAB, (8, 12)).astype(np.int32)
+    data = make_sequences(verifier, prompts, np.full(8, 12, np.int32), 24, 4, str(tmp_path), -1)
+    feats = make_features(verifier, data["tokens"], dcfg.feature_layers, 4, str(tmp_path))
+    tc = DrafterTrainConfig(steps=1, batch_size=2, blocks_per_seq=2, warmup_steps=10, eval_seqs=2, eval_every=1)
+    init = dm.with_vocab(dp, np.arange(VOCAB))
+    out = train_drafter(verifier, dcfg, tc, data, feats, None, str(tmp_path / "cont"), init=init)
+    assert out.vocab_ids is None
+    jax.tree.map(np.testing.assert_array_equal, out, dm.with_vocab(dp, None))
+    fresh = train_drafter(verifier, dcfg, tc, data, feats, None, str(tmp_path / "fresh"))
+    assert not np.array_equal(fresh.fc, dp.fc)  # without `init`: a new drafter

@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from kvjax import checkpointing
 from kvjax.drafter.config import DrafterConfig
-from kvjax.drafter.model import DrafterParams, draft_head, init_drafter, target_features, train_logits
+from kvjax.drafter.model import DrafterParams, draft_head, init_drafter, target_features, train_logits, with_vocab
 from kvjax.generation import generate
 from kvjax.pretrain import TrainState, plot_loss
 
@@ -209,8 +209,11 @@ def _truncate_metrics(path: str, step: int) -> None:
 
 
 def train_drafter(model, dcfg: DrafterConfig, tc: DrafterTrainConfig, data: dict, feats: np.ndarray,
-                  vocab_ids: np.ndarray | None, work: str, stop_at: int | None = None) -> DrafterParams:
-    """Train (or resume) the drafter in `work`/train; returns its params (without the vocabulary)."""
+                  vocab_ids: np.ndarray | None, work: str, stop_at: int | None = None,
+                  init: DrafterParams | None = None) -> DrafterParams:
+    """Train (or resume) the drafter in `work`/train; returns its params (without the vocabulary). `init` (a trained
+    drafter's params of the same config) continues training from it with a fresh schedule, instead of starting from
+    the verifier's layers."""
     tcfg, tparams = model
     dcfg.check_target(tcfg)
     wdir = os.path.join(work, "train")
@@ -229,7 +232,10 @@ def train_drafter(model, dcfg: DrafterConfig, tc: DrafterTrainConfig, data: dict
     train_rows = np.setdiff1d(np.flatnonzero(usable), eval_rows)
 
     opt = make_optimizer(tc)
-    params = init_drafter(dcfg, jax.random.key(tc.seed), target_params=tparams if tc.init_from_target else None)
+    if init is not None:
+        params = with_vocab(init, None)
+    else:
+        params = init_drafter(dcfg, jax.random.key(tc.seed), target_params=tparams if tc.init_from_target else None)
     state = TrainState(params, opt.init(params), jnp.zeros((), jnp.int32))
     manager = checkpointing.manager(os.path.join(wdir, "ckpt"))
     start = 0

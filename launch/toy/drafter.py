@@ -2,6 +2,8 @@
 
     python -m launch.toy.drafter                 # ~75 min on 2 idle cores; resumable at every stage
     python -m launch.toy.drafter --smoke         # a 1-minute end-to-end run of every stage (tiny sizes)
+    python -m launch.toy.drafter --init-from checkpoints/toy/drafter --seed 1 --work work/toy/drafter-1
+                                                 # continue a trained drafter on fresh data (another seed)
 
 Stages, each cached in --work (git-ignored; rerunning continues where a run stopped; the data recipe is kept in
 --work/recipe.json and another recipe is refused there): the train-split corpus text (work/toy/data/train.npy when
@@ -29,7 +31,7 @@ import time
 import numpy as np
 
 from kvjax.drafter.config import drafter_config
-from kvjax.drafter.io import save_drafter
+from kvjax.drafter.io import DrafterError, load_drafter, load_manifest, save_drafter
 from kvjax.drafter.model import with_vocab
 from kvjax.drafter.train import (DrafterTrainConfig, draft_vocabulary, make_features, make_sequences,
                                  train_drafter)
@@ -112,6 +114,10 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=6000)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0,
+                   help="draws the prompts, the sampled continuations and the training batches")
+    p.add_argument("--init-from", metavar="DRAFTER",
+                   help="continue from this trained drafter (its config and draft vocabulary; a fresh schedule)")
     p.add_argument("--stop-at", type=int, help="stop (checkpointed) after this step; rerun to continue")
     p.add_argument("--data-only", action="store_true", help="build the cached data stages and stop")
     p.add_argument("--smoke", action="store_true", help="tiny sizes in --work/smoke, nothing exported")
@@ -123,19 +129,30 @@ def main(argv=None) -> None:
         a.sequences, a.steps, a.gen_len, a.prompt_len = 96, 20, 32, (16, 64)
     if not 0.0 <= a.sampled_frac <= 1.0 or a.temperature <= 0:
         p.error("--sampled-frac must lie in [0, 1] and --temperature be > 0")
-    os.makedirs(work, exist_ok=True)
-    check_recipe(work, {"sequences": a.sequences, "prompt_len": list(a.prompt_len), "gen_len": a.gen_len,
-                        "sampled_frac": a.sampled_frac, "temperature": a.temperature if a.sampled_frac else None,
-                        "source": os.path.abspath(a.source)})
     t0 = time.time()
     model = load_hf(a.source)
     cfg = model.cfg
     dcfg = drafter_config(cfg, num_layers=a.layers, block_sizes=tuple(a.block_sizes))
+    init = init_notes = None
+    if a.init_from:
+        try:
+            init_cfg, init = load_drafter(a.init_from, cfg)
+            init_notes = load_manifest(a.init_from).get("notes", {})
+        except DrafterError as e:
+            sys.exit(f"error: --init-from: {e}")
+        if init_cfg != dcfg:
+            sys.exit(f"error: --init-from {a.init_from} has {init_cfg.layer.num_hidden_layers} layers and block sizes "
+                     f"{list(init_cfg.block_sizes)}; pass the same --layers and --block-sizes")
+    os.makedirs(work, exist_ok=True)
+    check_recipe(work, {"sequences": a.sequences, "prompt_len": list(a.prompt_len), "gen_len": a.gen_len,
+                        "sampled_frac": a.sampled_frac, "temperature": a.temperature if a.sampled_frac else None,
+                        "source": os.path.abspath(a.source), "seed": a.seed,
+                        "init_from": os.path.abspath(a.init_from) if a.init_from else None})
     tc = DrafterTrainConfig(steps=a.steps, batch_size=a.batch, lr=a.lr, save_every=10 if a.smoke else 100,
-                            eval_every=10 if a.smoke else 50, eval_seqs=16 if a.smoke else 64)
+                            eval_every=10 if a.smoke else 50, eval_seqs=16 if a.smoke else 64, seed=a.seed)
 
     corpus = train_split_tokens(a.work)
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(a.seed)
     lo, hi = a.prompt_len
     plen = rng.integers(lo, hi + 1, a.sequences).astype(np.int32)
     starts = rng.integers(0, len(corpus) - hi, a.sequences)
@@ -143,9 +160,12 @@ def main(argv=None) -> None:
     log.info("corpus %d train tokens; %d prompts of %d-%d tokens (%.0fs)", len(corpus), a.sequences, lo, hi,
              time.time() - t0)
     data = make_sequences(model, prompts, plen, a.gen_len, 64, work, EOS, sampled_frac=a.sampled_frac,
-                          temperature=a.temperature)
+                          temperature=a.temperature, seed=a.seed)
     feats = make_features(model, data["tokens"], dcfg.feature_layers, 16, work)
-    vocab = draft_vocabulary(data["tokens"], data["prompt_len"], data["valid_len"], a.draft_vocab, cfg.vocab_size)
+    # a continued drafter keeps its vocabulary: its head was trained on those tokens
+    vocab = (np.asarray(init.vocab_ids) if init is not None and init.vocab_ids is not None
+             else draft_vocabulary(data["tokens"], data["prompt_len"], data["valid_len"], a.draft_vocab,
+                                   cfg.vocab_size) if init is None else None)
     if vocab is not None:
         gen = np.concatenate([r[p:v] for r, p, v in zip(data["tokens"], data["prompt_len"], data["valid_len"])])
         log.info("draft vocabulary: %d tokens cover %.2f%% of the continuations", len(vocab),
@@ -153,7 +173,7 @@ def main(argv=None) -> None:
     log.info("data ready (%.0fs)", time.time() - t0)
     if a.data_only:
         return
-    params = train_drafter(model, dcfg, tc, data, feats, vocab, work, stop_at=a.stop_at)
+    params = train_drafter(model, dcfg, tc, data, feats, vocab, work, stop_at=a.stop_at, init=init)
     if a.smoke or (a.stop_at and a.stop_at < a.steps):
         log.info("done (%.0fs); nothing exported", time.time() - t0)
         return
@@ -163,7 +183,9 @@ def main(argv=None) -> None:
                                                                                else sys.argv[1:])),
              "sequences": a.sequences, "prompt_len": list(a.prompt_len), "gen_len": a.gen_len,
              "sampled_frac": a.sampled_frac, "temperature": a.temperature if a.sampled_frac else None,
-             "steps": a.steps, "final": last}
+             "steps": a.steps, "seed": a.seed, "final": last}
+    if init_notes is not None:
+        notes["continues"] = init_notes  # the recipe chain: what this run started from
     save_drafter(a.out, dcfg, with_vocab(params, vocab), notes=notes)
     for chart in ("loss.png", "tau.png"):
         shutil.copyfile(os.path.join(work, "train", chart), os.path.join(a.out, chart))
