@@ -3,6 +3,7 @@ the kernel in interpret mode, one parity test in a subprocess), the Pallas kerne
 the JSON it writes holds numbers that follow from the shapes and the times they are computed from."""
 
 import argparse
+import dataclasses
 import json
 
 import pytest
@@ -85,6 +86,14 @@ def check_speculative(rows: list) -> None:
         assert r["drafter_layers"] == 1 and r["feature_layers"] == [1]
 
 
+def check_serving(sec: dict) -> None:
+    """The smoke workload priced at its middle turn; the prediction is the cost model's on those parts."""
+    from launch.bench.serve_cost import SMOKE, predict
+    assert sec["workload"] == dataclasses.asdict(SMOKE) and sec["priced_at_turn"] == 2
+    assert [t["turn"] for t in sec["parts"]["turns"]] == [2]
+    assert sec["predicted"] == json.loads(json.dumps(predict(SMOKE, sec["parts"])))  # floats round-trip
+
+
 def test_accelerator_script_smoke(tmp_path, capsys):
     import jax
 
@@ -104,6 +113,7 @@ def test_accelerator_script_smoke(tmp_path, capsys):
     check_decode(saved["decode"], dev["copy_GBps"])
     check_speculative(saved["speculative"])
     check_ttft(saved["ttft"])
+    check_serving(saved["serving"])
     printed = capsys.readouterr().out
     assert result["table"] in printed and result["table"] == saved["table"]
     assert len([line for line in result["table"].splitlines() if line.startswith("| map+insert")]) == 3

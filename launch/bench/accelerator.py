@@ -25,6 +25,11 @@ recorded as skipped, with the reason, when it would not fit):
    (a random drafter shaped as DFlash's for Qwen3-8B: 5 layers at the verifier's width, reading its layers 1, 9, 17,
    25, 33), each inside the compiled verify loop (launch/bench/spec_cost.py). A drafter's measured tau then gives
    this device's speed-up: tau / (c_verify(b) + c_draft(b)); `break_even_tau` is the tau that pays for a round.
+7. serving: the serving cost model's parts (launch/bench/serve_cost.py) at Qwen3-32B -> Qwen3-8B shapes, priced at the
+   conversation workload's middle turn: the split prefill of a whole prompt (alone and in a batch of 4), the same
+   after the prompt's cached prefix (the prefix cache's path), and a decode step of 1 and of 64 rows. They give this
+   device's tokens/s of the serial topology, the batched one and the batched one with the prefix cache, and the time
+   to first token with and without it, for the workload the load tool runs on the toy pair.
 
 Goals (speed issue): decode >= 70% of the HBM roofline at batch 1, map-and-insert >= 70% of copy bandwidth.
 """
@@ -266,6 +271,23 @@ def ttft_section(args, source, target, budget: Budget) -> list[dict]:
     return rows
 
 
+# ---- 7. the serving cost model's parts -----------------------------------------------------------------------------
+
+def serving_section(args, source, target) -> dict:
+    import dataclasses
+
+    from launch.bench.serve_cost import SMOKE, Workload, measure, predict
+    w = SMOKE if args.smoke else Workload()
+    kvmap = random_kvmap(source.cfg, target.cfg, args.rank, 16)
+    turn = w.turns // 2 + 1  # one turn's shapes stand for all: each 32B prefill shape is a compile
+    parts = measure(source, target, kvmap, w, args.serve_repeats, turns=[turn])
+    pred = predict(w, parts)
+    print(f"serving (conversation, priced at turn {turn}): x serial {pred['batched']['x_serial']:.2f} batched, "
+          f"{pred['batched+prefix']['x_serial']:.2f} with the prefix cache; mean TTFT with / without it "
+          f"{pred['ttft_prefix_vs_batched']:.2f}")
+    return {"workload": dataclasses.asdict(w), "priced_at_turn": turn, "parts": parts, "predicted": pred}
+
+
 # ---- the table -----------------------------------------------------------------------------------------------------
 
 def table(result: dict) -> str:
@@ -290,6 +312,12 @@ def table(result: dict) -> str:
     for r in result.get("speculative", []) if isinstance(result.get("speculative"), list) else []:
         lines.append(f"| speculative b={r['block']} ctx {r['context']} | c_verify {r['c_verify']:.2f} + c_draft "
                      f"{r['c_draft']:.2f} steps of {r['step_ms']:.2f} ms: speed-up = tau / {r['break_even_tau']:.2f} |")
+    sv = result.get("serving", {})
+    if "predicted" in sv:
+        p = sv["predicted"]
+        lines.append(f"| serving, conversation at turn {sv['priced_at_turn']} | predicted x serial: batched "
+                     f"{p['batched']['x_serial']:.2f}, with the prefix cache {p['batched+prefix']['x_serial']:.2f}; "
+                     f"mean TTFT with / without it {p['ttft_prefix_vs_batched']:.2f} |")
     for r in result.get("ttft", []) if isinstance(result.get("ttft"), list) else []:
         if "skipped" in r:
             lines.append(f"| ttft {r['tokens']} | skipped ({r['skipped']}) |")
@@ -331,15 +359,18 @@ def run(args) -> dict:
     section("kernel", lambda: kernel_section(args), 60)
     dtype = jnp.float32 if args.smoke else jnp.bfloat16
     models = {}
-    if {"decode", "speculative", "ttft"} & set(args.sections):
+    if {"decode", "speculative", "ttft", "serving"} & set(args.sections):
         models["target"] = random_model(TINY_TARGET if args.smoke else QWEN3_8B, 1, dtype)
     section("decode", lambda: decode_section(args, models["target"], copy_bps), 60)
     if "ttft" in args.sections and budget.left() >= args.reserve:
         models["source"] = random_model(TINY_SOURCE if args.smoke else QWEN3_32B, 0, dtype)
     section("ttft", lambda: ttft_section(args, models["source"], models["target"], budget), args.reserve)
-    models.pop("source", None)  # the 32B's weights are not needed past TTFT
     # ~7 compiled 8B verify loops: it needs more than a TTFT length, and what it measures matters less than TTFT
     section("speculative", lambda: speculative_section(args, models["target"]), 0 if args.smoke else 150)
+    if "serving" in args.sections and "source" not in models and budget.left() >= (0 if args.smoke else 120):
+        models["source"] = random_model(TINY_SOURCE if args.smoke else QWEN3_32B, 0, dtype)
+    section("serving", lambda: serving_section(args, models["source"], models["target"]), 0 if args.smoke else 120)
+    models.pop("source", None)
     result["table"] = table(result)
     print(result["table"])
     if args.out:
@@ -349,7 +380,7 @@ def run(args) -> dict:
     return result
 
 
-SECTIONS = ("device", "parity", "kernel", "decode", "ttft", "speculative")
+SECTIONS = ("device", "parity", "kernel", "decode", "ttft", "speculative", "serving")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -371,6 +402,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ttft-lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--ttft-repeats", type=int, default=3)
     p.add_argument("--rank", type=int, default=256)
+    p.add_argument("--serve-repeats", type=int, default=3)
     args = p.parse_args(argv)
     if args.smoke:  # CPU-sized everything; the parity run is one quick test (CI runs the whole file anyway)
         args.kernel_lengths, args.context, args.decode_steps = [48], 64, 4
