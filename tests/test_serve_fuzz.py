@@ -21,7 +21,7 @@ from test_serve import MODEL, Running, offline, prompt_ids
 from test_serve import stack  # noqa: F401 - the module fixture: tokenizer, tiny pair, chat template
 
 EXAMPLES = 1100
-VOCAB = 8192  # the toy tokenizer's vocabulary (checked in the fixture below)
+VOCAB = 8192  # the toy tokenizer's vocabulary (checked by the test)
 
 # ---- strategies -----------------------------------------------------------------------------------------------------
 
@@ -164,7 +164,7 @@ def send(client: httpx.Client, req) -> tuple[int, bool]:
         assert r.status_code == 200 or (r.status_code == 400 and (error["code"] == "context_length_exceeded"
                                                                   or "at least 2" in error["message"])), \
             (content[:300], error)
-    elif r.status_code >= 400:
+    if r.status_code >= 400:
         check_error(httpx.Response(r.status_code, content="\n".join(lines).encode()) if streamed else r)
     elif streamed:
         check_sse(lines, b)
