@@ -110,17 +110,6 @@ def predict(w: Workload, parts: dict) -> dict:
 
 # ---- measuring the parts --------------------------------------------------------------------------------------------
 
-def _median(fn, repeats: int) -> float:
-    import jax
-    jax.block_until_ready(fn())  # compile
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def conversation(w: Workload, vocab: int, k: int, rows: int, seed: int = 0) -> tuple[list, list]:
     """(before, now): `rows` conversations' turn k - 1 prompts (turn 1: the shared system prompt and one more token,
     so that all of it is read) and turn k prompts. Random ids: what a request costs does not depend on them."""
@@ -142,11 +131,12 @@ def measure_turn(builder, w: Workload, vocab: int, k: int, repeats: int) -> dict
     from kvjax.serve import programs
     from kvjax.serve.prefill import PrefillJob
     from kvjax.serve.prefix import PrefixCache
+    from launch.bench.accelerator import median_seconds  # compiles first, then the median of `repeats` runs
     buckets = programs.buckets(w.capacity())
     before, now = conversation(w, vocab, k, w.batch)
     bucket = programs.bucket_for(w.prompt(k) - 1, buckets)
-    p1 = _median(lambda: programs.prefill_batch(builder, now[:1], bucket, 1), repeats)
-    p = _median(lambda: programs.prefill_batch(builder, now, bucket, w.batch), repeats) / w.batch
+    p1 = median_seconds(lambda: programs.prefill_batch(builder, now[:1], bucket, 1), repeats)
+    p = median_seconds(lambda: programs.prefill_batch(builder, now, bucket, w.batch), repeats) / w.batch
 
     def cached():
         # a fresh cache holding what the previous turn stored (untimed), then this turn read after it (timed)
@@ -171,6 +161,7 @@ def measure_steps(target, w: Workload, repeats: int) -> dict:
     import jax.numpy as jnp
 
     from kvjax.serve import programs
+    from launch.bench.accelerator import median_seconds
     cfg, params = target
     ctx = w.prompt(w.turns // 2 + 1) + w.answer // 2
     out = {"context": ctx}
@@ -185,7 +176,7 @@ def measure_steps(target, w: Workload, repeats: int) -> dict:
             nxt, c = programs.step(params, cfg, state["cache"], rows=s, **args)
             state["cache"] = c.replace(lengths=jnp.full((s,), ctx, jnp.int32))
             return nxt
-        out[name] = _median(one, repeats)
+        out[name] = median_seconds(one, repeats)
         del state
     return out
 
