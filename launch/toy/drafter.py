@@ -162,10 +162,10 @@ def main(argv=None) -> None:
     data = make_sequences(model, prompts, plen, a.gen_len, 64, work, EOS, sampled_frac=a.sampled_frac,
                           temperature=a.temperature, seed=a.seed)
     feats = make_features(model, data["tokens"], dcfg.feature_layers, 16, work)
-    # a continued drafter keeps its vocabulary: its head was trained on those tokens
-    vocab = (np.asarray(init.vocab_ids) if init is not None and init.vocab_ids is not None
-             else draft_vocabulary(data["tokens"], data["prompt_len"], data["valid_len"], a.draft_vocab,
-                                   cfg.vocab_size) if init is None else None)
+    if init is not None:  # a continued drafter keeps its vocabulary: its head was trained on those tokens
+        vocab = None if init.vocab_ids is None else np.asarray(init.vocab_ids)
+    else:
+        vocab = draft_vocabulary(data["tokens"], data["prompt_len"], data["valid_len"], a.draft_vocab, cfg.vocab_size)
     if vocab is not None:
         gen = np.concatenate([r[p:v] for r, p, v in zip(data["tokens"], data["prompt_len"], data["valid_len"])])
         log.info("draft vocabulary: %d tokens cover %.2f%% of the continuations", len(vocab),
