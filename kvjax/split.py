@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from kvjax.builders import CacheBuilder, Clock, Mapped, NativePrefill, Pipelined
-from kvjax.generation import decode_from, generate_from, prepare
+from kvjax.generation import alternating_decode_seconds, generate_from
 from kvjax.mapper.kvmap import KVMap, check_models
-from kvjax.models.decoder import decode_jit
 from kvjax.models.model import Model
 
 log = logging.getLogger(__name__)
@@ -108,23 +105,8 @@ def split_generate(source: Model, target: Model, kvmap: KVMap, prompts, max_new_
 
 def paired_decode_seconds(source: Model, target: Model, kvmap: KVMap, prompts, max_new_tokens: int,
                           repeats: int) -> dict[str, list[float]]:
-    """Seconds of the decode phase (greedy, max_new_tokens - 1 tokens after the first, no EOS stop) of the native
-    target and of the target on the mapped cache, timed alternately `repeats` times each (target, mapped, mapped,
-    target, ...) from the same two prefilled caches, so that drifts in machine speed hit both arms alike: the paired
-    measurement behind "mapped decode runs at native target speed". Compiles first (not timed)."""
-    tcfg, tparams = target
-    p = prepare(prompts, tcfg, max_new_tokens, eos_token_ids=(), min_length=2, what="paired_decode_seconds")
-    builders = {"target": NativePrefill(target), "mapped": Mapped(source, target, kvmap)}
-    args = {}
-    for arm, builder in builders.items():
-        logits, cache = decode_jit(tparams, tcfg, jnp.asarray(p.last),
-                                   builder(p.prefix, p.prefix_lengths, capacity=p.capacity))
-        args[arm] = (tparams, tcfg, cache, logits, p.key, int(max_new_tokens), p.sampling, p.eos, p.pad)
-        jax.block_until_ready(decode_from(*args[arm]))  # compile
-    times = {arm: [] for arm in args}
-    for r in range(repeats):
-        for arm in (("target", "mapped") if r % 2 == 0 else ("mapped", "target")):
-            t0 = time.perf_counter()
-            jax.block_until_ready(decode_from(*args[arm]))
-            times[arm].append(time.perf_counter() - t0)
-    return times
+    """Seconds of the decode phase of the native target and of the target on the mapped cache, timed alternately
+    (kvjax.generation.alternating_decode_seconds): the paired measurement behind "mapped decode runs at native
+    target speed"."""
+    return alternating_decode_seconds({"target": NativePrefill(target), "mapped": Mapped(source, target, kvmap)},
+                                      prompts, max_new_tokens, repeats)

@@ -282,7 +282,8 @@ def test_ultravox8_1_runs_end_to_end_on_an_identity_pair(tmp_path):
             "--config.target.dtype=float32", *small, "--config.eval.audio.open_id=0",
             "--config.eval.audio.map_valid=4", "--config.eval.audio.map_steps=3", "--config.eval.audio.map_cont=4",
             "--config.eval.audio.batch_size=3", "--config.eval.audio.speed_tokens=4",
-            "--config.eval.audio.speed_rounds=1", "--config.eval.kl.enabled=false"]
+            "--config.eval.audio.speed_rounds=1", "--config.eval.audio.paired_decode=2",
+            "--config.eval.kl.enabled=false"]
     old = os.getcwd()
     os.chdir(REPO)
     try:
@@ -360,3 +361,26 @@ def test_asr_pretraining_pieces_label_decode_and_score_as_ctc_means(tmp_path):
     assert ctc("hello") < 0.1 < 20 < ctc("world")
     with pytest.raises(SystemExit, match="python -m launch.toy.speech_asr"):
         load_encoder(tmp_path / "nothing")
+
+
+def test_asr_continuation_keeps_the_whole_pretraining_record(tmp_path):
+    """A continued pre-training (speech_asr --init-from ADAPTER) records the runs it continues; the adapters trained
+    on it ship them all, oldest first, each record with its run; a directory without an adapter is refused."""
+    import json
+
+    from launch.toy.speech_asr import encoder_record, encoder_runs, main
+    adapter, work = tmp_path / "adapter", tmp_path / "asr"
+    adapter.mkdir()
+    work.mkdir()
+    (adapter / "encoder_metrics.jsonl").write_text("".join(json.dumps({"step": s, "valid_cer": c}) + "\n"
+                                                         for s, c in ((250, 0.5), (500, 0.3))))
+    runs = encoder_runs(adapter)
+    assert [[r["step"] for r in run] for run in runs] == [[250, 500]]
+    (work / "settings.json").write_text(json.dumps({"continues": {"from": str(adapter), "runs": runs}}))
+    (work / "metrics.jsonl").write_text(json.dumps({"step": 250, "valid_cer": 0.2}) + "\n")
+    lines = [json.loads(ln) for ln in encoder_record(work).splitlines()]
+    assert [(r["run"], r["step"], r["valid_cer"]) for r in lines] == [(0, 250, 0.5), (0, 500, 0.3), (1, 250, 0.2)]
+    (adapter / "encoder_metrics.jsonl").write_text(encoder_record(work))  # an adapter trained on the continuation
+    assert [len(run) for run in encoder_runs(adapter)] == [2, 1]
+    with pytest.raises(SystemExit, match="exported adapter"):
+        main(["--init-from", str(tmp_path / "nothing"), "--data", str(tmp_path / "no-data")])

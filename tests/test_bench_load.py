@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from launch.bench import load
+from launch.bench import load_report
 from launch.bench import load_workloads as workloads
 
 
@@ -136,7 +137,7 @@ def rec(turn, ttft, match=True, error=None):
 
 def test_turn_summary():
     records = [rec(1, 1.0), rec(1, 3.0), rec(2, 0.5, match=False), rec(3, 0.25), rec(2, 9.0, error="boom")]
-    s = load.turn_summary(records)
+    s = load_report.turn_summary(records)
     assert s["ttft_turn1_p50"] == 2.0 and s["ttft_later_p50"] == 0.375
     assert s["per_turn"]["2"] == {"n": 1, "ttft_p50": 0.5, "ttft_p99": 0.5, "mismatches": 1}
     assert sorted(s["per_turn"]) == ["1", "2", "3"]
@@ -148,7 +149,7 @@ def test_arrival_summary_windows():
     times = [0.1 * i for i in range(11)] + [1.5, 1.6, 1.7]
     decoders = [{"times": times, "match": True}, {"times": [t + 0.01 for t in times], "match": True}]
     long = {"t0": 1.0, "times": [1.5], "match": True}
-    s = load.arrival_summary(decoders, long)
+    s = load_report.arrival_summary(decoders, long)
     assert s["long_ttft"] == pytest.approx(0.5)
     # the stalled gaps, and decoder 2's gap that straddles the submission (0.91 -> 1.01)
     assert s["gaps_during"] == 3 and s["itl_during_p99"] == pytest.approx(0.5)
@@ -156,7 +157,7 @@ def test_arrival_summary_windows():
     assert s["itl_p99_ratio"] == pytest.approx(5.0)
     assert s["decoders_streaming_at_long_first_token"] == 2
     # the long request failed: no window
-    s = load.arrival_summary(decoders, {"t0": 1.0, "times": [], "match": False})
+    s = load_report.arrival_summary(decoders, {"t0": 1.0, "times": [], "match": False})
     assert np.isnan(s["itl_p99_ratio"])
 
 
@@ -178,7 +179,7 @@ def test_progress_waits_for_every_decoder():
 
 
 def test_summarize_keeps_its_fields():
-    out = load.summarize([rec(1, 1.0)], 2.0, 1, 0, "kvjax_active_slots 0.0\n", {"status": "ok"}, [(0.0, 100.0)])
+    out = load_report.summarize([rec(1, 1.0)], 2.0, 1, 0, "kvjax_active_slots 0.0\n", {"status": "ok"}, [(0.0, 100.0)])
     assert out["tokens_per_s"] == 0.5 and out["active_slots_after"] == 0.0 and out["mismatches"] == 0
 
 

@@ -132,3 +132,14 @@ def test_builder_input_errors(pair):
         builder(np.ones((2, 4), np.int32), [5, 1])
     with pytest.raises(ValueError, match="capacity 2 is smaller"):
         builder(np.ones((2, 4), np.int32), capacity=2)
+
+
+def test_alternating_decode_seconds_times_every_arm_and_refuses_two_answerers(pair, kvmap):
+    from kvjax.generation import alternating_decode_seconds
+    source, target = pair
+    prompts = [list(batch(1, 12)[0][0])]
+    times = alternating_decode_seconds({"target": NativePrefill(target), "mapped": Mapped(source, target, kvmap)},
+                                       prompts, 6, repeats=3)
+    assert set(times) == {"target", "mapped"} and all(len(t) == 3 and min(t) > 0 for t in times.values())
+    with pytest.raises(ValueError, match="different models"):
+        alternating_decode_seconds({"target": NativePrefill(target), "source": NativePrefill(source)}, prompts, 6, 1)

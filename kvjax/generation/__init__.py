@@ -3,7 +3,7 @@ decode loop with its entry points `generate` (the model's own prefill) and `gene
 
 from kvjax.generation.sampling import Sampling, draw, sample, sampling_probs
 from kvjax.generation.prompts import CACHE_ALIGN, Prepared, aligned, pad_prompts, prepare
-from kvjax.generation.loop import decode_from, decode_loop, generate, generate_from
+from kvjax.generation.loop import alternating_decode_seconds, decode_from, decode_loop, generate, generate_from
 
 __all__ = ["Sampling", "draw", "sample", "sampling_probs", "CACHE_ALIGN", "Prepared", "aligned", "pad_prompts",
-           "prepare", "decode_from", "decode_loop", "generate", "generate_from"]
+           "prepare", "alternating_decode_seconds", "decode_from", "decode_loop", "generate", "generate_from"]

@@ -132,3 +132,32 @@ def generate_from(builder: CacheBuilder, prompts, max_new_tokens: int, *, temper
     logits, cache = clock("first_token", decode_jit(params, cfg, jnp.asarray(p.last), cache))
     return _timed_decode(clock, decode_repeats, params, cfg, cache, logits, p.key, int(max_new_tokens), p.sampling,
                          p.eos, p.pad)
+
+
+def alternating_decode_seconds(builders: dict[str, CacheBuilder], prompts, max_new_tokens: int,
+                               repeats: int) -> dict[str, list[float]]:
+    """Seconds of the decode phase (greedy, max_new_tokens - 1 tokens after the first, no EOS stop) of one answering
+    model from each builder's cache, timed alternately `repeats` times each (the order rotating every round: a, b,
+    then b, a, ...) from caches prefilled once, so that drifts in the machine's speed hit every arm alike: the paired
+    measurement behind "decodes at the answerer's own speed". The builders must answer with the same model.
+    Compiles first (not timed)."""
+    models = {id(b.model[1]) for b in builders.values()}
+    if len(models) != 1:
+        raise ValueError(f"alternating_decode_seconds: the builders {sorted(builders)} answer with different models; "
+                         "it compares decodes of one model from different caches")
+    cfg, params = next(iter(builders.values())).model
+    p = prepare(prompts, cfg, max_new_tokens, eos_token_ids=(), min_length=2, what="alternating_decode_seconds")
+    args = {}
+    for arm, builder in builders.items():
+        logits, cache = decode_jit(params, cfg, jnp.asarray(p.last),
+                                   builder(p.prefix, p.prefix_lengths, capacity=p.capacity))
+        args[arm] = (params, cfg, cache, logits, p.key, int(max_new_tokens), p.sampling, p.eos, p.pad)
+        jax.block_until_ready(decode_from(*args[arm]))  # compile
+    arms = list(args)
+    times = {arm: [] for arm in arms}
+    for r in range(repeats):
+        for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
+            t0 = time.perf_counter()
+            jax.block_until_ready(decode_from(*args[arm]))
+            times[arm].append(time.perf_counter() - t0)
+    return times

@@ -1,7 +1,7 @@
 """Build the toy speech set: English prose of the toy corpus spoken by espeak-ng, as Whisper log-mel features.
 
   python -m launch.toy.speech                    # writes work/toy/audio/data/ (local) and the sealed test set
-  python -m launch.toy.speech --train 6000       # how many training utterances
+  python -m launch.toy.speech --train 6000       # fewer training utterances (the shipped adapters' recipe: 16,000)
 
 The prose is the corpus's documentation (the python3.11-doc reST sources of `checkpoints/toy/data/manifest.json`),
 never its code: paragraphs of plain text with the reST markup removed. Each item is a CONTEXT of 8-18 words, spoken,
@@ -211,7 +211,7 @@ def write_map_train(train: Path, n: int, out: Path) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--train", type=int, default=6000, help="training utterances (from the train split's docs)")
+    p.add_argument("--train", type=int, default=16000, help="training utterances (from the train split's docs)")
     p.add_argument("--valid", type=int, default=256, help="validation utterances (train split, other draws)")
     p.add_argument("--test", type=int, default=240, help="sealed multiple-choice items (held-out docs)")
     p.add_argument("--map-train", type=int, default=192,
@@ -222,10 +222,11 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     p.add_argument("--test-out", default=str(TEST))
+    p.add_argument("--map-train-out", default=str(MAP_TRAIN))
     p.add_argument("--data-out", default=str(DATA))
     args = p.parse_args(argv)
     if args.only_map_train:
-        return write_map_train(Path(args.data_out) / "train", args.map_train, MAP_TRAIN)
+        return write_map_train(Path(args.data_out) / "train", args.map_train, Path(args.map_train_out))
     if shutil.which("espeak-ng") is None:
         sys.exit("launch.toy.speech: espeak-ng is not installed; install it: apt-get install -y espeak-ng")
     rng = random.Random(args.seed)
@@ -250,8 +251,9 @@ def main(argv=None) -> None:
             it["voice"] = v
         feats, frames = features([it["context"] for it in items], vs, args.workers, name, args.mel_bins)
         save_set(Path(args.data_out) / name, items, feats, frames, {**meta, "split": "train docs"})
-    write_map_train(Path(args.data_out) / "train", args.map_train, MAP_TRAIN)
-    print(f"wrote {args.test_out} (sealed, shipped) and {args.data_out}/{{valid,train}} (local)")
+    write_map_train(Path(args.data_out) / "train", args.map_train, Path(args.map_train_out))
+    print(f"wrote {args.test_out} (sealed, shipped), {args.map_train_out} (shipped) and {args.data_out}/{{valid,train}} "
+          "(local)")
 
 
 if __name__ == "__main__":

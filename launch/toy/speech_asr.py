@@ -1,6 +1,8 @@
 """Pre-train the toy's Whisper encoder on speech recognition, as Whisper was, before Ultravox's projector learns.
 
   python -m launch.toy.speech_asr                   # work/toy/audio/asr (then speech_train --encoder-from it)
+  python -m launch.toy.speech_asr --init-from checkpoints/toy/audio/source --steps 2000 --lr 1e-3 \
+      --work work/toy/audio/asr-2                    # continue the shipped encoder's pre-training (a fresh head)
 
 Ultravox starts from a Whisper encoder that already hears: Whisper was trained on 680,000 hours of transcribed speech,
 and Ultravox's distillation then trains the projector (the encoder frozen). The toy's first adapters trained a
@@ -12,6 +14,9 @@ regular speech), on the training utterances of `python -m launch.toy.speech` (ne
 
 Resumable: orbax checkpoints every `--save-every` steps in work/toy/audio/asr/ckpt, metrics.jsonl with the
 validation character error rate of greedy CTC decoding (a measure of hearing that needs no language model).
+`--init-from ADAPTER` continues an exported encoder (an Ultravox-layout directory, e.g. the shipped adapter) with a new
+schedule; settings.json keeps the run it continues and that run's metrics, so the adapters trained on it ship the
+whole pre-training record (`encoder_runs`).
 """
 
 from __future__ import annotations
@@ -111,9 +116,14 @@ def main(argv=None) -> None:
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init-from", default=None, metavar="ADAPTER",
+                   help="start the encoder from an exported adapter's (Ultravox layout); the character head starts fresh")
     p.add_argument("--data", default="work/toy/audio/data")
     p.add_argument("--work", default="work/toy/audio/asr")
     args = p.parse_args(argv)
+    if args.init_from and not (Path(args.init_from) / "config.json").exists():
+        raise SystemExit(f"speech_asr: --init-from {args.init_from}: no config.json there; pass an exported adapter "
+                         "directory such as checkpoints/toy/audio/source")
     if not (Path(args.data) / "train" / "features.npz").exists():
         raise SystemExit(f"speech_asr: no training utterances in {args.data}/train; build them first: "
                          "python -m launch.toy.speech")
@@ -141,6 +151,16 @@ def main(argv=None) -> None:
                                 num_heads=sh.heads, ffn_dim=sh.ffn, max_source_positions=sh.positions)
     opt = optimizer(args.lr, args.warmup, args.steps)
     state = initial_state(ecfg, opt, args.seed)
+    continues = None
+    if args.init_from:  # a continued pre-training: the adapter's encoder, a fresh head and optimizer
+        from kvjax.models.audio import load_audio_encoder
+        enc = load_audio_encoder(args.init_from, jnp.float32)
+        if enc.cfg != ecfg:
+            raise SystemExit(f"speech_asr: the encoder in {args.init_from} has other shapes ({enc.cfg}) than this "
+                             f"script's ({ecfg})")
+        state["params"]["encoder"] = enc.params
+        state["opt"] = opt.init(state["params"])
+        continues = {"from": args.init_from, "runs": encoder_runs(args.init_from)}
 
     def logits_of(params, b):
         h = encode_forward(params["encoder"], ecfg, b["features"], b["frames"])
@@ -177,7 +197,8 @@ def main(argv=None) -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     (work / "settings.json").write_text(json.dumps({"shapes": dataclasses.asdict(sh), "encoder": ecfg.to_hf_dict(),
-                                                    "alphabet": ALPHABET, "args": vars(args)}, indent=1) + "\n")
+                                                    "alphabet": ALPHABET, "args": vars(args), "continues": continues},
+                                                   indent=1) + "\n")
     manager = checkpointing.manager(str(work / "ckpt"))
     start = manager.latest_step() or 0
     if start:
@@ -204,6 +225,28 @@ def main(argv=None) -> None:
         if done % args.save_every == 0 or done == end:
             manager.save(done, args=ocp.args.StandardSave(state))
     manager.wait_until_finished()
+
+
+def encoder_runs(adapter: str | Path) -> list[list[dict]]:
+    """The pre-training record an exported adapter ships (`encoder_metrics.jsonl`), one list of records per run,
+    oldest first: a continued run's records follow the runs it continued (their `run` field)."""
+    path = Path(adapter) / "encoder_metrics.jsonl"
+    recs = [json.loads(ln) for ln in open(path)] if path.exists() else []
+    runs: dict[int, list[dict]] = {}
+    for r in recs:
+        runs.setdefault(r.get("run", 0), []).append(r)
+    return [runs[k] for k in sorted(runs)]
+
+
+def encoder_record(work: str | Path) -> str:
+    """The pre-training record of the encoder in `work` as JSON lines: the runs it continued, then its own, each
+    record with its `run` (0 = the first pre-training)."""
+    work = Path(work)
+    settings = json.loads((work / "settings.json").read_text())
+    runs = (settings.get("continues") or {}).get("runs", [])
+    own = [json.loads(ln) for ln in open(work / "metrics.jsonl")] if (work / "metrics.jsonl").exists() else []
+    runs = runs + [own]
+    return "".join(json.dumps({**r, "run": k}) + "\n" for k, recs in enumerate(runs) for r in recs)
 
 
 def transcribe(work: str | Path):

@@ -221,7 +221,8 @@ def main(argv=None) -> None:
         # the training's record travels with the weights: KL per validation, and the encoder's pre-training
         shutil.copyfile(metrics, os.path.join(args.out, args.lm, "training_metrics.jsonl"))
         if args.encoder_from:
-            shutil.copyfile(Path(args.encoder_from) / "metrics.jsonl", os.path.join(args.out, args.lm, "encoder_metrics.jsonl"))
+            from launch.toy.speech_asr import encoder_record
+            Path(args.out, args.lm, "encoder_metrics.jsonl").write_text(encoder_record(args.encoder_from))
     work = Path(args.work) / args.lm
     work.mkdir(parents=True, exist_ok=True)
     settings = {"lm": LMS[args.lm], "shapes": dataclasses.asdict(sh), "args": vars(args), "cont_tokens": CONT,
