@@ -85,5 +85,12 @@ def test_benchmark_smoke(tmp_path):
         assert r["c_draft_per_round"] == pytest.approx(draft, rel=1e-9)
         assert r["measured_speedup"] > 0 and r["error"] == pytest.approx(
             r["measured_speedup"] / r["predicted_speedup"] - 1, rel=1e-9)
+        assert r["error_parts"] == pytest.approx(r["measured_speedup"] / r["predicted_speedup_parts"] - 1, rel=1e-9)
+        scale = costs["verify_scale"]["2"]  # a wide round dearer than the parts measured: a slower prediction
+        if min(scale) > 1:
+            assert r["predicted_speedup"] < r["predicted_speedup_parts"]
+        elif max(scale) < 1:
+            assert r["predicted_speedup"] > r["predicted_speedup_parts"]
+    assert len(costs["verify_scale"]["2"]) == 2 and min(costs["verify_scale"]["2"]) > 0  # one per prompt
     assert res["drafters"]["combined-2"]["calls"]["lookup-2"] == res["drafters"]["combined-2"]["rounds"]
     assert result["table"] == saved["table"] and "| combined-2 | 2/2 |" in saved["table"]
