@@ -22,10 +22,11 @@ The parts, on the set's first prompt (the contexts of a set have one length), ea
 decoding's step; v(t) = a round at width t with a drafter that costs nothing (NullDrafter; the fixed-length path at
 b + 1 and the variable-length path at every width 1 .. b + 1); d = what each drafting part adds to a round
 (Ignored(drafter) - v(b + 1), paired, 3 x --repeats times). Each is kept in units of s measured beside it, and each prompt's prediction is
-priced at that prompt's own plain step (timed beside its drafters), so machine drift between the two phases
-cancels: predicted T_spec = s_prompt * (sum_t w[t] c_verify(t) + sum_k n_k c_draft_k) (kvjax.speculative.cost),
-predicted speed-up = sum T_plain / sum predicted T_spec over a set's prompts, and the prediction error = measured /
-predicted - 1.
+priced at that prompt's own plain step (timed beside its drafters), so a uniform machine drift between the two
+phases cancels, and its verify costs at draft length b are rescaled by a reference round timed beside it (the
+full-width null round at b: its cost in plain steps now / the parts'): predicted T_spec = s_prompt * (sum_t w[t]
+c_verify(t) + sum_k n_k c_draft_k) (kvjax.speculative.cost), predicted speed-up = sum T_plain / sum predicted T_spec
+over a set's prompts, and the prediction error = measured / predicted - 1 (also without the rescaling: error_parts).
 --cpu pins the process (and XLA's thread pool) to those CPUs.
 """
 
