@@ -252,8 +252,8 @@ def main(argv=None) -> None:
         feats, frames = features([it["context"] for it in items], vs, args.workers, name, args.mel_bins)
         save_set(Path(args.data_out) / name, items, feats, frames, {**meta, "split": "train docs"})
     write_map_train(Path(args.data_out) / "train", args.map_train, Path(args.map_train_out))
-    print(f"wrote {args.test_out} (sealed, shipped), {args.map_train_out} (shipped) and {args.data_out}/{{valid,train}} "
-          "(local)")
+    print(f"wrote {args.test_out} (sealed, shipped), {args.map_train_out} (shipped) and "
+          f"{args.data_out}/{{valid,train}} (local)")
 
 
 if __name__ == "__main__":

@@ -117,7 +117,7 @@ def main(argv=None) -> None:
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init-from", default=None, metavar="ADAPTER",
-                   help="start the encoder from an exported adapter's (Ultravox layout); the character head starts fresh")
+                   help="start the encoder from an exported adapter's (Ultravox layout); a fresh character head")
     p.add_argument("--data", default="work/toy/audio/data")
     p.add_argument("--work", default="work/toy/audio/asr")
     args = p.parse_args(argv)
