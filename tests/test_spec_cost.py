@@ -94,3 +94,31 @@ def test_benchmark_smoke(tmp_path):
     assert len(costs["verify_scale"]["2"]) == 2 and min(costs["verify_scale"]["2"]) > 0  # one per prompt
     assert res["drafters"]["combined-2"]["calls"]["lookup-2"] == res["drafters"]["combined-2"]["rounds"]
     assert result["table"] == saved["table"] and "| combined-2 | 2/2 |" in saved["table"]
+
+
+def test_an_oracle_drafts_the_greedy_decode_and_every_draft_is_accepted(verifier):
+    from kvjax.speculative.cost import Oracle
+    prompts = [[5, 9, 2, 7, 1], [3, 3, 8, 1, 2]]
+    want = np.asarray(kvjax.generate(verifier.params, verifier.cfg, prompts, 12, eos_token_ids=()))
+    ref = np.pad(want, ((0, 0), (0, 4)))
+    got, stats = speculative_generate(verifier, Oracle(jnp.asarray(ref), draft_len=3), prompts, 12, eos_token_ids=(),
+                                      return_stats=True)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert stats.rounds.max() == 3 and stats.widths[4] == 3  # 12 tokens in 3 rounds of 4: every draft accepted
+    wrong = np.pad(want[:, ::-1], ((0, 0), (0, 4)))  # drafts that are not the greedy decode: still exact, more rounds
+    got, stats = speculative_generate(verifier, Oracle(jnp.asarray(wrong), draft_len=3), prompts, 12,
+                                      eos_token_ids=(), return_stats=True)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert stats.rounds.max() > 3
+
+
+def test_accept_cost_probe_smoke():
+    """launch.research.accept_cost on a tiny random model: both loops exact (checked inside), the oracle accepting
+    every draft (tau = b + 1 but for the last round), a cost per round and their ratio for every b."""
+    from launch.research import accept_cost
+    res = accept_cost.main(["--smoke", "--blocks", "2", "3"])
+    assert sorted(res["blocks"]) == ["2-fixed", "2-variable", "3-fixed", "3-variable"]
+    for r in res["blocks"].values():
+        assert len(r["ratio"]) == 2 and min(r["null"]) > 0 and min(r["oracle"]) > 0
+        assert r["median"]["oracle_tau"] == pytest.approx(12 / -(-12 // (r["b"] + 1)))
+        assert r["ratio"][0] == pytest.approx(r["oracle"][0] / r["null"][0])

@@ -106,6 +106,30 @@ class Ignored:
         return self.inner.commit(state, tokens, n_new, features)
 
 
+@struct.dataclass
+class Oracle:
+    """Drafts the verifier's own greedy continuation (`reference`: [B, >= N] tokens after each prompt, from
+    kvjax.generate), so every draft is accepted and every round emits draft_len + 1 tokens (greedy; on the fixed-length
+    path, or with `variable_length` on the variable path at full width).
+    Beside NullDrafter at the same width (one token a round) it measures what accepting costs a round beyond
+    verifying: the cost model prices a round by its width alone."""
+
+    reference: object  # int32 [B, L], L >= N + draft_len (pad the tail: rounds past N draft anything)
+    draft_len: int = struct.field(pytree_node=False, default=1)
+    feature_layers: tuple = struct.field(pytree_node=False, default=())
+    variable_length: bool = struct.field(pytree_node=False, default=False)
+
+    def start(self, tokens, lengths, capacity: int, features=None):
+        return jnp.zeros((jnp.shape(self.reference)[0],), jnp.int32)  # tokens emitted so far, per row
+
+    def propose(self, state, last, key, sampling):
+        at = jnp.minimum(state[:, None] + jnp.arange(self.draft_len)[None], jnp.shape(self.reference)[1] - 1)
+        return jnp.take_along_axis(jnp.asarray(self.reference, jnp.int32), at, axis=1), None, state
+
+    def commit(self, state, tokens, n_new, features=None):
+        return state + n_new
+
+
 def predict_seconds(widths, verify_seconds: dict, calls: dict, call_seconds: dict) -> float:
     """T_spec = sum_t widths[t] * verify_seconds[t] + sum_k calls[k] * call_seconds[k] (the module docstring).
 

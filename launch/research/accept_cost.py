@@ -1,0 +1,107 @@
+"""Does accepting cost a verify round anything beyond its width? The speculative cost model prices a round by its
+width alone (kvjax.speculative.cost), measured with NullDrafter rounds that accept nothing; on 2026-12-05 it
+predicted lookup and the combined drafter at b = 8-16 12-15% faster than they ran, the drafters whose rounds accept
+the most.
+
+    python -m launch.research.accept_cost                    # toy source, 4 held-out windows, b = 4 / 8 / 16
+    python -m launch.research.accept_cost --smoke            # tiny random model (the tests)
+
+Per prompt, draft length b and path of the verify loop (fixed length, or the variable-length switch over widths that
+lookup and the combined drafter take), three loops from the same prefilled cache, timed alternately --repeats times
+(launch.bench.spec_cost's Runs and timed): plain decoding (its step s), the null round at width b + 1 (one token a
+round), and the Oracle at width b + 1 (it drafts the verifier's own greedy tokens, so every round emits b + 1).
+Reported per b: the cost of a round of each in plain steps (medians over prompts) and their ratio; a ratio above 1
+is what accepting costs, which the cost model leaves out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+
+
+def measure(source, prompts, blocks, new: int, repeats: int) -> dict:
+    import jax.numpy as jnp
+
+    from kvjax.speculative.cost import NullDrafter, Oracle
+    from kvjax.speculative.loop import stats_of
+    from launch.bench.spec_cost import Runs, timed
+    vocab = source.cfg.vocab_size
+    rows = {(b, path): {"null": [], "oracle": [], "ratio": [], "oracle_tau": []}
+            for b in blocks for path in ("fixed", "variable")}
+    for i, prompt in enumerate(prompts):
+        runs = Runs(source, prompt, new, max(blocks))
+        ref = np.pad(runs.reference(), (0, max(blocks) + 1))[None]
+        for (b, path), r in rows.items():
+            variable = path == "variable"  # the loop's two paths: a fixed-length forward, or the switch over widths
+            width = jnp.int32(b + 1) if variable else b + 1
+            drafters = {"null": NullDrafter(vocab, draft_len=b, width=width, variable_length=variable),
+                        "oracle": Oracle(jnp.asarray(ref), draft_len=b, variable_length=variable)}
+            rounds = {}
+            for name, d in drafters.items():  # compiles, and counts the rounds
+                out, counters = runs.spec(d)
+                np.testing.assert_array_equal(np.asarray(out)[0], ref[0, :new])  # both exact
+                rounds[name] = int(stats_of(counters, b).rounds.sum())
+            runs.plain()
+            secs = timed({"plain": runs.plain, **{k: (lambda d=d: runs.spec(d)[0]) for k, d in drafters.items()}},
+                         repeats)
+            step = statistics.median(secs["plain"]) / (new - 1)
+            per = {k: statistics.median(secs[k]) / rounds[k] / step for k in drafters}
+            r["null"].append(per["null"])
+            r["oracle"].append(per["oracle"])
+            r["ratio"].append(per["oracle"] / per["null"])
+            r["oracle_tau"].append(new / rounds["oracle"])
+        print(f"  prompt {i + 1}/{len(prompts)}", flush=True)
+    return {f"{b}-{path}": {**r, "b": b, "path": path, "median": {k: statistics.median(v) for k, v in r.items()}}
+            for (b, path), r in rows.items()}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--source", default="checkpoints/toy/source")
+    p.add_argument("--eval-dir", default="checkpoints/toy/eval")
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--blocks", type=int, nargs="+", default=[4, 8, 16])
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--smoke", action="store_true", help="a tiny random model, 2 prompts of 24 tokens, 12 new tokens")
+    p.add_argument("--out", default="")
+    args = p.parse_args(argv)
+    if args.prompts < 1 or args.new < 2 or args.repeats < 1 or any(b < 1 for b in args.blocks):
+        p.error("--prompts, --repeats and --blocks must be >= 1, --new >= 2")
+    if args.smoke:
+        from launch.bench.spec_cost import smoke_setup
+        args.prompts, args.prompt_len, args.new, args.repeats = 2, 24, 12, 1
+        source, sets = smoke_setup(argparse.Namespace(prompt_len=args.prompt_len, sets=["windows"]))
+        prompts = sets["windows"]
+    else:
+        import os
+
+        from kvjax.hf import load_hf
+        if not os.path.isdir(args.source):
+            raise SystemExit(f"accept_cost: {args.source} is not a directory; run from the repository root")
+        source = load_hf(args.source)
+        windows = np.load(os.path.join(args.eval_dir, "heldout_windows.npy"))
+        prompts = [w[: args.prompt_len].astype(int).tolist() for w in windows[: args.prompts]]
+    t0 = time.time()
+    res = {"args": vars(args), "blocks": measure(source, prompts, args.blocks, args.new, args.repeats)}
+    res["seconds"] = time.time() - t0
+    print("| b | path | null round (plain steps) | oracle round (plain steps) | oracle / null | oracle tau |\n"
+          "|---|---|---|---|---|---|")
+    for r in res["blocks"].values():
+        m = r["median"]
+        print(f"| {r['b']} | {r['path']} | {m['null']:.2f} | {m['oracle']:.2f} | {m['ratio']:.3f} [{min(r['ratio']):.3f}, "
+              f"{max(r['ratio']):.3f}] | {m['oracle_tau']:.2f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    main()
