@@ -110,6 +110,10 @@ def test_an_oracle_drafts_the_greedy_decode_and_every_draft_is_accepted(verifier
                                       eos_token_ids=(), return_stats=True)
     np.testing.assert_array_equal(np.asarray(got), want)
     assert stats.rounds.max() > 3
+    got, stats = speculative_generate(verifier, Oracle(jnp.asarray(ref), draft_len=3, accept=1), prompts, 12,
+                                      eos_token_ids=(), return_stats=True)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert stats.rounds.max() == 6 and stats.widths[4] == 6  # rounds at full width, each accepting 1: 2 tokens
 
 
 def test_accept_cost_probe_smoke():
@@ -117,8 +121,9 @@ def test_accept_cost_probe_smoke():
     every draft (tau = b + 1 but for the last round), a cost per round and their ratio for every b."""
     from launch.research import accept_cost
     res = accept_cost.main(["--smoke", "--blocks", "2", "3"])
-    assert sorted(res["blocks"]) == ["2-fixed", "2-variable", "3-fixed", "3-variable"]
+    assert sorted(res["blocks"]) == ["2-fixed-1", "2-fixed-2", "2-variable-1", "2-variable-2", "3-fixed-1",
+                                     "3-fixed-3", "3-variable-1", "3-variable-3"]
     for r in res["blocks"].values():
         assert len(r["ratio"]) == 2 and min(r["null"]) > 0 and min(r["oracle"]) > 0
-        assert r["median"]["oracle_tau"] == pytest.approx(12 / -(-12 // (r["b"] + 1)))
+        assert r["median"]["oracle_tau"] == pytest.approx(12 / -(-12 // (r["accepted"] + 1)))
         assert r["ratio"][0] == pytest.approx(r["oracle"][0] / r["null"][0])

@@ -111,20 +111,26 @@ class Oracle:
     """Drafts the verifier's own greedy continuation (`reference`: [B, >= N] tokens after each prompt, from
     kvjax.generate), so every draft is accepted and every round emits draft_len + 1 tokens (greedy; on the fixed-length
     path, or with `variable_length` on the variable path at full width).
-    Beside NullDrafter at the same width (one token a round) it measures what accepting costs a round beyond
-    verifying: the cost model prices a round by its width alone."""
+    With `accept` = k only the first k drafts are the greedy tokens (rounds emit k + 1). Beside NullDrafter at the
+    same width (one token a round) it measures what accepting costs a round beyond verifying: the cost model prices
+    a round by its width alone."""
 
     reference: object  # int32 [B, L], L >= N + draft_len (pad the tail: rounds past N draft anything)
     draft_len: int = struct.field(pytree_node=False, default=1)
     feature_layers: tuple = struct.field(pytree_node=False, default=())
     variable_length: bool = struct.field(pytree_node=False, default=False)
+    accept: int | None = struct.field(pytree_node=False, default=None)  # k: only the first k drafts right (None: all)
 
     def start(self, tokens, lengths, capacity: int, features=None):
         return jnp.zeros((jnp.shape(self.reference)[0],), jnp.int32)  # tokens emitted so far, per row
 
     def propose(self, state, last, key, sampling):
-        at = jnp.minimum(state[:, None] + jnp.arange(self.draft_len)[None], jnp.shape(self.reference)[1] - 1)
-        return jnp.take_along_axis(jnp.asarray(self.reference, jnp.int32), at, axis=1), None, state
+        j = jnp.arange(self.draft_len)[None]
+        at = jnp.minimum(state[:, None] + j, jnp.shape(self.reference)[1] - 1)
+        drafts = jnp.take_along_axis(jnp.asarray(self.reference, jnp.int32), at, axis=1)
+        if self.accept is not None:  # from draft k on, another id than the greedy one: the round accepts k
+            drafts = jnp.where(j < self.accept, drafts, jnp.where(drafts > 0, drafts - 1, drafts + 1))
+        return drafts, None, state
 
     def commit(self, state, tokens, n_new, features=None):
         return state + n_new

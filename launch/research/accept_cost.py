@@ -9,7 +9,8 @@ the most.
 Per prompt, draft length b and path of the verify loop (fixed length, or the variable-length switch over widths that
 lookup and the combined drafter take), three loops from the same prefilled cache, timed alternately --repeats times
 (launch.bench.spec_cost's Runs and timed): plain decoding (its step s), the null round at width b + 1 (one token a
-round), and the Oracle at width b + 1 (it drafts the verifier's own greedy tokens, so every round emits b + 1).
+round), and the Oracle at width b + 1 accepting k = 1, b / 2 and b drafts a round (it drafts the verifier's own
+greedy tokens, the first k of them right).
 Reported per b: the cost of a round of each in plain steps (medians over prompts) and their ratio; a ratio above 1
 is what accepting costs, which the cost model leaves out.
 """
@@ -31,16 +32,16 @@ def measure(source, prompts, blocks, new: int, repeats: int) -> dict:
     from kvjax.speculative.loop import stats_of
     from launch.bench.spec_cost import Runs, timed
     vocab = source.cfg.vocab_size
-    rows = {(b, path): {"null": [], "oracle": [], "ratio": [], "oracle_tau": []}
-            for b in blocks for path in ("fixed", "variable")}
+    rows = {(b, path, k): {"null": [], "oracle": [], "ratio": [], "oracle_tau": []}
+            for b in blocks for path in ("fixed", "variable") for k in sorted({1, b // 2, b})}
     for i, prompt in enumerate(prompts):
         runs = Runs(source, prompt, new, max(blocks))
         ref = np.pad(runs.reference(), (0, max(blocks) + 1))[None]
-        for (b, path), r in rows.items():
+        for (b, path, k), r in rows.items():
             variable = path == "variable"  # the loop's two paths: a fixed-length forward, or the switch over widths
             width = jnp.int32(b + 1) if variable else b + 1
             drafters = {"null": NullDrafter(vocab, draft_len=b, width=width, variable_length=variable),
-                        "oracle": Oracle(jnp.asarray(ref), draft_len=b, variable_length=variable)}
+                        "oracle": Oracle(jnp.asarray(ref), draft_len=b, variable_length=variable, accept=k)}
             rounds = {}
             for name, d in drafters.items():  # compiles, and counts the rounds
                 out, counters = runs.spec(d)
@@ -56,8 +57,9 @@ def measure(source, prompts, blocks, new: int, repeats: int) -> dict:
             r["ratio"].append(per["oracle"] / per["null"])
             r["oracle_tau"].append(new / rounds["oracle"])
         print(f"  prompt {i + 1}/{len(prompts)}", flush=True)
-    return {f"{b}-{path}": {**r, "b": b, "path": path, "median": {k: statistics.median(v) for k, v in r.items()}}
-            for (b, path), r in rows.items()}
+    return {f"{b}-{path}-{k}": {**r, "b": b, "path": path, "accepted": k,
+                                "median": {name: statistics.median(v) for name, v in r.items()}}
+            for (b, path, k), r in rows.items()}
 
 
 def main(argv=None) -> dict:
@@ -91,11 +93,11 @@ def main(argv=None) -> dict:
     t0 = time.time()
     res = {"args": vars(args), "blocks": measure(source, prompts, args.blocks, args.new, args.repeats)}
     res["seconds"] = time.time() - t0
-    print("| b | path | null round (plain steps) | oracle round (plain steps) | oracle / null | oracle tau |\n"
-          "|---|---|---|---|---|---|")
+    print("| b | path | accepted a round | null round (plain steps) | oracle round (plain steps) | oracle / null | "
+          "oracle tau |\n|---|---|---|---|---|---|---|")
     for r in res["blocks"].values():
         m = r["median"]
-        print(f"| {r['b']} | {r['path']} | {m['null']:.2f} | {m['oracle']:.2f} | {m['ratio']:.3f} [{min(r['ratio']):.3f}, "
+        print(f"| {r['b']} | {r['path']} | {r['accepted']} | {m['null']:.2f} | {m['oracle']:.2f} | {m['ratio']:.3f} [{min(r['ratio']):.3f}, "
               f"{max(r['ratio']):.3f}] | {m['oracle_tau']:.2f} |")
     if args.out:
         with open(args.out, "w") as f:
