@@ -97,8 +97,8 @@ def main(argv=None) -> dict:
           "oracle tau |\n|---|---|---|---|---|---|---|")
     for r in res["blocks"].values():
         m = r["median"]
-        print(f"| {r['b']} | {r['path']} | {r['accepted']} | {m['null']:.2f} | {m['oracle']:.2f} | {m['ratio']:.3f} [{min(r['ratio']):.3f}, "
-              f"{max(r['ratio']):.3f}] | {m['oracle_tau']:.2f} |")
+        print(f"| {r['b']} | {r['path']} | {r['accepted']} | {m['null']:.2f} | {m['oracle']:.2f} | "
+              f"{m['ratio']:.3f} [{min(r['ratio']):.3f}, {max(r['ratio']):.3f}] | {m['oracle_tau']:.2f} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
