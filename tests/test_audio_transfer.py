@@ -384,3 +384,26 @@ def test_asr_continuation_keeps_the_whole_pretraining_record(tmp_path):
     assert [len(run) for run in encoder_runs(adapter)] == [2, 1]
     with pytest.raises(SystemExit, match="exported adapter"):
         main(["--init-from", str(tmp_path / "nothing"), "--data", str(tmp_path / "no-data")])
+
+
+def test_projector_continuation_records_its_runs_and_refuses_bad_arguments(tmp_path, capsys):
+    """speech_train --init-from ADAPTER: the adapter's distillation record (runs without a `run` field are the first)
+    comes first in the continued adapter's, each record with its run; contradictory or missing inputs are refused
+    with what to pass, before anything loads."""
+    import json
+
+    from launch.toy.speech_asr import encoder_runs, runs_record
+    from launch.toy.speech_train import main
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "training_metrics.jsonl").write_text("".join(json.dumps({"step": s, "valid_kl": k}) + "\n"
+                                                          for s, k in ((100, 0.2), (200, 0.18))))
+    runs = encoder_runs(adapter, "training_metrics.jsonl")
+    lines = [json.loads(ln) for ln in runs_record(runs + [[{"step": 100, "valid_kl": 0.17}]]).splitlines()]
+    assert [(r["run"], r["step"], r["valid_kl"]) for r in lines] == [(0, 100, 0.2), (0, 200, 0.18), (1, 100, 0.17)]
+    for argv, says in ((["--init-from", str(tmp_path / "nothing")], "no config.json"),
+                       (["--init-from", str(adapter), "--encoder-from", str(adapter)], "pass one"),
+                       (["--train-encoder"], "--train-encoder goes with")):
+        with pytest.raises(SystemExit) as e:
+            main(["--lm", "source", *argv])
+        assert e.value.code == 2 and says in capsys.readouterr().err

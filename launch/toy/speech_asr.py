@@ -227,10 +227,11 @@ def main(argv=None) -> None:
     manager.wait_until_finished()
 
 
-def encoder_runs(adapter: str | Path) -> list[list[dict]]:
-    """The pre-training record an exported adapter ships (`encoder_metrics.jsonl`), one list of records per run,
-    oldest first: a continued run's records follow the runs it continued (their `run` field)."""
-    path = Path(adapter) / "encoder_metrics.jsonl"
+def encoder_runs(adapter: str | Path, record: str = "encoder_metrics.jsonl") -> list[list[dict]]:
+    """The pre-training record an exported adapter ships (`encoder_metrics.jsonl`; the projector's distillation:
+    `training_metrics.jsonl`), one list of records per run, oldest first: a continued run's records follow the runs
+    it continued (their `run` field)."""
+    path = Path(adapter) / record
     recs = [json.loads(ln) for ln in open(path)] if path.exists() else []
     runs: dict[int, list[dict]] = {}
     for r in recs:
@@ -245,7 +246,11 @@ def encoder_record(work: str | Path) -> str:
     settings = json.loads((work / "settings.json").read_text())
     runs = (settings.get("continues") or {}).get("runs", [])
     own = [json.loads(ln) for ln in open(work / "metrics.jsonl")] if (work / "metrics.jsonl").exists() else []
-    runs = runs + [own]
+    return runs_record(runs + [own])
+
+
+def runs_record(runs: list[list[dict]]) -> str:
+    """Runs' records (oldest first) as JSON lines, each with its `run` (0 = the first)."""
     return "".join(json.dumps({**r, "run": k}) + "\n" for k, recs in enumerate(runs) for r in recs)
 
 

@@ -3,9 +3,13 @@
   python -m launch.toy.speech_asr                                                    # the encoder hears first
   python -m launch.toy.speech_train --lm source --encoder-from work/toy/audio/asr    # checkpoints/toy/audio/source
   python -m launch.toy.speech_train --lm pruned --encoder-from work/toy/audio/asr    # checkpoints/toy/audio/pruned
+  python -m launch.toy.speech_train --lm source --init-from checkpoints/toy/audio/source --train-encoder \
+      --steps 600 --lr 5e-4 --warmup 50 --repeat-frac 0.5 --work work/toy/audio/ft3  # go on, the encoder learning too
 
 Both language models get the same speech-recognition encoder, frozen, as every Ultravox model starts from Whisper's
-(`launch.toy.speech_asr`); only the projector learns here. Without `--encoder-from` the encoder starts random and
+(`launch.toy.speech_asr`); only the projector learns here, until `--init-from` continues an exported adapter with
+`--train-encoder`: the encoder then learns through the language model too (the shipped adapters' second run; it
+doubled the source's spoken margin, docs/audio.md). Without either the encoder starts random and
 trains through the language model alone: the toy's first adapters did so and kept only ~20% of the transcript's
 margin on the sealed set.
 
@@ -30,7 +34,6 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -144,15 +147,25 @@ def main(argv=None) -> None:
     p.add_argument("--encoder-from", default=None,
                    help="start from the speech-recognition encoder of `python -m launch.toy.speech_asr` (this "
                         "folder, e.g. work/toy/audio/asr) and keep it frozen, as Ultravox keeps Whisper's")
-    p.add_argument("--train-encoder", action="store_true", help="with --encoder-from: train the encoder too")
+    p.add_argument("--init-from", default=None, metavar="ADAPTER",
+                   help="start the encoder AND projector from an exported adapter (e.g. checkpoints/toy/audio/source) "
+                        "and go on with a new schedule; the encoder stays frozen unless --train-encoder")
+    p.add_argument("--train-encoder", action="store_true",
+                   help="with --encoder-from or --init-from: train the encoder too (by the same distillation)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default="work/toy/audio/data")
     p.add_argument("--work", default="work/toy/audio")
     p.add_argument("--out", default="checkpoints/toy/audio")
     args = p.parse_args(argv)
-    if args.train_encoder and not args.encoder_from:
-        p.error("--train-encoder goes with --encoder-from (without it the encoder starts random and always trains)")
-    frozen = bool(args.encoder_from) and not args.train_encoder
+    if args.train_encoder and not (args.encoder_from or args.init_from):
+        p.error("--train-encoder goes with --encoder-from or --init-from (without them the encoder starts random and "
+                "always trains)")
+    if args.encoder_from and args.init_from:
+        p.error("--encoder-from and --init-from both give the encoder: pass one")
+    if args.init_from and not (Path(args.init_from) / "config.json").exists():
+        p.error(f"--init-from {args.init_from}: no config.json there; pass an exported adapter "
+                "(e.g. checkpoints/toy/audio/source)")
+    frozen = bool(args.encoder_from or args.init_from) and not args.train_encoder
 
     import jax
     import jax.numpy as jnp
@@ -190,7 +203,21 @@ def main(argv=None) -> None:
         encoder, acfg = load_encoder(args.encoder_from)
         if acfg != ecfg:
             raise SystemExit(f"the encoder in {args.encoder_from} has other shapes ({acfg}) than this run's ({ecfg})")
-    trainable = (encoder, init_projector(pcfg, k2).params)
+    projector = init_projector(pcfg, k2).params
+    continues, encoder_history = None, ""
+    if args.init_from:  # a continued run: the adapter's encoder and projector, a new optimizer and schedule
+        from kvjax.models.audio import load_ultravox
+        alm = load_ultravox(args.init_from, jnp.float32, lm=lm)
+        if (alm.encoder.cfg, alm.projector.cfg) != (ecfg, pcfg):
+            raise SystemExit(f"speech_train: the adapter in {args.init_from} has other shapes "
+                             f"({alm.encoder.cfg}, {alm.projector.cfg}) than this run's ({ecfg}, {pcfg})")
+        encoder, projector = alm.encoder.params, alm.projector.params
+        from launch.toy.speech_asr import encoder_runs
+        continues = {"from": args.init_from, "training": json.loads((Path(args.init_from) / "config.json").read_text())
+                     .get("kvjax_training"), "runs": encoder_runs(args.init_from, "training_metrics.jsonl")}
+        history = Path(args.init_from, "encoder_metrics.jsonl")
+        encoder_history = history.read_text() if history.exists() else ""
+    trainable = (encoder, projector)
     sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, min(args.warmup, args.steps // 2), args.steps, end_value=0.1 * args.lr)
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.01))
     if frozen:  # Ultravox's default: the pre-trained encoder frozen
@@ -218,15 +245,21 @@ def main(argv=None) -> None:
                       extra={"kvjax_training": {**settings, "step": done, "valid_kl": vkl,
                                                 "built_by": "python -m launch.toy.speech_train --lm " + args.lm}},
                       dtype=jnp.bfloat16)  # trained in float32, stored in bfloat16 (as the pruned target)
-        # the training's record travels with the weights: KL per validation, and the encoder's pre-training
-        shutil.copyfile(metrics, os.path.join(args.out, args.lm, "training_metrics.jsonl"))
-        if args.encoder_from:
+        # the training's record travels with the weights: KL per validation (after the runs this one continues,
+        # each record with its `run`), and the encoder's pre-training
+        from launch.toy.speech_asr import runs_record
+        own = [json.loads(ln) for ln in open(metrics)]
+        Path(args.out, args.lm, "training_metrics.jsonl").write_text(
+            runs_record(continues["runs"] + [own]) if continues else "".join(json.dumps(r) + "\n" for r in own))
+        if encoder_history:  # read before the export replaced the folder (it may be the one continued)
+            Path(args.out, args.lm, "encoder_metrics.jsonl").write_text(encoder_history)
+        elif args.encoder_from:
             from launch.toy.speech_asr import encoder_record
             Path(args.out, args.lm, "encoder_metrics.jsonl").write_text(encoder_record(args.encoder_from))
     work = Path(args.work) / args.lm
     work.mkdir(parents=True, exist_ok=True)
     settings = {"lm": LMS[args.lm], "shapes": dataclasses.asdict(sh), "args": vars(args), "cont_tokens": CONT,
-                "prompt": TEMPLATE}
+                "prompt": TEMPLATE, "continues": continues}
     (work / "settings.json").write_text(json.dumps(settings, indent=1) + "\n")
     manager = checkpointing.manager(str(work / "ckpt"))
     start = 0
