@@ -30,6 +30,13 @@ def test_null_rounds_verify_t_tokens_and_emit_the_greedy_decode(verifier):
     traced = NullDrafter(VOCAB, draft_len=4, width=jnp.int32(2), variable_length=True)  # one program, any width
     _, stats = speculative_generate(verifier, traced, prompts, 9, eos_token_ids=(), return_stats=True)
     assert stats.widths.tolist() == [0, 0, 9, 0, 0, 0]
+    # a schedule: round r at width schedule[r % K], as a real drafter's rounds change width
+    mixed = NullDrafter(VOCAB, draft_len=4, width=jnp.asarray([1, 3, 5], jnp.int32), variable_length=True)
+    got, stats = speculative_generate(verifier, mixed, prompts, 9, eos_token_ids=(), return_stats=True)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert stats.widths.tolist() == [0, 3, 0, 3, 0, 3]
+    with pytest.raises(ValueError, match="schedule"):
+        NullDrafter(VOCAB, draft_len=4, width=np.asarray([1, 5], np.int32))
     with pytest.raises(ValueError, match="variable_length=True"):
         NullDrafter(VOCAB, draft_len=4, width=2)
     with pytest.raises(ValueError, match="width"):
@@ -118,7 +125,8 @@ def test_an_oracle_drafts_the_greedy_decode_and_every_draft_is_accepted(verifier
 
 def test_accept_cost_probe_smoke():
     """launch.research.accept_cost on a tiny random model: both loops exact (checked inside), the oracle accepting
-    every draft (tau = b + 1 but for the last round), a cost per round and their ratio for every b."""
+    every draft (tau = b + 1 but for the last round), a cost per round and their ratio for every b; lookup's widths
+    replayed by a width schedule beside each width alone (every loop exact, checked inside)."""
     from launch.research import accept_cost
     res = accept_cost.main(["--smoke", "--blocks", "2", "3"])
     assert sorted(res["blocks"]) == ["2-fixed-1", "2-fixed-2", "2-variable-1", "2-variable-2", "3-fixed-1",
@@ -127,3 +135,8 @@ def test_accept_cost_probe_smoke():
         assert len(r["ratio"]) == 2 and min(r["null"]) > 0 and min(r["oracle"]) > 0
         assert r["median"]["oracle_tau"] == pytest.approx(12 / -(-12 // (r["accepted"] + 1)))
         assert r["ratio"][0] == pytest.approx(r["oracle"][0] / r["null"][0])
+    # lookup's widths replayed: the smoke's first prompt repeats a motif, so lookup drafts there (a mix of widths)
+    assert sorted(res["mix"]) == ["mix-2", "mix-3"]
+    for r in res["mix"].values():
+        assert len(r["widths"]) == 2 and sum(r["widths"][0][2:]) > 0
+        assert r["replay_ratio"][0] == pytest.approx(r["replay"][0] / r["alone"][0]) and min(r["alone"]) > 0

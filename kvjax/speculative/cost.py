@@ -46,11 +46,13 @@ from flax import struct
 class NullDrafter:
     """Costs nothing; proposes `width - 1` drafts of the id `vocab_size - 1` (never the argmax of a trained verifier;
     if a random one picks it, the round just emits more: costs are per round). Greedy only. `width` may be an int32
-    scalar array (a pytree leaf), so one compiled loop measures every width of the variable-length path."""
+    scalar array (a pytree leaf), so one compiled loop measures every width of the variable-length path, or an int32
+    [K] array, a schedule: round r verifies width[r % K] (variable-length path), as a real drafter's rounds change
+    width from one round to the next."""
 
     vocab_size: int = struct.field(pytree_node=False)
     draft_len: int = struct.field(pytree_node=False, default=1)
-    width: object = 2  # verify forward of `width` tokens: 1 .. draft_len + 1 (an int or an int32 scalar array)
+    width: object = 2  # verify forward of `width` tokens: 1 .. draft_len + 1 (an int, an int32 scalar, a schedule)
     variable_length: bool = struct.field(pytree_node=False, default=False)
     feature_layers: tuple = struct.field(pytree_node=False, default=())
 
@@ -61,17 +63,22 @@ class NullDrafter:
             if self.width < self.draft_len + 1 and not self.variable_length:
                 raise ValueError("a fixed-length loop always verifies draft_len + 1 tokens; set variable_length=True "
                                  "to measure a narrower verify")
+        elif np.ndim(self.width) == 1 and not self.variable_length:
+            raise ValueError("a width schedule changes the width round by round: set variable_length=True")
 
     def start(self, tokens, lengths, capacity: int, features=None):
-        return jnp.zeros((), jnp.int32)
+        return jnp.zeros((), jnp.int32)  # rounds so far (a schedule's index)
 
     def propose(self, state, last, key, sampling):
         j = jnp.arange(self.draft_len)[None]
-        drafts = jnp.where(j < self.width - 1, self.vocab_size - 1, -1) + jnp.zeros_like(last)[:, None]
+        width = jnp.asarray(self.width)
+        if width.ndim == 1:  # a schedule
+            width = width[state % width.shape[0]]
+        drafts = jnp.where(j < width - 1, self.vocab_size - 1, -1) + jnp.zeros_like(last)[:, None]
         return drafts.astype(jnp.int32), None, state
 
     def commit(self, state, tokens, n_new, features=None):
-        return state
+        return state + 1
 
 
 @struct.dataclass

@@ -13,6 +13,12 @@ round), and the Oracle at width b + 1 accepting k = 1, b / 2 and b drafts a roun
 greedy tokens, the first k of them right).
 Reported per b: the cost of a round of each in plain steps (medians over prompts) and their ratio; a ratio above 1
 is what accepting costs, which the cost model leaves out.
+
+Second, what changing width costs (`mix-b`, the variable-length path): prompt lookup's rounds change width from one
+round to the next (no match: 1; a match: up to b + 1), where the cost model's v(t) were each measured in a loop at one
+width. Per prompt and b: lookup's own widths (its Stats), a null drafter replaying them in a shuffled order
+(NullDrafter with a width schedule), each of those widths alone, and lookup itself, all per round in plain steps;
+reported: the replay and lookup over the widths-alone mix (the cost model's price of lookup's rounds, drafting aside).
 """
 
 from __future__ import annotations
@@ -62,6 +68,51 @@ def measure(source, prompts, blocks, new: int, repeats: int) -> dict:
             for (b, path, k), r in rows.items()}
 
 
+def measure_mix(source, prompts, blocks, new: int, repeats: int) -> dict:
+    import jax.numpy as jnp
+
+    from kvjax.speculative import LookupDrafter
+    from kvjax.speculative.cost import NullDrafter
+    from kvjax.speculative.loop import stats_of
+    from launch.bench.spec_cost import Runs, timed
+    vocab = source.cfg.vocab_size
+    rows = {b: {"alone": [], "replay": [], "lookup": [], "replay_ratio": [], "lookup_ratio": [], "widths": []}
+            for b in blocks}
+    for i, prompt in enumerate(prompts):
+        runs = Runs(source, prompt, new, max(blocks))
+        want = runs.reference()
+        for b, r in rows.items():
+            lookup = LookupDrafter(vocab, draft_len=b)
+            hist = np.asarray(stats_of(runs.spec(lookup)[1], b).widths)
+            order = np.repeat(np.arange(len(hist)), hist)
+            np.random.default_rng(i).shuffle(order)
+            drafters = {"lookup": lookup,
+                        "replay": NullDrafter(vocab, draft_len=b, width=jnp.asarray(order, jnp.int32),
+                                              variable_length=True)}
+            drafters.update({int(t): NullDrafter(vocab, draft_len=b, width=jnp.int32(int(t)), variable_length=True)
+                             for t in np.nonzero(hist)[0]})
+            rounds = {}
+            for name, d in drafters.items():  # compiles, and counts the rounds
+                out, counters = runs.spec(d)
+                np.testing.assert_array_equal(np.asarray(out)[0], want)  # every loop exact
+                rounds[name] = int(stats_of(counters, b).rounds.sum())
+            runs.plain()
+            secs = timed({"plain": runs.plain, **{k: (lambda d=d: runs.spec(d)[0]) for k, d in drafters.items()}},
+                         repeats)
+            step = statistics.median(secs["plain"]) / (new - 1)
+            per = {k: statistics.median(secs[k]) / rounds[k] / step for k in drafters}
+            alone = sum(int(hist[t]) * per[int(t)] for t in np.nonzero(hist)[0]) / int(hist.sum())
+            r["alone"].append(alone)
+            r["replay"].append(per["replay"])
+            r["lookup"].append(per["lookup"])
+            r["replay_ratio"].append(per["replay"] / alone)
+            r["lookup_ratio"].append(per["lookup"] / alone)
+            r["widths"].append(hist.tolist())
+        print(f"  prompt {i + 1}/{len(prompts)} (widths)", flush=True)
+    return {f"mix-{b}": {**r, "b": b, "median": {k: statistics.median(v) for k, v in r.items() if k != "widths"}}
+            for b, r in rows.items()}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--source", default="checkpoints/toy/source")
@@ -92,6 +143,7 @@ def main(argv=None) -> dict:
         prompts = [w[: args.prompt_len].astype(int).tolist() for w in windows[: args.prompts]]
     t0 = time.time()
     res = {"args": vars(args), "blocks": measure(source, prompts, args.blocks, args.new, args.repeats)}
+    res["mix"] = measure_mix(source, prompts, args.blocks, args.new, args.repeats)
     res["seconds"] = time.time() - t0
     print("| b | path | accepted a round | null round (plain steps) | oracle round (plain steps) | oracle / null | "
           "oracle tau |\n|---|---|---|---|---|---|---|")
@@ -99,6 +151,13 @@ def main(argv=None) -> dict:
         m = r["median"]
         print(f"| {r['b']} | {r['path']} | {r['accepted']} | {m['null']:.2f} | {m['oracle']:.2f} | "
               f"{m['ratio']:.3f} [{min(r['ratio']):.3f}, {max(r['ratio']):.3f}] | {m['oracle_tau']:.2f} |")
+    print("\n| b | lookup's rounds, widths alone (plain steps) | its widths replayed, shuffled / alone | "
+          "lookup / alone |\n|---|---|---|---|")
+    for r in res["mix"].values():
+        m = r["median"]
+        print(f"| {r['b']} | {m['alone']:.2f} | {m['replay_ratio']:.3f} [{min(r['replay_ratio']):.3f}, "
+              f"{max(r['replay_ratio']):.3f}] | {m['lookup_ratio']:.3f} [{min(r['lookup_ratio']):.3f}, "
+              f"{max(r['lookup_ratio']):.3f}] |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
