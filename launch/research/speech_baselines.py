@@ -143,7 +143,8 @@ def main(argv=None) -> None:
             res = A.score_spoken(its, tok, {"text": (native, "text"), "null": (native, "null")}, pr, 8, [])
             acc[name] = A.correct(res["text"]["logprobs"], res["null"]["logprobs"], res["labels"]).mean()
         print(f"{args.lm} on {len(sealed)} {args.on} items: reading what the encoder heard {acc['heard']:.3f} "
-              f"(character error rate {errs / chars:.3f}), the transcript spelled as the encoder spells (lower case, no punctuation) "
+              f"(character error rate {errs / chars:.3f}), the transcript spelled as the encoder spells (lower case, "
+              f"no punctuation) "
               f"{acc['spelled']:.3f}, the transcript {acc['transcript']:.3f}; margin over chance kept "
               f"{(acc['heard'] - 0.25) / (acc['transcript'] - 0.25):.2f}")
 
