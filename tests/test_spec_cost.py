@@ -93,6 +93,9 @@ def test_benchmark_smoke(tmp_path):
         assert r["measured_speedup"] > 0 and r["error"] == pytest.approx(
             r["measured_speedup"] / r["predicted_speedup"] - 1, rel=1e-9)
         assert r["error_parts"] == pytest.approx(r["measured_speedup"] / r["predicted_speedup_parts"] - 1, rel=1e-9)
+        assert r["error_replay"] == pytest.approx(r["measured_speedup"] / r["predicted_speedup_replay"] - 1, rel=1e-9)
+        if not variable:  # a fixed-length drafter's rounds are the reference round: the same prediction
+            assert r["predicted_speedup_replay"] == pytest.approx(r["predicted_speedup"], rel=1e-12)
         scale = costs["verify_scale"]["2"]  # a wide round dearer than the parts measured: a slower prediction
         if min(scale) > 1:
             assert r["predicted_speedup"] < r["predicted_speedup_parts"]
@@ -140,3 +143,13 @@ def test_accept_cost_probe_smoke():
     for r in res["mix"].values():
         assert len(r["widths"]) == 2 and sum(r["widths"][0][2:]) > 0
         assert r["replay_ratio"][0] == pytest.approx(r["replay"][0] / r["alone"][0]) and min(r["alone"]) > 0
+
+
+def test_a_replay_draws_the_runs_widths_tiled_to_one_length():
+    """spec_cost.replay: a run's widths (3 rounds at t = 1, 5 at t = 3) in a shuffled order, tiled to the rounds
+    asked, on the variable-length path (one program per draft length, whatever the run)."""
+    from launch.bench.spec_cost import replay
+    d = replay(VOCAB, 4, [0, 3, 0, 5], 16, seed=1)
+    w = np.asarray(d.width)
+    assert d.variable_length and w.shape == (16,) and sorted(np.bincount(w[:8], minlength=4).tolist()) == [0, 0, 3, 5]
+    assert np.array_equal(w[8:], w[:8]) and not np.array_equal(w[:8], np.sort(w[:8]))

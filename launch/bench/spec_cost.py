@@ -27,6 +27,10 @@ phases cancels, and its verify costs at draft length b are rescaled by a referen
 full-width null round at b: its cost in plain steps now / the parts'): predicted T_spec = s_prompt * (sum_t w[t]
 c_verify(t) + sum_k n_k c_draft_k) (kvjax.speculative.cost), predicted speed-up = sum T_plain / sum predicted T_spec
 over a set's prompts, and the prediction error = measured / predicted - 1 (also without the rescaling: error_parts).
+A variable-length drafter's rounds change width round to round, which each width's loop alone does not pay, and its
+narrow widths are not rescaled by a reference of their own; so each prompt also times, beside it, a null drafter that
+replays that run's own widths (`replay`), and prices its rounds by it: predicted_speedup_replay, error_replay (for a
+fixed-length drafter the same as the rescaled prediction: its rounds are all the reference round).
 --cpu pins the process (and XLA's thread pool) to those CPUs.
 """
 
@@ -178,6 +182,19 @@ def measure_parts(runs: Runs, parts: dict, repeats: int, vocab: int, variable: b
             "verify": verify, "draft": draft, "draft_raw": raw}
 
 
+def replay(vocab: int, draft_len: int, widths, rounds: int, seed: int):
+    """A null drafter whose rounds replay a run's verify widths (Stats.widths: rounds per width) in a shuffled
+    order, tiled to `rounds` rounds (it emits one token a round: the run's token count), so one program per draft
+    length serves every run. Its cost per round is what the run's rounds cost without drafting or accepting."""
+    import jax.numpy as jnp
+
+    from kvjax.speculative.cost import NullDrafter
+    order = np.repeat(np.arange(len(widths)), np.asarray(widths))
+    np.random.default_rng(seed).shuffle(order)
+    return NullDrafter(vocab, draft_len=draft_len, width=jnp.asarray(np.resize(order, rounds), jnp.int32),
+                       variable_length=True)
+
+
 def path_of(drafter) -> str:
     return "variable" if getattr(drafter, "variable_length", False) else "fixed"
 
@@ -232,7 +249,8 @@ def run_set(args, source, prompts, drafters, parts, calls) -> dict:
                             for path, per_g in costs["verify"].items()},
                  "draft": {k: v / s for k, v in costs["draft"].items()}}
     per = {name: {"identical": 0, "prompts": 0, "accepted": 0, "rounds": 0, "t_spec": 0.0, "t_plain": 0.0,
-                  "t_pred": 0.0, "t_pred_parts": 0.0, "widths": np.zeros(max_b + 2, np.int64), "calls": {}}
+                  "t_pred": 0.0, "t_pred_parts": 0.0, "t_pred_replay": 0.0, "widths": np.zeros(max_b + 2, np.int64),
+                  "calls": {}}
            for name in drafters}
     # a reference round per draft length, timed with every prompt: the full-width null round, whose cost in plain
     # steps the parts also measured; its ratio rescales that prompt's verify costs (see run_set's docstring)
@@ -258,8 +276,13 @@ def run_set(args, source, prompts, drafters, parts, calls) -> dict:
         if args.repeats:
             runs.plain()  # compiled (the drafters' loops are, above)
             ref_rounds = {b: int(np.sum(stats_of(runs.spec(d)[1], b).widths)) for b, d in refs.items()}  # compiles
+            replays = {name: replay(vocab, d.draft_len, stats[name].widths, args.new, seed=i)
+                       for name, d in drafters.items() if path_of(d) == "variable"}
+            replay_rounds = {name: int(np.sum(stats_of(runs.spec(d)[1], d.draft_len).widths))
+                             for name, d in replays.items()}  # compiles (one program per draft length)
             fns = {"plain": runs.plain, **{name: (lambda d=d: runs.spec(d)[0]) for name, d in drafters.items()},
-                   **{("ref", b): (lambda d=d: runs.spec(d)[0]) for b, d in refs.items()}}
+                   **{("ref", b): (lambda d=d: runs.spec(d)[0]) for b, d in refs.items()},
+                   **{("replay", name): (lambda d=d: runs.spec(d)[0]) for name, d in replays.items()}}
             secs = {k: statistics.median(v) for k, v in timed(fns, args.repeats).items()}
             step = secs["plain"] / (args.new - 1)  # this prompt's plain step, timed beside its drafters
             scale = {b: secs[("ref", b)] / ref_rounds[b] / step / steps["verify"]["fixed"][b][b + 1] for b in refs}
@@ -277,6 +300,13 @@ def run_set(args, source, prompts, drafters, parts, calls) -> dict:
                 r["t_pred_parts"] += step * predict_seconds(stats[name].widths, verify, n_calls, steps["draft"])
                 verify = {t: c * scale[d.draft_len] for t, c in verify.items()}
                 r["t_pred"] += step * predict_seconds(stats[name].widths, verify, n_calls, steps["draft"])
+                if name in replays:  # its own widths, replayed by a null drafter beside it: one price for its rounds
+                    rounds = int(np.sum(stats[name].widths))
+                    c_round = secs[("replay", name)] / replay_rounds[name] / step
+                    r["t_pred_replay"] += step * (rounds * c_round + sum(n * steps["draft"][k]
+                                                                         for k, n in n_calls.items()))
+                else:  # a fixed-length drafter's rounds are all the reference round
+                    r["t_pred_replay"] += step * predict_seconds(stats[name].widths, verify, n_calls, steps["draft"])
         print(f"  [{time.time() - t0:.0f}s] prompt {i + 1}/{len(prompts)}", flush=True)
     out = {"costs": None, "drafters": {}}
     if costs:
@@ -303,6 +333,8 @@ def run_set(args, source, prompts, drafters, parts, calls) -> dict:
             row["measured_speedup"] = r["t_plain"] / r["t_spec"]
             row["error"] = row["measured_speedup"] / row["predicted_speedup"] - 1
             row["error_parts"] = row["measured_speedup"] / row["predicted_speedup_parts"] - 1
+            row["predicted_speedup_replay"] = r["t_plain"] / r["t_pred_replay"]
+            row["error_replay"] = row["measured_speedup"] / row["predicted_speedup_replay"] - 1
         out["drafters"][name] = row
     return out
 
@@ -315,13 +347,15 @@ def table(result: dict) -> str:
                      + (f", plain step {res['costs']['step_ms']:.2f} ms" if timed_ else ""))
         head = "| drafter | identical | tau |"
         if timed_:
-            head += " c_verify (mean) | c_draft | predicted | measured | error | error, parts alone |"
+            head += (" c_verify (mean) | c_draft | predicted | measured | error | error, parts alone |"
+                     " error, widths replayed |")
         lines += [head, "|---" * (head.count("|") - 1) + "|"]
         for name, r in res["drafters"].items():
             line = f"| {name} | {r['identical']}/{r['prompts']} | {r['tau']:.2f} |"
             if timed_:
                 line += (f" {r['c_verify_mean']:.2f} | {r['c_draft_per_round']:.2f} | {r['predicted_speedup']:.2f}x |"
-                         f" {r['measured_speedup']:.2f}x | {100 * r['error']:+.1f}% | {100 * r['error_parts']:+.1f}% |")
+                         f" {r['measured_speedup']:.2f}x | {100 * r['error']:+.1f}% | {100 * r['error_parts']:+.1f}% |"
+                         f" {100 * r['error_replay']:+.1f}% |")
             lines.append(line)
         if timed_:
             lines.append("verify scale per draft length (reference round now / parts; median, range over prompts): "
