@@ -31,12 +31,27 @@ import time
 import numpy as np
 
 
+def per_round(runs, drafters: dict, want, b: int, new: int, repeats: int) -> tuple[dict, dict]:
+    """Each drafter's loop from the prompt's cache: checked token-identical to `want`, then timed beside plain
+    decoding (launch.bench.spec_cost's Runs and timed). Returns (seconds per round in plain steps, rounds) per key."""
+    from kvjax.speculative.loop import stats_of
+    from launch.bench.spec_cost import timed
+    rounds = {}
+    for name, d in drafters.items():  # compiles, and counts the rounds
+        out, counters = runs.spec(d)
+        np.testing.assert_array_equal(np.asarray(out)[0], want)  # every loop exact
+        rounds[name] = int(stats_of(counters, b).rounds.sum())
+    runs.plain()
+    secs = timed({"plain": runs.plain, **{k: (lambda d=d: runs.spec(d)[0]) for k, d in drafters.items()}}, repeats)
+    step = statistics.median(secs["plain"]) / (new - 1)
+    return {k: statistics.median(secs[k]) / rounds[k] / step for k in drafters}, rounds
+
+
 def measure(source, prompts, blocks, new: int, repeats: int) -> dict:
     import jax.numpy as jnp
 
     from kvjax.speculative.cost import NullDrafter, Oracle
-    from kvjax.speculative.loop import stats_of
-    from launch.bench.spec_cost import Runs, timed
+    from launch.bench.spec_cost import Runs
     vocab = source.cfg.vocab_size
     rows = {(b, path, k): {"null": [], "oracle": [], "ratio": [], "oracle_tau": []}
             for b in blocks for path in ("fixed", "variable") for k in sorted({1, b // 2, b})}
@@ -48,16 +63,7 @@ def measure(source, prompts, blocks, new: int, repeats: int) -> dict:
             width = jnp.int32(b + 1) if variable else b + 1
             drafters = {"null": NullDrafter(vocab, draft_len=b, width=width, variable_length=variable),
                         "oracle": Oracle(jnp.asarray(ref), draft_len=b, variable_length=variable, accept=k)}
-            rounds = {}
-            for name, d in drafters.items():  # compiles, and counts the rounds
-                out, counters = runs.spec(d)
-                np.testing.assert_array_equal(np.asarray(out)[0], ref[0, :new])  # both exact
-                rounds[name] = int(stats_of(counters, b).rounds.sum())
-            runs.plain()
-            secs = timed({"plain": runs.plain, **{k: (lambda d=d: runs.spec(d)[0]) for k, d in drafters.items()}},
-                         repeats)
-            step = statistics.median(secs["plain"]) / (new - 1)
-            per = {k: statistics.median(secs[k]) / rounds[k] / step for k in drafters}
+            per, rounds = per_round(runs, drafters, ref[0, :new], b, new, repeats)
             r["null"].append(per["null"])
             r["oracle"].append(per["oracle"])
             r["ratio"].append(per["oracle"] / per["null"])
@@ -74,7 +80,7 @@ def measure_mix(source, prompts, blocks, new: int, repeats: int) -> dict:
     from kvjax.speculative import LookupDrafter
     from kvjax.speculative.cost import NullDrafter
     from kvjax.speculative.loop import stats_of
-    from launch.bench.spec_cost import Runs, timed
+    from launch.bench.spec_cost import Runs, replay
     vocab = source.cfg.vocab_size
     rows = {b: {"alone": [], "replay": [], "lookup": [], "replay_ratio": [], "lookup_ratio": [], "widths": []}
             for b in blocks}
@@ -84,23 +90,10 @@ def measure_mix(source, prompts, blocks, new: int, repeats: int) -> dict:
         for b, r in rows.items():
             lookup = LookupDrafter(vocab, draft_len=b)
             hist = np.asarray(stats_of(runs.spec(lookup)[1], b).widths)
-            order = np.repeat(np.arange(len(hist)), hist)
-            np.random.default_rng(i).shuffle(order)
-            drafters = {"lookup": lookup,
-                        "replay": NullDrafter(vocab, draft_len=b, width=jnp.asarray(order, jnp.int32),
-                                              variable_length=True)}
+            drafters = {"lookup": lookup, "replay": replay(vocab, b, hist, new, seed=i)}
             drafters.update({int(t): NullDrafter(vocab, draft_len=b, width=jnp.int32(int(t)), variable_length=True)
                              for t in np.nonzero(hist)[0]})
-            rounds = {}
-            for name, d in drafters.items():  # compiles, and counts the rounds
-                out, counters = runs.spec(d)
-                np.testing.assert_array_equal(np.asarray(out)[0], want)  # every loop exact
-                rounds[name] = int(stats_of(counters, b).rounds.sum())
-            runs.plain()
-            secs = timed({"plain": runs.plain, **{k: (lambda d=d: runs.spec(d)[0]) for k, d in drafters.items()}},
-                         repeats)
-            step = statistics.median(secs["plain"]) / (new - 1)
-            per = {k: statistics.median(secs[k]) / rounds[k] / step for k in drafters}
+            per, _ = per_round(runs, drafters, want, b, new, repeats)
             alone = sum(int(hist[t]) * per[int(t)] for t in np.nonzero(hist)[0]) / int(hist.sum())
             r["alone"].append(alone)
             r["replay"].append(per["replay"])
