@@ -401,6 +401,10 @@ def test_projector_continuation_records_its_runs_and_refuses_bad_arguments(tmp_p
     runs = encoder_runs(adapter, "training_metrics.jsonl")
     lines = [json.loads(ln) for ln in runs_record(runs + [[{"step": 100, "valid_kl": 0.17}]]).splitlines()]
     assert [(r["run"], r["step"], r["valid_kl"]) for r in lines] == [(0, 100, 0.2), (0, 200, 0.18), (1, 100, 0.17)]
+    # the exported config keeps the provenance, not the metrics (those ship beside the weights), at every level
+    from launch.toy.speech_train import lean
+    nested = {"from": "a", "runs": runs, "training": {"lr": 1, "continues": {"from": "b", "runs": runs}}}
+    assert lean(nested) == {"from": "a", "training": {"lr": 1, "continues": {"from": "b"}}} and lean(None) is None
     for argv, says in ((["--init-from", str(tmp_path / "nothing")], "no config.json"),
                        (["--init-from", str(adapter), "--encoder-from", str(adapter)], "pass one"),
                        (["--train-encoder"], "--train-encoder goes with")):

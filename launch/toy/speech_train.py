@@ -104,6 +104,17 @@ def batch(idx, ctx, cont, feats, offsets, stack: int, eos: int, newline: int, re
             "student_pos": spos, "teacher_pos": tpos}
 
 
+def lean(continues):
+    """The provenance of a continued run without its metrics (training_metrics.jsonl beside the weights has them),
+    at every level: a continued run's `training` holds the run it continued."""
+    if not isinstance(continues, dict):
+        return continues
+    out = {k: v for k, v in continues.items() if k != "runs"}
+    if isinstance(out.get("training"), dict):
+        out["training"] = {**out["training"], "continues": lean(out["training"].get("continues"))}
+    return out
+
+
 def make_fns(lm, ecfg, pcfg, frozen_encoder: bool = False):
     import jax
     import jax.numpy as jnp
@@ -242,7 +253,7 @@ def main(argv=None) -> None:
         enc, proj = state["params"]
         save_ultravox(os.path.join(args.out, args.lm), AudioEncoder(ecfg, enc), Projector(pcfg, proj),
                       text_model_id=LMS[args.lm], audio_token_index=AUDIO_TOKEN, vocab_size=lm.cfg.vocab_size,
-                      extra={"kvjax_training": {**settings, "step": done, "valid_kl": vkl,
+                      extra={"kvjax_training": {**settings, "continues": lean(continues), "step": done, "valid_kl": vkl,
                                                 "built_by": "python -m launch.toy.speech_train --lm " + args.lm}},
                       dtype=jnp.bfloat16)  # trained in float32, stored in bfloat16 (as the pruned target)
         # the training's record travels with the weights: KL per validation (after the runs this one continues,
