@@ -57,10 +57,13 @@ def main(argv=None) -> None:
         from launch.toy.speech import dequantize  # spelled as it spells (lower case, no punctuation)
         from launch.toy.speech_asr import labels, spell, transcribe
         hear = transcribe(args.heard)
-        ids = lambda text: tok.encode(text, add_special_tokens=False).ids[:MAX_CTX]  # noqa: E731
+
+        def ids(text: str) -> list[int]:
+            return tok.encode(text, add_special_tokens=False).ids[:MAX_CTX]
+        kept = set(keep.tolist())  # only the scored utterances are heard
         contexts["transcript spelled"] = [ids(spell(labels(it["context"]))) for it in items]
-        contexts["heard"] = [ids(spell(hear(dequantize(vfeats[:, voffsets[i]:voffsets[i + 1]]))))
-                             if i in set(keep.tolist()) else [] for i, it in enumerate(items)]
+        contexts["heard"] = [ids(spell(hear(dequantize(vfeats[:, voffsets[i]:voffsets[i + 1]])))) if i in kept else []
+                             for i in range(len(items))]
 
     def logp(rows, pos):
         n = max(len(r) for r in rows)
