@@ -11,10 +11,26 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # hundreds of programs, so it keeps the C library's defaults (tests/test_allocator.py checks the tuning in a fresh
 # process)
 os.environ.setdefault("KVJAX_MALLOC", "system")
+# most of the suite's time is XLA compiling the same small programs again, in other tests, in the other xdist
+# worker, in the subprocesses the job and server tests start. One compilation cache for the whole run (set here in
+# the controlling process, before the workers are spawned, so every process inherits it) compiles each program
+# once. It starts empty every run and is removed at the end (pytest_unconfigure), so no run reads another's.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvjax-test-xla-")
+    os.environ["KVJAX_TEST_XLA_CACHE_OWNER"] = str(os.getpid())
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import dataclasses  # noqa: E402
 
 import pytest  # noqa: E402
+
+
+def pytest_unconfigure(config):
+    """The run's compilation cache goes with the process that made it (not with a worker)."""
+    if os.environ.get("KVJAX_TEST_XLA_CACHE_OWNER") == str(os.getpid()):
+        import shutil
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 @dataclasses.dataclass(frozen=True)
