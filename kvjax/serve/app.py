@@ -26,7 +26,8 @@ import time
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse as _StarletteJSON
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from kvjax.serve import protocol
@@ -36,6 +37,15 @@ from kvjax.serve.protocol import ApiError, Limits
 
 log = logging.getLogger("kvjax.serve")
 MARGIN = 5.0  # seconds the server waits past a request's own deadline before answering 504 itself
+
+
+class JSONResponse(_StarletteJSON):
+    """JSON with every non-ASCII character escaped, as the stream's events are (`_sse`): a body that names what the
+    client sent (an unknown field's name in an error) then holds no raw U+0085 / U+2028, which tools that split text
+    into lines with Python's str.splitlines (httpx's iter_lines among them) would break inside a string."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
 
 
 class _Gone(Exception):
