@@ -6,10 +6,13 @@ Seed 004's experiment ("An 8B model listened once. A 1B model answered, and got 
 project trained: each model has an audio adapter (a Whisper encoder + Ultravox projector trained by Ultravox's
 distillation with the language model frozen; launch/toy/speech_train.py, shipped in checkpoints/toy/audio/). The
 job fits the text map as the default job does (ridge + residual on text, without copy windows: retrieval is not
-what this run measures), then the evaluation `audio` (kvjax/eval/suite/audio.py) trains the AUDIO map (the text
-map's residual trained further on the source's audio caches of 160 shipped training clips) and scores the sealed
-spoken multiple-choice test through every arm: the answerer on the mapped audio cache, the same with the text map
-alone, direct injection, the answerer's own audio path, the source listening, each model on the transcript.
+what this run measures), then the evaluation `audio` (kvjax/eval/suite/audio.py) takes the AUDIO map (a text map of
+this config with its residual widened to 256 and trained further on the source's audio caches of 5,865 training
+clips, shipped in checkpoints/toy/audio/map; docs/audio.md has the command; `--config.eval.audio.map_from=` trains
+one in the run instead, on 152 shipped clips of checkpoints/toy/audio/map_train), measures it on 32 held-out clips
+and scores the sealed spoken multiple-choice test through every arm: the answerer on the mapped audio cache, the
+same with the text map alone, direct injection, the answerer's own audio path, the source listening, each model on
+the transcript.
 The gate holds the seed's claims: the mapped cache beats the answerer's own audio path (paired 95% interval above
 zero), recovers >= 50% of the gap to the listening source, the source hears (>= 70% of its transcript margin over
 chance kept) and mapped decoding runs at >= 0.97x the answerer's own speed, side by side.
@@ -33,7 +36,8 @@ def get_config():
         output_dir="runs/toy_audio",
         residual=dataclasses.replace(base.residual, steps=400, copy_windows=0),
         peers=PeerConfig(perhead_topk=0),
-        eval=dataclasses.replace(ev, **off, audio=dataclasses.replace(ev.audio, enabled=True)),
+        eval=dataclasses.replace(ev, **off, audio=dataclasses.replace(ev.audio, enabled=True,
+                                                                     map_from="checkpoints/toy/audio/map")),
         gate=GateConfig(min_key_cos=None, min_value_cos=None, max_kl_vs_target=1.0, min_kl_reduction=0.0,
                         min_mc_retention=None, min_audio_gain_ci_lo=0.0, min_audio_gap_recovered=0.5,
                         min_audio_margin_kept=0.7, min_audio_decode_ratio=0.97),

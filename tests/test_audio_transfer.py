@@ -130,6 +130,61 @@ def test_audio_map_trains_only_the_residual_and_lowers_held_out_kl(setup):
     assert any(not np.array_equal(np.asarray(a.up), np.asarray(b.up)) for a, b in zip(kvmap.keys, trained.keys))
 
 
+def test_transcript_teacher_is_the_source_reading_and_the_map_learns_it_judged_by_true_text_nll(setup):
+    from kvjax.fitting.audio_map import (audio_pool, pool_kl, pool_nll, prompt_rows, teacher_nll, train_audio_map,
+                                         transcript_teacher)
+    source, target, alm, kvmap = setup
+    f, fr = clips(3)
+    f, fr = np.concatenate([f] * 4), np.concatenate([fr] * 4)
+    rows, lengths = prompt_rows(audio_token_count(fr.astype(np.int64), 2), OPEN, PLACEHOLDER, [CLOSE])
+    rng = np.random.RandomState(4)
+    texts = rng.randint(6, VOCAB, (len(fr), 5)).astype(np.int32)
+    words = [list(rng.randint(6, VOCAB, 2 + c)) for c in range(3)]  # each clip's transcript, ragged
+    said = [[OPEN] + words[i % 3] + [CLOSE] for i in range(len(fr))]
+    said_rows = np.zeros((len(said), max(map(len, said))), np.int32)
+    for i, r in enumerate(said):
+        said_rows[i, :len(r)] = r
+    said_lengths = np.asarray([len(r) for r in said], np.int32)
+    teacher = transcript_teacher(source, said_rows, said_lengths, texts, batch_size=4)
+    assert [t.shape for t in teacher] == [(4, 5, VOCAB)] * 3
+    cfg, params = source  # by hand: row 5 alone, its logits predicting each text token
+    row = np.asarray([said[5] + list(texts[5])], np.int32)
+    full = prefill_jit(params, cfg, jnp.asarray(row), jnp.asarray([row.shape[1]]), last_only=False).logits[0]
+    np.testing.assert_allclose(teacher[1][1], np.asarray(full[len(said[5]) - 1:-1]), atol=1e-4)
+    pool = audio_pool(alm, rows, lengths, texts, f, fr, batch_size=4)
+    # the true-text NLL, by hand for the first batch: the answerer reads [last prompt token][text] after the cache
+    mapped = apply_map(kvmap, pool.caches[0], capacity=pool.caches[0].capacity)
+    logits, _ = kvjax.models.decoder.forward(target[1], target[0], jnp.asarray(pool.text[0][:, :-1]), mapped)
+    logp = jax.nn.log_softmax(logits, -1)
+    nll0 = -float(jnp.take_along_axis(logp, jnp.asarray(pool.text[0][:, 1:, None]), -1).mean())
+    one = pool._replace(caches=pool.caches[:1], teacher=pool.teacher[:1], text=pool.text[:1])
+    assert pool_nll(kvmap, target, one) == pytest.approx(nll0, rel=1e-4)
+    # the teacher's own NLL of the true text (the ends the map sits between), by hand for the first batch
+    tl = jax.nn.log_softmax(jnp.asarray(pool.teacher[0]), -1)
+    want = -float(jnp.take_along_axis(tl, jnp.asarray(pool.text[0][:, 1:, None]), -1).mean())
+    assert teacher_nll(one) == pytest.approx(want, rel=1e-5)
+    taught = pool._replace(teacher=teacher)
+    before = pool_kl(kvmap, target, taught)
+    trained, _ = train_audio_map(kvmap, target, taught, steps=30, lr=1e-2, progress=False)
+    assert pool_kl(trained, target, taught) < 0.8 * before  # it learns the reading source's predictions
+
+
+def test_a_widened_residual_maps_exactly_as_before_and_refuses_a_narrower_rank(setup):
+    from kvjax.mapper.kvmap import widen_residual
+    source, target, alm, kvmap = setup
+    f, fr = clips(3)
+    tokens, lengths = prompts(fr)
+    cache = AudioPrefill(alm).set_audio(f, fr)(tokens, lengths, capacity=32)
+    trained = kvmap.replace(keys=tuple(m.replace(up=m.up + 0.1) for m in kvmap.keys))  # a residual that does work
+    wide = widen_residual(trained, 12, jax.random.key(0))
+    assert wide.spec.residual_rank == 12 and wide.keys[0].down.shape[1] == 12 and wide.values[1].up.shape[0] == 12
+    a, b = apply_map(trained, cache, capacity=32), apply_map(wide, cache, capacity=32)
+    np.testing.assert_allclose(np.asarray(b.k), np.asarray(a.k), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(b.v), np.asarray(a.v), atol=1e-5)
+    with pytest.raises(ValueError, match="below the map's residual rank"):
+        widen_residual(kvmap, 2, jax.random.key(0))
+
+
 def test_save_ultravox_round_trips(setup, tmp_path):
     _, _, alm, _ = setup
     save_ultravox(str(tmp_path / "adapter"), alm.encoder, alm.projector, text_model_id="lm", audio_token_index=5,
@@ -157,6 +212,7 @@ def record(acc_by_arm, n=200, seed=0):
              ("mapped_audio", "target_audio")}
     return {"arms": arms, "labels": labels.tolist(), "items": n,
             "map": {"kl_text_map": 0.5, "kl_audio_map": 0.3, "steps": 10, "clips": 100, "valid_clips": 10,
+                    "nll_text_map": 5.1, "nll_audio_map": 4.9, "nll_source_audio": 4.7, "nll_target_audio": 5.0,
                     "loss": [1.0], "seconds": 1.0},
             "speed": {**speed, "tokens": 64, "rounds": 3}}
 
@@ -178,6 +234,7 @@ def test_metrics_report_and_gate_state_the_seeds_claims():
     ctx = ReportContext(metrics={"audio": m}, charts={}, final="residual", source="S", target="T")
     text = "\n".join(audio.report(m, ctx) + audio.summary(m, ctx))
     assert "of the gap recovered" in text and "p = " in text and "text map" in text
+    assert "the audio map 4.900, the source listening 4.700, 33.3% of the way" in text  # (5.0 - 4.9) / (5.0 - 4.7)
     gate = GateConfig(min_audio_gain_ci_lo=0.0, min_audio_gap_recovered=0.5, min_audio_margin_kept=0.7,
                       min_audio_decode_ratio=0.97)
     checks = {c.name: c for c in audio.gate(m, gate, "residual")}
@@ -231,6 +288,16 @@ def test_the_shipped_toy_adapters_and_sealed_set_load_and_listen():
                          batch_size=4, progress=False)
     lp = res["source_audio"]["logprobs"]
     assert lp.shape == (4, 4) and np.isfinite(lp).all() and (lp < 0).all()
+    # the shipped audio map: toy_audio's, made for this pair, and trained on none of the clips the job holds out
+    from configs import toy_audio
+    from kvjax.mapper.artifact import load_map, read_manifest
+    ac = toy_audio.get_config().eval.audio
+    assert ac.map_from == f"{TOY}/map"
+    tgt = kvjax.load_hf("checkpoints/toy/pruned")
+    audio_map = load_map(ac.map_from, src.cfg, tgt.cfg)  # refuses a map fitted for other models
+    info = read_manifest(ac.map_from)["info"]
+    assert info["held_out"] >= ac.map_valid and audio_map.spec.residual_rank == info["residual_rank"]
+    assert info["kl_audio_map"] < info["kl_text_map"]
 
 
 # ---- ultravox8_1 / ultravox70_8 on tiny random checkpoints ---------------------------------------------------------
@@ -308,6 +375,27 @@ def test_ultravox8_1_runs_end_to_end_on_an_identity_pair(tmp_path):
     assert au["speed"]["mapped_audio"]["decode_tok_s"] > 0 and "decode_ratio" in au["speed"]
     assert "audio_gain_ci_lo" in metrics["gate"]["checks"]
     assert "## Audio transfer" in open(os.path.join(out, "report.md")).read()
+    m = au["map"]
+    assert m["nll_source_audio"] == pytest.approx(m["nll_target_audio"], abs=1e-4)  # one model, one adapter
+    assert m["nll_text_map"] > 0 and m["from_saved"] is None and m["teacher"] == "listening"
+
+    # the audio map saved by that run, given back (`map_from`): the stage loads it, trains nothing, and the mapped
+    # arm reads exactly as it did
+    import shutil
+    saved = str(tmp_path / "saved_map")
+    shutil.copytree(os.path.join(out, "eval", "audio", "audio_map"), saved)
+    os.chdir(REPO)
+    try:
+        assert run_job([*argv, "--redo=audio", f"--config.eval.audio.map_from={saved}"], env) == 0
+        # held out more than the saved map did: refused before any work, naming the fix
+        assert run_job([*argv, "--redo=audio", f"--config.eval.audio.map_from={saved}",
+                        "--config.eval.audio.map_valid=5"], env) == 2
+    finally:
+        os.chdir(old)
+    again = json.load(open(os.path.join(out, "eval", "audio.json")))
+    np.testing.assert_allclose(np.asarray(again["arms"]["mapped_audio"]["logprobs"]), lp["mapped_audio"], atol=1e-5)
+    assert again["map"]["from_saved"] == saved and again["map"]["loss"] == [] and again["map"]["steps"] == 3
+    assert again["map"]["kl_audio_map"] == pytest.approx(record["map"]["kl_audio_map"], rel=1e-5)
 
 
 def test_ultravox70_8_is_ultravox8_1_with_other_models():

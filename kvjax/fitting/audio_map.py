@@ -68,6 +68,27 @@ def audio_pool(source: AudioLM, prompts: np.ndarray, prompt_lengths: np.ndarray,
     return AudioPool(caches, teacher, text)
 
 
+def transcript_teacher(source: Model, prompts: np.ndarray, prompt_lengths: np.ndarray, texts: np.ndarray,
+                       batch_size: int = 16) -> list:
+    """Teacher logits from the source READING each clip's transcript instead of hearing it (Ultravox's own
+    distillation target): prompts int [N, P] (right-padded transcript prompts, the same template and last token as
+    the audio prompts), prompt_lengths [N], texts [N, C]; per batch of `audio_pool`'s layout, float32 [b, C, V].
+    Swapped into a pool (`pool._replace(teacher=...)`), the map learns to make the answerer predict what the words
+    imply, not what the source made of the sound (its mishearings included)."""
+    cfg, params = source
+    out = []
+    c = texts.shape[1]
+    for i in range(0, len(prompts), batch_size):
+        p, n, x = prompts[i:i + batch_size], prompt_lengths[i:i + batch_size], texts[i:i + batch_size]
+        rows = np.zeros((len(p), p.shape[1] + c), np.int32)
+        for r in range(len(p)):
+            rows[r, :n[r]], rows[r, n[r]:n[r] + c] = p[r, :n[r]], x[r]
+        logits = prefill_jit(params, cfg, jnp.asarray(rows), jnp.asarray(n + c, jnp.int32), last_only=False).logits
+        at = (n - 1)[:, None] + np.arange(c)[None]
+        out.append(np.asarray(jnp.take_along_axis(logits, jnp.asarray(at)[..., None], 1), np.float32))
+    return out
+
+
 def student_kl(kvmap: KVMap, target: Model, cache, teacher: jax.Array, text: jax.Array) -> jax.Array:
     """Mean KL of the answerer reading `text` [b, C + 1] after the mapped cache vs the teacher [b, C, V]
     (traceable)."""
@@ -83,15 +104,17 @@ def _kl_jit(kvmap, tcfg, tparams, cache, teacher, text):
 
 
 def train_audio_map(kvmap: KVMap, target: Model, pool: AudioPool, steps: int, lr: float, seed: int = 0,
-                    progress: bool = True) -> tuple[KVMap, list[float]]:
-    """Continue training `kvmap`'s residual (the ridge and every other leaf frozen) on the pool's batches, one batch
-    a step in a seeded order; returns (the map, the loss per step)."""
+                    progress: bool = True, train_ridge: bool = False) -> tuple[KVMap, list[float]]:
+    """Continue training `kvmap`'s residual (the ridge and every other leaf frozen; with `train_ridge` the ridge's
+    weights move too, at the text residual's ridge_lr scale, from their text fit) on the pool's batches, one batch a
+    step in a seeded order; returns (the map, the loss per step)."""
     from tqdm import tqdm
 
     from kvjax.fitting.residual import make_optimizer
     from kvjax.fitting.residual_config import ResidualConfig
     # the text residual's optimizer (only its TRAINABLE leaves move), with a 5% warmup
-    opt = make_optimizer(ResidualConfig(steps=steps, lr=lr, warmup_steps=max(1, steps // 20), grad_clip=1.0), kvmap)
+    opt = make_optimizer(ResidualConfig(steps=steps, lr=lr, warmup_steps=max(1, steps // 20), grad_clip=1.0,
+                                        train_ridge=train_ridge), kvmap)
     state = opt.init(kvmap)
 
     @jax.jit
@@ -107,6 +130,32 @@ def train_audio_map(kvmap: KVMap, target: Model, pool: AudioPool, steps: int, lr
                                   jnp.asarray(pool.text[i]))
         losses.append(float(loss))
     return kvmap, losses
+
+
+@functools.partial(jax.jit, static_argnames=("tcfg",))
+def _nll_jit(kvmap, tcfg, tparams, cache, text):
+    mapped = apply_map(kvmap, cache, capacity=cache.capacity)
+    logits, _ = forward(tparams, tcfg, text[:, :-1], mapped)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
+    return -jnp.take_along_axis(logp, text[:, 1:, None], -1).mean()
+
+
+def pool_nll(kvmap: KVMap, target: Model, pool: AudioPool) -> float:
+    """Mean negative log-likelihood (nats / token) of the TRUE text after each prompt, the answerer reading it after
+    the mapped cache: a held-out measure that depends on no teacher, so maps trained against different teachers
+    compare on it."""
+    vals = [float(_nll_jit(kvmap, target[0], target[1], c, jnp.asarray(x))) for c, x in zip(pool.caches, pool.text)]
+    return float(np.mean(vals))
+
+
+def teacher_nll(pool: AudioPool) -> float:
+    """The same NLL under the pool's own teacher logits: the source listening for `audio_pool(source, ...)`, the
+    answerer's own audio path for `audio_pool(answerer_alm, ...)` (the two ends the map sits between)."""
+    vals = []
+    for t, x in zip(pool.teacher, pool.text):
+        logp = jax.nn.log_softmax(jnp.asarray(t), -1)
+        vals.append(-float(jnp.take_along_axis(logp, jnp.asarray(x[:, 1:, None]), -1).mean()))
+    return float(np.mean(vals))
 
 
 def pool_kl(kvmap: KVMap, target: Model, pool: AudioPool) -> float:
@@ -128,4 +177,5 @@ def prompt_rows(audio_tokens: np.ndarray, open_id: int, placeholder: int, close_
     return out, lengths.astype(np.int32)
 
 
-__all__ = ["AudioPool", "audio_pool", "pool_kl", "prompt_rows", "student_kl", "train_audio_map"]
+__all__ = ["AudioPool", "audio_pool", "pool_kl", "pool_nll", "prompt_rows", "student_kl", "teacher_nll",
+           "train_audio_map", "transcript_teacher"]

@@ -193,6 +193,31 @@ def ridge_only(kvmap: KVMap) -> KVMap:
     return kvmap.replace(keys=strip(kvmap.keys), values=strip(kvmap.values))
 
 
+def widen_residual(kvmap: KVMap, residual_rank: int, key: jax.Array) -> KVMap:
+    """The same map with a wider residual hidden layer: the new units start as `linear_map` starts a residual (random
+    `down`, zero `up`), so the widened map computes exactly what `kvmap` does until it trains (e.g. an audio map
+    continued from a text map with more room). A per-position residual only."""
+    if residual_rank < kvmap.spec.residual_rank:
+        raise ValueError(f"widen_residual: {residual_rank} is below the map's residual rank "
+                         f"{kvmap.spec.residual_rank}; give a rank at least as large")
+    extra = residual_rank - kvmap.spec.residual_rank
+    layers = kvmap.keys + kvmap.values
+    if any(m.context or m.attends for m in layers):
+        raise ValueError("widen_residual: only a per-position residual widens (this map's residual reads context)")
+    keys = jax.random.split(key, len(layers))
+
+    def wide(m: LinearMap, k) -> LinearMap:
+        fx, fy = m.down.shape[0], m.up.shape[1]
+        return m.replace(down=jnp.concatenate([m.down, jax.random.normal(k, (fx, extra), jnp.float32) / np.sqrt(fx)],
+                                              1),
+                         res_bias=jnp.concatenate([m.res_bias, jnp.zeros((extra,), jnp.float32)]),
+                         up=jnp.concatenate([m.up, jnp.zeros((extra, fy), jnp.float32)]))
+    out = [wide(m, k) for m, k in zip(layers, keys)]
+    n = len(kvmap.keys)
+    return kvmap.replace(keys=tuple(out[:n]), values=tuple(out[n:]),
+                         spec=dataclasses.replace(kvmap.spec, residual_rank=residual_rank))
+
+
 def direct_map(source: Qwen3Config, target: Qwen3Config, pairing: Pairing) -> KVMap:
     """The direct-injection baseline: copy each paired source layer's K/V unchanged (keys re-rotated with the
     target's RoPE). Only defined when a pairing has one source layer and the KV shapes agree."""

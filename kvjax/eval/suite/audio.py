@@ -40,6 +40,14 @@ class AudioEval:
     map_steps: int = 300
     map_lr: float = 1e-3
     map_cont: int = 16  # text tokens after each prompt the KL is taken over
+    # whose predictions the map learns: "listening" (the source hearing the clip) or "transcript" (the source
+    # reading the clip's transcript, Ultravox's own distillation target; the student still reads the audio cache)
+    map_teacher: str = "listening"
+    map_rank: int = 0  # the audio map's residual width (0: the text map's; wider units start at zero output)
+    map_train_ridge: bool = False  # the ridge's weights train too, from their text fit (else only the residual)
+    # a saved audio map (kvjax.mapper.artifact; e.g. the shipped checkpoints/toy/audio/map) used instead of training
+    # one here; its held-out measures are taken on the first `map_valid` clips of `map_train` all the same
+    map_from: str = ""
     placeholder: int | None = None  # the audio positions' id (None: the source adapter's audio_token_index)
     open_id: int = 0  # the token that opens a prompt (the toy: <|endoftext|>, which opens every document)
     close: str = "\n"  # the text between the audio and what follows (the adapters' prompt template)
@@ -65,14 +73,83 @@ def load_adapter(path: str, model, placeholder: int | None):
     return alm
 
 
+def audio_map_for(ec: AudioEval, ctx, src_alm, tgt_alm, prompts, tok):
+    """The audio map: the run's final text map with its residual trained further on the source's audio caches of
+    the `map_train` clips after the first `map_valid` (or, with `map_from`, a saved audio map), and its held-out
+    measures on those first clips: KL to the listening source and the NLL of the true text, beside the NLL of the
+    source listening and of the answerer's own audio path (the two ends the map sits between). Returns (audio map,
+    text map, record)."""
+    from kvjax.eval import audio as A
+    from kvjax.fitting.audio_map import (audio_pool, pool_kl, pool_nll, prompt_rows, teacher_nll, train_audio_map,
+                                         transcript_teacher)
+    from kvjax.generation import pad_prompts
+    from kvjax.models.audio import audio_token_count
+    clips = [c for c in A.load_spoken(ec.map_train) if c.features.shape[1] <= src_alm.encoder.cfg.max_frames]
+    texts = [tok.encode(c.endings[0].lstrip(), add_special_tokens=False).ids[:ec.map_cont] for c in clips]
+    clips, texts = zip(*[(c, t) for c, t in zip(clips, texts) if len(t) == ec.map_cont])  # whole continuations
+    texts = np.asarray(texts, np.int32)
+    v = ec.map_valid
+    if not 0 < v < len(clips):
+        raise ValueError(f"eval.audio: map_valid={v} must leave clips to train on and hold some out; {ec.map_train} "
+                         f"has {len(clips)} usable clips")
+    if ec.map_from:  # a saved map: only the held-out clips are read
+        clips, texts = clips[:v], texts[:v]
+    feats, frames = A.pad_features([c.features for c in clips])
+    counts = audio_token_count(frames.astype(np.int64), src_alm.stack_factor)
+    rows, lengths = prompt_rows(counts, prompts.open_id, prompts.placeholder, list(prompts.close_ids))
+    t0 = time.perf_counter()
+    valid = audio_pool(src_alm, rows[:v], lengths[:v], texts[:v], feats[:v], frames[:v])
+    text_map = ctx.map(ctx.final)
+    if ec.map_from:
+        from kvjax.mapper.artifact import load_map, read_manifest
+        audio_map = load_map(ec.map_from, ctx.source[0], ctx.target[0],
+                             sharding=text_map.keys[0].mu.sharding)  # placed as the run's own maps are
+        losses = []
+        info = read_manifest(ec.map_from)["info"]  # preflight checked it held out this run's held-out clips
+    else:
+        train = audio_pool(src_alm, rows[v:], lengths[v:], texts[v:], feats[v:], frames[v:])
+        if ec.map_teacher == "transcript":
+            said, said_lengths = pad_prompts([A.text_prompt_ids(prompts, tok.encode(
+                c.context, add_special_tokens=False).ids) for c in clips])
+            train = train._replace(teacher=transcript_teacher(ctx.source, said[v:], said_lengths[v:], texts[v:]))
+        start = text_map
+        if ec.map_rank:
+            import jax
+
+            from kvjax.mapper.kvmap import widen_residual
+            start = widen_residual(text_map, ec.map_rank, jax.random.key(ctx.cfg.seed))
+        audio_map, losses = train_audio_map(start, ctx.target, train, ec.map_steps, ec.map_lr, seed=ctx.cfg.seed,
+                                            train_ridge=ec.map_train_ridge)
+        info = {"kind": "audio", "from": ctx.final, "map_train": ec.map_train, "steps": ec.map_steps,
+                "lr": ec.map_lr, "clips": len(clips) - v, "held_out": v, "teacher": ec.map_teacher,
+                "residual_rank": audio_map.spec.residual_rank, "train_ridge": ec.map_train_ridge}
+    record = {**info, "from_saved": ec.map_from or None, "valid_clips": v,
+              "kl_text_map": pool_kl(text_map, ctx.target, valid),
+              "kl_audio_map": pool_kl(audio_map, ctx.target, valid),
+              "nll_text_map": pool_nll(text_map, ctx.target, valid),
+              "nll_audio_map": pool_nll(audio_map, ctx.target, valid), "nll_source_audio": teacher_nll(valid),
+              "nll_target_audio": teacher_nll(audio_pool(tgt_alm, rows[:v], lengths[:v], texts[:v], feats[:v],
+                                                         frames[:v]))}
+    record["seconds"] = time.perf_counter() - t0
+    if ctx.artifacts:  # the server's audio path reads it (kvjax.serve with an audio config)
+        from kvjax.mapper.artifact import save_map
+        save_map(os.path.join(ctx.artifacts, AUDIO_MAP), audio_map,
+                 {k: val for k, val in record.items() if k not in ("seconds", "from_saved")})
+    log.info("audio map (%s): held-out audio-cache KL to the listening source %.4f (text map) -> %.4f, NLL of the "
+             "true text %.4f -> %.4f (source listening %.4f, answerer's own audio path %.4f); %s steps on %s clips, "
+             "%s teacher (%.0f s)", ec.map_from or "trained here", record["kl_text_map"], record["kl_audio_map"],
+             record["nll_text_map"], record["nll_audio_map"], record["nll_source_audio"], record["nll_target_audio"],
+             record.get("steps"), record.get("clips"), record.get("teacher", "listening"), record["seconds"])
+    record["loss"] = losses
+    return audio_map, text_map, record
+
+
 def run(ec: AudioEval, ctx) -> dict:
     from kvjax.builders import Clock, Mapped, NativePrefill
     from kvjax.builders.audio import AudioPrefill
     from kvjax.eval import audio as A
-    from kvjax.fitting.audio_map import audio_pool, pool_kl, prompt_rows, train_audio_map
     from kvjax.generation import alternating_decode_seconds, generate_from
     from kvjax.mapper.injection import injection_map
-    from kvjax.models.audio import audio_token_count
 
     tok = ctx.tokenizer()
     close = tuple(tok.encode(ec.close, add_special_tokens=False).ids)
@@ -81,32 +158,7 @@ def run(ec: AudioEval, ctx) -> dict:
     eos, placeholder = ec.open_id, src_alm.audio_token_index
     prompts = A.Prompts(eos, close, placeholder)
 
-    # ---- the audio map: the final text map's residual trained on the source's audio caches
-    clips = [c for c in A.load_spoken(ec.map_train) if c.features.shape[1] <= src_alm.encoder.cfg.max_frames]
-    feats, frames = A.pad_features([c.features for c in clips])
-    counts = audio_token_count(frames.astype(np.int64), src_alm.stack_factor)
-    rows, lengths = prompt_rows(counts, eos, placeholder, list(close))
-    texts = np.asarray([tok.encode(c.endings[0].lstrip(), add_special_tokens=False).ids[:ec.map_cont]
-                        for c in clips], dtype=object)
-    keep = np.asarray([len(t) == ec.map_cont for t in texts])
-    texts = np.stack([np.asarray(t, np.int32) for t in texts[keep]])
-    rows, lengths, feats, frames = rows[keep], lengths[keep], feats[keep], frames[keep]
-    v = ec.map_valid
-    t0 = time.perf_counter()
-    train = audio_pool(src_alm, rows[v:], lengths[v:], texts[v:], feats[v:], frames[v:])
-    valid = audio_pool(src_alm, rows[:v], lengths[:v], texts[:v], feats[:v], frames[:v])
-    text_map = ctx.map(ctx.final)
-    kl_before = pool_kl(text_map, ctx.target, valid)
-    audio_map, losses = train_audio_map(text_map, ctx.target, train, ec.map_steps, ec.map_lr, seed=ctx.cfg.seed)
-    kl_after = pool_kl(audio_map, ctx.target, valid)
-    map_seconds = time.perf_counter() - t0
-    if ctx.artifacts:  # the server's audio path reads it (kvjax.serve with an audio config)
-        from kvjax.mapper.artifact import save_map
-        save_map(os.path.join(ctx.artifacts, AUDIO_MAP), audio_map,
-                 {"kind": "audio", "from": ctx.final, "steps": ec.map_steps, "lr": ec.map_lr,
-                  "clips": int(len(rows) - v), "kl_text_map": kl_before, "kl_audio_map": kl_after})
-    log.info("audio map: held-out audio-cache KL %.4f (text map) -> %.4f after %d steps on %d clips (%.0f s)",
-             kl_before, kl_after, ec.map_steps, len(rows) - v, map_seconds)
+    audio_map, text_map, map_record = audio_map_for(ec, ctx, src_alm, tgt_alm, prompts, tok)
 
     # ---- the sealed test through every arm
     listen = AudioPrefill(src_alm, name="source_audio")
@@ -165,8 +217,7 @@ def run(ec: AudioEval, ctx) -> dict:
     speed["paired_decode"] = ec.paired_decode
     return {"arms": {a: {k: v.tolist() for k, v in res[a].items()} for a in builders},
             "labels": res["labels"].tolist(), "items": len(items),
-            "map": {"kl_text_map": kl_before, "kl_audio_map": kl_after, "steps": ec.map_steps,
-                    "clips": int(len(rows) - v), "valid_clips": v, "loss": losses, "seconds": map_seconds},
+            "map": map_record,
             "speed": speed}
 
 
@@ -202,7 +253,9 @@ def metrics(ev: dict, ctx) -> dict:
         if sa is not None and st is not None and st.mean() > CHANCE:
             out[f"{who}_margin_kept"] = float((sa.mean() - CHANCE) / (st.mean() - CHANCE))
     m = ev["map"]
-    out["map"] = {k: m[k] for k in ("kl_text_map", "kl_audio_map", "steps", "clips", "valid_clips", "seconds")}
+    out["map"] = {k: m.get(k) for k in ("kl_text_map", "kl_audio_map", "nll_text_map", "nll_audio_map",
+                                         "nll_source_audio", "nll_target_audio", "steps", "clips", "valid_clips",
+                                         "teacher", "residual_rank", "from_saved", "seconds")}
     sp = ev["speed"]
     out["speed"] = {a: {"ttft_s": sp[a]["ttft_s"], "decode_tok_s": sp[a]["decode_tok_s"], "phases_s": sp[a]["phases_s"]}
                     for a in ("mapped_audio", "target_audio") if a in sp}
@@ -267,9 +320,17 @@ def report(au: dict, ctx) -> list[str]:
             out.append(f"- {name} hears: its spoken margin over chance is {pct(au[f'{who}_margin_kept'])} of its "
                        "transcript margin.")
     m = au["map"]
-    out += ["", f"Audio map: held-out audio-cache KL to the source {m['kl_text_map']:.4f} (text map) -> "
-            f"{m['kl_audio_map']:.4f} after {m['steps']} steps on {m['clips']} clips ({m['seconds']:.0f} s; "
-            f"{m['valid_clips']} clips held out).", ""]
+    made = (f"loaded from {m['from_saved']}, trained" if m.get("from_saved") else "trained here") + \
+        f" {m['steps']} steps on {m['clips']} clips"
+    out += ["", f"Audio map ({made}): held-out audio-cache KL to the source {m['kl_text_map']:.4f} (text map) -> "
+            f"{m['kl_audio_map']:.4f}; {m['valid_clips']} clips held out ({m['seconds']:.0f} s)."]
+    if m.get("nll_audio_map") is not None:
+        lo, hi = m["nll_target_audio"], m["nll_source_audio"]
+        share = f", {pct((lo - m['nll_audio_map']) / (lo - hi))} of the way" if lo > hi else ""
+        out += [f"On the same clips, the NLL of the true text (nats / token): the answerer's own audio path {lo:.3f}, "
+                f"the text map {m['nll_text_map']:.3f}, the audio map {m['nll_audio_map']:.3f}, the source "
+                f"listening {hi:.3f}{share} from the answerer's own audio path to the source."]
+    out += [""]
     sp = au.get("speed", {})
     if "decode_ratio" in sp:
         ma, ta = sp["mapped_audio"], sp["target_audio"]
@@ -313,6 +374,18 @@ def preflight(ec: AudioEval, cfg) -> list[str]:
         if not os.path.isfile(os.path.join(getattr(ec, name), "features.npz")):
             out.append(f"eval.audio.{name}: {getattr(ec, name)!r} holds no spoken set (items.jsonl + features.npz; "
                        "the toy's: python -m launch.toy.speech)")
+    if ec.map_from and not os.path.isfile(os.path.join(ec.map_from, "manifest.json")):
+        out.append(f"eval.audio.map_from: {ec.map_from!r} is not a saved map (manifest.json); give the directory a "
+                   "run wrote (runs/NAME/eval/audio/audio_map) or '' to train the audio map in the run")
+    elif ec.map_from:
+        import json
+        held = json.load(open(os.path.join(ec.map_from, "manifest.json"))).get("info", {}).get("held_out", 0)
+        if held < ec.map_valid:
+            out.append(f"eval.audio.map_from: {ec.map_from} held out only the first {held} clips of its training "
+                       f"set, so it trained on some of the first map_valid={ec.map_valid} this run measures it on; "
+                       f"set --config.eval.audio.map_valid={held} or less (or train the map here: map_from='')")
+    if ec.map_teacher not in ("listening", "transcript"):
+        out.append(f"eval.audio.map_teacher: {ec.map_teacher!r} is not one of 'listening', 'transcript'")
     unknown = [a for a in ec.arms if a not in {"target_audio", "direct_audio", "text_map_audio", "mapped_audio",
                                               "source_audio", "target_text", "source_text"}]
     if unknown:
@@ -326,7 +399,7 @@ def depends(cfg) -> dict:
     import hashlib
     ec, out = cfg.eval.audio, {}
     for name, file in (("source_adapter", "config.json"), ("target_adapter", "config.json"), ("test", "meta.json"),
-                       ("map_train", "meta.json")):
+                       ("map_train", "meta.json"), ("map_from", "manifest.json")):
         path = os.path.join(getattr(ec, name), file)
         out[name] = hashlib.sha256(open(path, "rb").read()).hexdigest()[:16] if os.path.isfile(path) else None
     return out
