@@ -394,13 +394,13 @@ def preflight(ec: AudioEval, cfg) -> list[str]:
 
 
 def depends(cfg) -> dict:
-    """The adapters' and the sets' identities (their config / meta contents, which name how they were trained and
-    built): a retrained adapter or a rebuilt set reruns the stage."""
+    """The adapters', the sets' and a saved audio map's identities (their config / meta / manifest contents, which
+    name how they were trained and built): a retrained adapter, a rebuilt set or another saved map reruns the stage."""
     import hashlib
     ec, out = cfg.eval.audio, {}
     for name, file in (("source_adapter", "config.json"), ("target_adapter", "config.json"), ("test", "meta.json"),
                        ("map_train", "meta.json"), ("map_from", "manifest.json")):
-        path = os.path.join(getattr(ec, name), file)
+        path = os.path.join(getattr(ec, name), file) if getattr(ec, name) else ""  # map_from "": none
         out[name] = hashlib.sha256(open(path, "rb").read()).hexdigest()[:16] if os.path.isfile(path) else None
     return out
 
