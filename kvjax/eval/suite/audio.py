@@ -86,12 +86,13 @@ def audio_map_for(ec: AudioEval, ctx, src_alm, tgt_alm, prompts, tok):
     from kvjax.models.audio import audio_token_count
     clips = [c for c in A.load_spoken(ec.map_train) if c.features.shape[1] <= src_alm.encoder.cfg.max_frames]
     texts = [tok.encode(c.endings[0].lstrip(), add_special_tokens=False).ids[:ec.map_cont] for c in clips]
-    clips, texts = zip(*[(c, t) for c, t in zip(clips, texts) if len(t) == ec.map_cont])  # whole continuations
-    texts = np.asarray(texts, np.int32)
+    kept = [(c, t) for c, t in zip(clips, texts) if len(t) == ec.map_cont]  # whole continuations
     v = ec.map_valid
-    if not 0 < v < len(clips):
-        raise ValueError(f"eval.audio: map_valid={v} must leave clips to train on and hold some out; {ec.map_train} "
-                         f"has {len(clips)} usable clips")
+    if not 0 < v < len(kept) + bool(ec.map_from):
+        raise ValueError(f"eval.audio: map_valid={v} must hold some clips out and leave some to train on; "
+                         f"{ec.map_train} has {len(kept)} usable clips (a continuation of >= map_cont={ec.map_cont} "
+                         "tokens, within the encoder's window)")
+    clips, texts = [c for c, _ in kept], np.asarray([t for _, t in kept], np.int32)
     if ec.map_from:  # a saved map: only the held-out clips are read
         clips, texts = clips[:v], texts[:v]
     feats, frames = A.pad_features([c.features for c in clips])
