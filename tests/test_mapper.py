@@ -1,6 +1,7 @@
 """The cache map: pairing, ridge statistics, RoPE round trip, fit/apply, residual, artifacts, split-path generation."""
 
 import dataclasses
+import os
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -210,6 +211,9 @@ def test_fit_apply_residual_save_load_between_different_models(pair, tmp_path):
     np.testing.assert_allclose(by_pos.mean(1), after, rtol=1e-5)
 
     kvjax.save_map(tmp_path / "map", trained, info={"note": "test"})
+    for root, _, files in os.walk(tmp_path / "map"):  # nothing in a saved map names where it was written
+        for f in files:
+            assert str(tmp_path).encode() not in open(os.path.join(root, f), "rb").read(), f
     loaded = kvjax.load_map(tmp_path / "map", source[0], target[0])
     assert loaded.spec == trained.spec
     for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(trained)):

@@ -74,6 +74,11 @@ def save_map(path: str, kvmap: KVMap, info: dict | None = None) -> None:
     ckptr.save(os.path.join(tmp, ARRAYS), {"keys": tuple(map(_fields, kvmap.keys)),
                                            "values": tuple(map(_fields, kvmap.values))})
     ckptr.wait_until_finished()
+    # orbax's finalisation marker names the temporary path it wrote to (machine-specific, stale after the rename
+    # below); the rename is what makes this map whole, and restoring does not read the marker
+    marker = os.path.join(tmp, ARRAYS, "commit_success.txt")
+    if os.path.exists(marker):
+        os.remove(marker)
     manifest = {"format": FORMAT, "spec": dataclasses.asdict(kvmap.spec),
                 "layers": [_shapes(m) for m in kvmap.keys], "value_layers": [_shapes(m) for m in kvmap.values],
                 "info": info or {}}
