@@ -40,6 +40,27 @@ class AudioPool(NamedTuple):
     text: list  # per batch: int32 [b, C + 1] the prompt's last token, then text[0..C-1] (what the student reads)
 
 
+def _prompt_then_text(p: np.ndarray, n: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Rows [prompt][text], right-padded: prompts p [b, P] of lengths n [b], each followed by its text x [b, C]."""
+    rows = np.zeros((len(p), p.shape[1] + x.shape[1]), np.int32)
+    for r in range(len(p)):
+        rows[r, :n[r]], rows[r, n[r]:n[r] + x.shape[1]] = p[r, :n[r]], x[r]
+    return rows
+
+
+def _text_logits(logits: jax.Array, n: np.ndarray, c: int) -> np.ndarray:
+    """float32 [b, C, V]: the logits predicting each row's C text tokens (the prompt's last token predicts the
+    first) out of a prefill's [b, T, V] over `_prompt_then_text` rows."""
+    at = (n - 1)[:, None] + np.arange(c)[None]
+    return np.asarray(jnp.take_along_axis(logits, jnp.asarray(at)[..., None], 1), np.float32)
+
+
+def _nll(logits: jax.Array, text: jax.Array) -> jax.Array:
+    """Mean NLL of text[:, 1:] under logits [b, C, V] predicting it."""
+    logp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), -1)
+    return -jnp.take_along_axis(logp, jnp.asarray(text)[:, 1:, None], -1).mean()
+
+
 def audio_pool(source: AudioLM, prompts: np.ndarray, prompt_lengths: np.ndarray, texts: np.ndarray,
                features: np.ndarray, frames: np.ndarray, batch_size: int = 16) -> AudioPool:
     """The source audio-LM's cache and teacher logits for each example: prompts int [N, P] (right-padded, the audio
@@ -51,16 +72,13 @@ def audio_pool(source: AudioLM, prompts: np.ndarray, prompt_lengths: np.ndarray,
         sl = slice(i, i + batch_size)
         p, n, x = prompts[sl], prompt_lengths[sl], texts[sl]
         b = len(p)
-        rows = np.zeros((b, p.shape[1] + c), np.int32)
-        for r in range(b):  # [prompt][text], right-padded
-            rows[r, :n[r]], rows[r, n[r]:n[r] + c] = p[r, :n[r]], x[r]
+        rows = _prompt_then_text(p, n, x)
         mask = np.zeros(rows.shape, bool)
         mask[:, :p.shape[1]] = (p == source.audio_token_index) & (np.arange(p.shape[1])[None] < n[:, None])
         embeds = prompt_embeddings_jit(source, rows, mask, features[sl], frames[sl])
         out = prefill_jit(source.lm.params, source.lm.cfg, None, jnp.asarray(n + c, jnp.int32), last_only=False,
                           embeds=embeds)
-        at = (n - 1)[:, None] + np.arange(c)[None]  # the prompt's last token predicts text[0]
-        teacher.append(np.asarray(jnp.take_along_axis(out.logits, jnp.asarray(at)[..., None], 1), np.float32))
+        teacher.append(_text_logits(out.logits, n, c))
         # the cache holds the prompt's first n - 1 positions for the student (it reads the last prompt token itself)
         caches.append(out.cache.replace(lengths=jnp.asarray(n - 1, out.cache.lengths.dtype)))
         last = p[np.arange(b), n - 1]
@@ -80,22 +98,24 @@ def transcript_teacher(source: Model, prompts: np.ndarray, prompt_lengths: np.nd
     c = texts.shape[1]
     for i in range(0, len(prompts), batch_size):
         p, n, x = prompts[i:i + batch_size], prompt_lengths[i:i + batch_size], texts[i:i + batch_size]
-        rows = np.zeros((len(p), p.shape[1] + c), np.int32)
-        for r in range(len(p)):
-            rows[r, :n[r]], rows[r, n[r]:n[r] + c] = p[r, :n[r]], x[r]
+        rows = _prompt_then_text(p, n, x)
         logits = prefill_jit(params, cfg, jnp.asarray(rows), jnp.asarray(n + c, jnp.int32), last_only=False).logits
-        at = (n - 1)[:, None] + np.arange(c)[None]
-        out.append(np.asarray(jnp.take_along_axis(logits, jnp.asarray(at)[..., None], 1), np.float32))
+        out.append(_text_logits(logits, n, c))
     return out
+
+
+def _student_logits(kvmap: KVMap, target: Model, cache, text: jax.Array) -> jax.Array:
+    """The answerer's logits [b, C, V] reading `text` [b, C + 1] (all but its last token) after the mapped cache
+    (traceable)."""
+    tcfg, tparams = target
+    mapped = apply_map(kvmap, cache, capacity=cache.capacity)  # rows keep their lengths: text goes after them
+    return forward(tparams, tcfg, text[:, :-1], mapped)[0]
 
 
 def student_kl(kvmap: KVMap, target: Model, cache, teacher: jax.Array, text: jax.Array) -> jax.Array:
     """Mean KL of the answerer reading `text` [b, C + 1] after the mapped cache vs the teacher [b, C, V]
     (traceable)."""
-    tcfg, tparams = target
-    mapped = apply_map(kvmap, cache, capacity=cache.capacity)  # rows keep their lengths: text goes after them
-    logits, _ = forward(tparams, tcfg, text[:, :-1], mapped)
-    return kl(teacher, logits).mean()
+    return kl(teacher, _student_logits(kvmap, target, cache, text)).mean()
 
 
 @functools.partial(jax.jit, static_argnames=("tcfg",))
@@ -134,10 +154,7 @@ def train_audio_map(kvmap: KVMap, target: Model, pool: AudioPool, steps: int, lr
 
 @functools.partial(jax.jit, static_argnames=("tcfg",))
 def _nll_jit(kvmap, tcfg, tparams, cache, text):
-    mapped = apply_map(kvmap, cache, capacity=cache.capacity)
-    logits, _ = forward(tparams, tcfg, text[:, :-1], mapped)
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
-    return -jnp.take_along_axis(logp, text[:, 1:, None], -1).mean()
+    return _nll(_student_logits(kvmap, (tcfg, tparams), cache, text), text)
 
 
 def pool_nll(kvmap: KVMap, target: Model, pool: AudioPool) -> float:
@@ -151,11 +168,7 @@ def pool_nll(kvmap: KVMap, target: Model, pool: AudioPool) -> float:
 def teacher_nll(pool: AudioPool) -> float:
     """The same NLL under the pool's own teacher logits: the source listening for `audio_pool(source, ...)`, the
     answerer's own audio path for `audio_pool(answerer_alm, ...)` (the two ends the map sits between)."""
-    vals = []
-    for t, x in zip(pool.teacher, pool.text):
-        logp = jax.nn.log_softmax(jnp.asarray(t), -1)
-        vals.append(-float(jnp.take_along_axis(logp, jnp.asarray(x[:, 1:, None]), -1).mean()))
-    return float(np.mean(vals))
+    return float(np.mean([float(_nll(t, x)) for t, x in zip(pool.teacher, pool.text)]))
 
 
 def pool_kl(kvmap: KVMap, target: Model, pool: AudioPool) -> float:
