@@ -95,7 +95,7 @@ def test_parse_arm():
 def test_defaults_and_workload_checks():
     a = args()
     assert (a.workload, a.turns, a.system_tokens, a.user_tokens, a.decoders, a.long_tokens, a.decode_tokens) == (
-        "independent", 4, 512, 96, 32, 2000, 256)
+        "independent", 4, 512, 96, 32, 2000, 512)
     assert load.check_args(a) == []
     assert load.check_args(args("--workload", "conversation", "--soak", "5"))
 

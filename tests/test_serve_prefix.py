@@ -234,6 +234,53 @@ def test_chunked_prefill_interleaves_decode_steps_and_answers_as_offline(stack):
         e.stop()
 
 
+def _window(windows, needed):
+    return next(w for w in windows if w >= needed)
+
+
+def test_warm_up_runs_every_attention_window_of_the_pieces_and_the_decode_step(stack, monkeypatch):
+    """On XLA:CPU the first run of each attention window's branch (kvjax.cache.window_sizes, a lax.switch) costs
+    15-30 ms more than the next; a prompt that first reached a window stalled every decoding row by that much. The
+    warm-up must run each branch: a later piece of every width at every window, the decode step at every window and
+    row count (and its sampling branch), and leave the slots as it found them."""
+    from kvjax.cache import window_sizes
+    from kvjax.serve import programs
+    from kvjax.serve.prefill import compile_pieces, pieces
+    windows = window_sizes(CAPACITY)
+    assert len(windows) > 2  # the test needs windows past the first
+
+    class Recording(Mapped):
+        def resume(self, state, tokens, lengths, fresh=False):
+            if not fresh:  # a later piece attends over its cached positions and itself
+                needed = int(np.max(np.asarray(state[0].lengths) + np.asarray(lengths)))
+                seen.add((tokens.shape[1], _window(windows, needed)))
+            return super().resume(state, tokens, lengths, fresh=fresh)
+
+    seen = set()
+    widths = pieces(CAPACITY, 2, prefix=True, max_step_tokens=64)
+    compile_pieces(Recording(stack["source"], stack["target"], stack["kvmap"]), 2, CAPACITY, widths)
+    later = {w for w, _ in widths if w < CAPACITY}
+    assert later == {32, 64}
+    assert {(w, win) for w in later for win in windows if win > w} <= seen
+
+    steps, step = set(), programs.step
+
+    def recording_step(params, cfg, cache, tokens, active, temperature, *rest, rows=None):
+        needed = int(np.max(np.where(active, np.asarray(cache.lengths), 0))) + 1
+        steps.add((rows, _window(windows, needed), bool(np.any(np.asarray(temperature)[active] > 0))))
+        return step(params, cfg, cache, tokens, active, temperature, *rest, rows=rows)
+    monkeypatch.setattr(programs, "step", recording_step)
+    e = engine(stack)
+    try:
+        e.slots.warm()
+        rows = e.slots.row_buckets
+        assert {(r, w, False) for r in rows for w in windows} <= steps
+        assert {r for r, _, sampled in steps if sampled} == set(rows)
+        assert e.slots.free() == e.config.slots and not np.asarray(e.slots.cache.lengths).any()
+    finally:
+        e.stop()
+
+
 def test_settings_are_checked(stack):
     assert any("--topology=batched" in p for p in EngineConfig(topology="serial", max_step_tokens=64).problems())
     assert any("own" in p for p in EngineConfig(topology="disaggregated", max_step_tokens=64).problems())

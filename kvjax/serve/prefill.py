@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from kvjax.builders.base import Resumable
-from kvjax.cache import KVCache
+from kvjax.cache import KVCache, window_sizes
 from kvjax.serve import programs
 from kvjax.serve.prefix import PrefixCache
 
@@ -139,9 +139,20 @@ def pieces(capacity: int, batch: int, prefix: bool, max_step_tokens: int) -> set
 def compile_pieces(builder, batch: int, capacity: int, widths) -> None:
     """Compile `builder.resume` for a state of batch x capacity and each (width, fresh) piece, and for a later piece
     of that width (warm-up; the results are dropped). A later piece is its own program: its state comes out of a
-    compiled call, placed on the device, where a new one (`start`, or cached blocks) is not yet."""
+    compiled call, placed on the device, where a new one (`start`, or cached blocks) is not yet.
+
+    A later piece is then run once after a prefix of each attention window's size (kvjax.cache.window_sizes: one
+    lax.switch branch each): on XLA:CPU the first run of a branch costs 15-30 ms more than the next (toy source,
+    batch 1, 16-token pieces), and a request whose prompt first reaches a window would otherwise pay it between two
+    decode steps of every running request."""
     tokens = lambda width: np.zeros((batch, width), np.int32)  # noqa: E731
     ones = np.ones((batch,), np.int32)
     for width, fresh in sorted(widths):
         state = builder.resume(_start(builder, batch, capacity), tokens(width), ones, fresh=fresh)
         jax.block_until_ready(builder.resume(state, tokens(width), ones))
+        # a piece of n tokens after `start` cached positions attends over the smallest window holding start + n
+        full = np.full((batch,), width, np.int32)
+        for start in [w - width for w in window_sizes(capacity)[1:] if w > width]:
+            state = builder.resume(_start(builder, batch, capacity), tokens(width), ones, fresh=fresh)
+            state = tuple(c.replace(lengths=c.lengths * 0 + start) for c in state)  # placed as the state is
+            jax.block_until_ready(builder.resume(state, tokens(width), full))

@@ -8,9 +8,11 @@ from __future__ import annotations
 import logging
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.cache import window_sizes
 from kvjax.serve import programs
 from kvjax.serve.config import EngineConfig, Event, Request
 from kvjax.serve.faults import Faults
@@ -69,6 +71,25 @@ class Slots:
         """Run the insert of a batch like `cache` with every row dropped (warm-up: compiles it, changes nothing)."""
         slots = jnp.full((cache.batch_size,), self.config.slots, jnp.int32)
         self.cache = programs.insert(self.cache, cache, slots)
+
+    def warm(self) -> None:
+        """Run the decode step once per row count, attention window (kvjax.cache.window_sizes) and sampling branch
+        (warm-up: the results are dropped and every slot is left free and empty). On XLA:CPU the first run of a
+        lax.switch / lax.cond branch costs 15-30 ms more than the next, which the first request to reach a window
+        would otherwise add to a step of every running request."""
+        s = self.config.slots
+        active = np.arange(s) == 0
+        windows = window_sizes(self.config.capacity)
+        for rows in self.row_buckets:  # every window greedy, then the sampling branch once
+            for window, temperature in [(w, 0.0) for w in windows] + [(windows[0], 1.0)]:
+                # row 0 reads positions [0, window): the smallest window that holds them
+                lengths = self.cache.lengths * 0 + np.where(active, window - 1, 0).astype(np.int32)  # placed as is
+                self.cache = self.cache.replace(lengths=lengths)
+                temp = np.full(s, temperature, np.float32)
+                _, self.cache = programs.step(self.params, self.cfg, self.cache, self._next_in, active, temp,
+                                              self._top_p, self._seed, self._count, rows=rows)
+        self.run_step(self.row_buckets[-1])  # every slot free: lengths back to 0
+        jax.block_until_ready(self.cache)
 
     def run_step(self, rows: int | None = None):
         active = np.array([r is not None for r in self.req])

@@ -108,7 +108,9 @@ def args_parser():
     g.add_argument("--decoders", type=int, default=32,
                    help="clients decoding when the long prompt arrives (default 32)")
     g.add_argument("--short-tokens", type=int, default=256, help="each decoder's prompt (default 256)")
-    g.add_argument("--decode-tokens", type=int, default=256, help="each decoder's max_tokens (default 256)")
+    g.add_argument("--decode-tokens", type=int, default=512,
+                   help="each decoder's max_tokens (default 512: enough to stream through a 2K prompt read in "
+                   "16-token pieces)")
     g.add_argument("--long-tokens", type=int, default=2000, help="the long prompt, max_tokens 8 (default 2000)")
     g.add_argument("--first-token-wait", type=float, default=30.0,
                    help="at most this long (s) for every decoder's first token before the long prompt (default 30)")
