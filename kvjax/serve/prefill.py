@@ -147,9 +147,13 @@ def compile_pieces(builder, batch: int, capacity: int, widths) -> None:
     decode steps of every running request."""
     tokens = lambda width: np.zeros((batch, width), np.int32)  # noqa: E731
     ones = np.ones((batch,), np.int32)
+    windowed = set()
     for width, fresh in sorted(widths):
         state = builder.resume(_start(builder, batch, capacity), tokens(width), ones, fresh=fresh)
         jax.block_until_ready(builder.resume(state, tokens(width), ones))
+        if width in windowed:  # the later piece of this width has run at every window
+            continue
+        windowed.add(width)
         # a piece of n tokens after `start` cached positions attends over the smallest window holding start + n
         full = np.full((batch,), width, np.int32)
         for start in [w - width for w in window_sizes(capacity)[1:] if w > width]:
