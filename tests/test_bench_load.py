@@ -156,9 +156,21 @@ def test_arrival_summary_windows():
     assert s["gaps_before"] == 10 and s["itl_before_p99"] == pytest.approx(0.1)  # gaps ending in (0.5, 1.0]
     assert s["itl_p99_ratio"] == pytest.approx(5.0)
     assert s["decoders_streaming_at_long_first_token"] == 2
+    assert s["slowest_steps_during"][0] == (pytest.approx(0.5), 1, pytest.approx(0.5))  # half of two decoders
     # the long request failed: no window
     s = load_report.arrival_summary(decoders, {"t0": 1.0, "times": [], "match": False})
     assert np.isnan(s["itl_p99_ratio"])
+
+
+def test_slow_steps_are_the_gaps_that_end_together():
+    # four decoders: a step at t = 1.00 they all waited 20 ms in, one at 1.05 they all waited 50 ms in (their tokens
+    # reaching the clients within 3 ms), and a 300 ms gap of one decoder alone at 1.2 (a client's, not a step)
+    gaps = [(1.0 - 0.02, 1.0 + 0.001 * i) for i in range(4)] + [(1.0, 1.05 + 0.001 * i) for i in range(4)]
+    gaps.append((0.9, 1.2))
+    steps = load_report.slow_steps(gaps, decoders=4, t0=0.5)
+    assert [(t, n) for t, n, _ in steps] == [(0.55, 4), (0.5, 4)]
+    assert steps[0][2] == pytest.approx(0.052) and steps[1][2] == pytest.approx(0.022)  # the (upper) median
+    assert load_report.slow_steps([], decoders=4, t0=0.0) == []
 
 
 def test_progress_waits_for_every_decoder():

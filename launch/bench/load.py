@@ -37,7 +37,8 @@ Workloads (`--workload`):
   `--lead-tokens` (default a quarter of them; at most `--settle` s more), one client sends a `--long-tokens` prompt
   (max_tokens 8). Reported per arm: the decoders' inter-token latency p50/p99 from the long
   request's submission to its first token ("during") and in an equal window just before ("before"), the p99 ratio
-  during / before, and the long request's TTFT; `--concurrency` is not used.
+  during / before, the long request's TTFT and the server's slowest steps during it (`load_report.slow_steps`);
+  `--concurrency` is not used.
 
 Per level it records TTFT, inter-token latency, end-to-end latency (p50/p99), aggregate tokens/s (generated tokens /
 wall time of the level), errors, lost or hung requests (no answer within --timeout) and answers that differ from

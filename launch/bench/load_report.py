@@ -60,6 +60,7 @@ def arrival_summary(decoders: list[dict], long: dict) -> dict:
     during = [e - s for s, e in gaps if e > t_sub and s < t_first]
     before = [e - s for s, e in gaps if t_sub - span < e <= t_sub]
     p99_before, p99_during = pct(before, 99), pct(during, 99)
+    slow = slow_steps([(s, e) for s, e in gaps if e > t_sub and s < t_first], len(decoders), t_sub)
     return {"long_ttft": span,
             "long_match": long["match"], "itl_before_p50": pct(before, 50), "itl_before_p99": p99_before,
             "itl_during_p50": pct(during, 50), "itl_during_p99": p99_during,
@@ -67,7 +68,24 @@ def arrival_summary(decoders: list[dict], long: dict) -> dict:
             "gaps_before": len(before), "gaps_during": len(during),
             "decoders_streaming_at_long_first_token": sum(1 for r in decoders if r["times"] and
                                                           r["times"][0] <= t_sub and r["times"][-1] >= t_first),
+            "slowest_steps_during": slow,
             "decoder_times": [[round(t - t_sub, 4) for t in r["times"]] for r in decoders]}
+
+
+def slow_steps(gaps: list[tuple[float, float]], decoders: int, t0: float, top: int = 5, tol: float = 0.005):
+    """The server's slowest steps among `gaps` (start, end): a step delays every decoder at once, so its gaps end
+    together; gaps ending within `tol` s of each other are one step, counted when at least half the decoders waited
+    in it. Its p99 comes from a few such steps (one step of 32 decoders is 32 gaps), so this says which: [(end - t0
+    in s, decoders, median gap in s)], slowest first."""
+    out, group = [], []
+    for start, end in sorted(gaps, key=lambda g: g[1]) + [(0.0, float("inf"))]:
+        if group and end - group[-1][1] > tol:
+            if 2 * len(group) >= decoders:
+                lengths = sorted(e - s for s, e in group)
+                out.append((round(group[0][1] - t0, 3), len(group), round(lengths[len(lengths) // 2], 4)))
+            group = []
+        group.append((start, end))
+    return sorted(out, key=lambda x: -x[2])[:top]
 
 
 # ---- report ----------------------------------------------------------------------------------------------------
@@ -101,6 +119,11 @@ def arrival_table(results: dict) -> list[str]:
                     f"{r['long_ttft']:.3f} | {1e3 * r['itl_before_p50']:.1f} / {1e3 * r['itl_before_p99']:.1f} | "
                     f"{1e3 * r['itl_during_p50']:.1f} / {1e3 * r['itl_during_p99']:.1f} | "
                     f"{r['itl_p99_ratio']:.2f} | {r['decoders_streaming_at_long_first_token']} |")
+    rows.append("")
+    for arm, (r,) in results.items():  # where the p99 during comes from
+        steps = "; ".join(f"+{t:.2f} s: {1e3 * gap:.1f} ms ({n} decoders)" for t, n, gap in
+                          r.get("slowest_steps_during", []))
+        rows.append(f"- {arm}, slowest steps while the long prompt waited (time after it was sent): {steps or 'none'}")
     return rows
 
 
