@@ -150,13 +150,11 @@ def compile_pieces(builder, batch: int, capacity: int, widths) -> None:
     windowed = set()
     for width, fresh in sorted(widths):
         state = builder.resume(_start(builder, batch, capacity), tokens(width), ones, fresh=fresh)
-        jax.block_until_ready(builder.resume(state, tokens(width), ones))
-        if width in windowed:  # the later piece of this width has run at every window
-            continue
-        windowed.add(width)
-        # a piece of n tokens after `start` cached positions attends over the smallest window holding start + n
-        full = np.full((batch,), width, np.int32)
-        for start in [w - width for w in window_sizes(capacity)[1:] if w > width]:
-            state = builder.resume(_start(builder, batch, capacity), tokens(width), ones, fresh=fresh)
-            state = tuple(c.replace(lengths=c.lengths * 0 + start) for c in state)  # placed as the state is
-            jax.block_until_ready(builder.resume(state, tokens(width), full))
+        state = builder.resume(state, tokens(width), ones)
+        if width not in windowed:  # once per width: a piece of n tokens after `start` cached positions attends over
+            windowed.add(width)    # the smallest window holding start + n
+            full = np.full((batch,), width, np.int32)
+            for start in [w - width for w in window_sizes(capacity)[1:] if w > width]:
+                state = tuple(c.replace(lengths=c.lengths * 0 + start) for c in state)  # placed as the state is
+                state = builder.resume(state, tokens(width), full)
+        jax.block_until_ready(state)
