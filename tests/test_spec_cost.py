@@ -76,15 +76,15 @@ def test_benchmark_smoke(tmp_path):
     result = spec_cost.main(["--smoke", "--blocks", "2", "--sets", "windows", "--out", str(out)])
     saved = json.loads(out.read_text())
     res = saved["sets"]["windows"]
-    assert set(res["drafters"]) == {"lookup-2", "block-2", "combined-2"}
+    assert set(res["drafters"]) == {"lookup-2", "block-2", "combined-2", "small-2"}  # small: a model drafting
     costs = res["costs"]
     assert set(costs["c_verify"]["variable"]["2"]) == {"1", "2", "3"} and set(costs["c_verify"]["fixed"]["2"]) == {"3"}
-    assert set(costs["c_draft"]) == set(costs["c_draft_raw"]) == {"lookup-2", "block-2"}
+    assert set(costs["c_draft"]) == set(costs["c_draft_raw"]) == {"lookup-2", "block-2", "small-2"}
     assert all(v == max(costs["c_draft_raw"][k], 0.0) for k, v in costs["c_draft"].items())
     for name, r in res["drafters"].items():
         assert r["identical"] == r["prompts"] == 2, name
         assert sum(r["widths"]) == r["rounds"] and r["tau"] >= 1
-        variable = name != "block-2"
+        variable = name not in ("block-2", "small-2")
         path = costs["c_verify"]["variable" if variable else "fixed"]["2"]
         mean = sum(w * path[str(t)] for t, w in enumerate(r["widths"]) if w) / r["rounds"]
         assert r["c_verify_mean"] == pytest.approx(mean, rel=1e-9)

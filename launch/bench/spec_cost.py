@@ -8,7 +8,9 @@ measured on the same runs, side by side in one process.
 
 Verifier: the toy source. Drafters: prompt lookup (`lookup-b`), the block drafter (`block-b`, checkpoints/toy/drafter)
 and the two combined (`combined-b`: lookup's draft where the context's last n-gram of >= --min-match tokens recurs,
-the block drafter's elsewhere; kvjax.speculative.combined), at each --blocks b. Prompt sets, none seen in any
+the block drafter's elsewhere; kvjax.speculative.combined), at each --blocks b; and each --models small model drafting
+one token per forward from its own cache (`NAME-b`, NAME its directory's name; kvjax.speculative.ModelDrafter: the
+pair's small model as drafter, and the decode phase of a speculative KV transfer, whose rounds are the same). Prompt sets, none seen in any
 training: `windows` (the first --prompt-len tokens of checkpoints/toy/eval/heldout_windows.npy rows, the corpus's
 held-out split) and `code` (numpy's own Python sources, from outside the toy corpus, tokenized with the toy tokenizer:
 --prompt-len tokens from the start of each file, files in sorted order).
@@ -37,6 +39,7 @@ fixed-length drafter the same as the rescaled prediction: its rounds are all the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -201,8 +204,29 @@ def path_of(drafter) -> str:
 
 
 
+def small_models(args, source) -> dict:
+    """--models by their directory's names (the smoke run: one tiny random model of the verifier's vocabulary)."""
+    if args.smoke:
+        import jax
+
+        import kvjax
+        cfg = dataclasses.replace(source.cfg, num_layers=1, hidden_size=32, intermediate_size=64)
+        return {"small": kvjax.Model(cfg, kvjax.init_params(cfg, jax.random.key(5)))}
+    from kvjax.hf import load_hf
+    out = {}
+    for path in args.models:
+        label = os.path.basename(os.path.normpath(path))
+        model = load_hf(path)
+        if model.cfg.vocab_size != source.cfg.vocab_size or label in ("lookup", "block", "combined") or label in out:
+            sys.exit(f"launch.bench.spec_cost: --models {path}: a drafter needs the verifier's vocabulary "
+                     f"({source.cfg.vocab_size}; it has {model.cfg.vocab_size}) and a directory name of its own "
+                     f"(not lookup, block, combined or another model's: {label!r})")
+        out[label] = model
+    return out
+
+
 def make_drafters(args, source):
-    from kvjax.speculative import LookupDrafter, combined
+    from kvjax.speculative import LookupDrafter, ModelDrafter, combined
     vocab = source.cfg.vocab_size
     if args.smoke:
         import jax
@@ -214,8 +238,13 @@ def make_drafters(args, source):
     else:
         from kvjax.drafter import load_block_drafter
         blocks = {b: load_block_drafter(args.drafter, source, draft_len=b) for b in args.blocks}
+    models = small_models(args, source)
     drafters, parts, calls = {}, {}, {}
     for b in args.blocks:
+        for label, model in models.items():
+            name = f"{label}-{b}"
+            drafters[name] = parts[name] = ModelDrafter(model, draft_len=b)
+            calls[name] = lambda st, name=name: {name: st.widths.sum()}
         lookup = LookupDrafter(vocab, draft_len=b)
         drafters[f"lookup-{b}"], parts[f"lookup-{b}"] = lookup, lookup
         drafters[f"block-{b}"], parts[f"block-{b}"] = blocks[b], blocks[b]
@@ -391,7 +420,7 @@ def chart(result: dict, path: str) -> str:
                label=f"{set_name}: fixed path at b + 1")
         for name, r in res["drafters"].items():
             kind = name.split("-")[0]
-            marker = {"lookup": "^", "block": "s", "combined": "o"}.get(kind, "x")
+            marker = {"lookup": "^", "block": "s", "combined": "o"}.get(kind, "x")  # x: a small model
             pred = r.get("predicted_speedup_replay", r["predicted_speedup"])  # older JSON: no replay
             b.plot(pred, r["measured_speedup"], marker, color=color, ms=6)
             b.annotate(name, (pred, r["measured_speedup"]), fontsize=6, xytext=(3, 2), textcoords="offset points")
@@ -429,6 +458,9 @@ def parse(argv):
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new", type=int, default=128, help="new tokens per prompt")
     p.add_argument("--blocks", type=int, nargs="+", default=[4, 8, 16])
+    p.add_argument("--models", nargs="*", default=[],
+                   help="small models (HF directories sharing the verifier's tokenizer) drafting one token a forward, "
+                        "e.g. checkpoints/toy/target checkpoints/toy/pruned")
     p.add_argument("--min-match", type=int, default=2, help="combined: the shortest recurring n-gram lookup copies")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats (0: exactness and tau only)")
     p.add_argument("--cpu", default="", help="pin to these CPUs, e.g. 1 or 0,1")
