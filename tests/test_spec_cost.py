@@ -73,10 +73,13 @@ def test_benchmark_smoke(tmp_path):
     formula over the costs and widths it wrote, the measured one from the timings (the numbers are machine noise)."""
     from launch.bench import spec_cost
     out = tmp_path / "spec_cost.json"
-    result = spec_cost.main(["--smoke", "--blocks", "2", "--sets", "windows", "--out", str(out)])
+    result = spec_cost.main(["--smoke", "--blocks", "2", "--sets", "windows", "--transfer", "smoke",
+                             "--transfer-repair", "0", "1", "--out", str(out)])
     saved = json.loads(out.read_text())
     res = saved["sets"]["windows"]
-    assert set(res["drafters"]) == {"lookup-2", "block-2", "combined-2", "small-2"}  # small: a model drafting
+    # small: a model drafting; transferK: the same model drafting while the verifier reads the cache a map made of
+    # the small model's prefill (K verifier layers recomputed), checked against the verifier's decode from that cache
+    assert set(res["drafters"]) == {"lookup-2", "block-2", "combined-2", "small-2", "transfer0-2", "transfer1-2"}
     costs = res["costs"]
     assert set(costs["c_verify"]["variable"]["2"]) == {"1", "2", "3"} and set(costs["c_verify"]["fixed"]["2"]) == {"3"}
     assert set(costs["c_draft"]) == set(costs["c_draft_raw"]) == {"lookup-2", "block-2", "small-2"}
@@ -84,7 +87,7 @@ def test_benchmark_smoke(tmp_path):
     for name, r in res["drafters"].items():
         assert r["identical"] == r["prompts"] == 2, name
         assert sum(r["widths"]) == r["rounds"] and r["tau"] >= 1
-        variable = name not in ("block-2", "small-2")
+        variable = name not in ("block-2", "small-2", "transfer0-2", "transfer1-2")
         path = costs["c_verify"]["variable" if variable else "fixed"]["2"]
         mean = sum(w * path[str(t)] for t, w in enumerate(r["widths"]) if w) / r["rounds"]
         assert r["c_verify_mean"] == pytest.approx(mean, rel=1e-9)
@@ -103,6 +106,8 @@ def test_benchmark_smoke(tmp_path):
             assert r["predicted_speedup"] > r["predicted_speedup_parts"]
     assert len(costs["verify_scale"]["2"]) == 2 and min(costs["verify_scale"]["2"]) > 0  # one per prompt
     assert res["drafters"]["combined-2"]["calls"]["lookup-2"] == res["drafters"]["combined-2"]["rounds"]
+    for name in ("transfer0-2", "transfer1-2"):  # priced by the small model's drafting part
+        assert res["drafters"][name]["calls"] == {"small-2": res["drafters"][name]["rounds"]}
     assert result["table"] == saved["table"] and "| combined-2 | 2/2 |" in saved["table"]
 
 

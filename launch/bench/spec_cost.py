@@ -10,7 +10,12 @@ Verifier: the toy source. Drafters: prompt lookup (`lookup-b`), the block drafte
 and the two combined (`combined-b`: lookup's draft where the context's last n-gram of >= --min-match tokens recurs,
 the block drafter's elsewhere; kvjax.speculative.combined), at each --blocks b; and each --models small model drafting
 one token per forward from its own cache (`NAME-b`, NAME its directory's name; kvjax.speculative.ModelDrafter: the
-pair's small model as drafter, and the decode phase of a speculative KV transfer, whose rounds are the same). Prompt sets, none seen in any
+pair's small model as drafter); and with --transfer MAP, speculative KV transfer (`transferK-b`): the small model of
+--models that MAP was fitted from drafts, and the verifier checks from the cache MAP translated from the small model's
+prefill (K: --transfer-repair, the verifier's bottom layers recomputed; kvjax.speculative.transfer_builder). Its
+rounds are the small model drafter's rounds, so it is priced by the same parts and only its tau differs; it is
+compared token for token with the verifier's greedy decode from that same cache (kvjax.generate_from), which is what
+it equals, and timed against plain decoding from the native cache (the same shapes: the same cost). Prompt sets, none seen in any
 training: `windows` (the first --prompt-len tokens of checkpoints/toy/eval/heldout_windows.npy rows, the corpus's
 held-out split) and `code` (numpy's own Python sources, from outside the toy corpus, tokenized with the toy tokenizer:
 --prompt-len tokens from the start of each file, files in sorted order).
@@ -49,6 +54,7 @@ import time
 import numpy as np
 
 SETS = ("windows", "code")
+KINDS = ("lookup", "block", "combined")
 
 
 def code_prompts(tok, n: int, length: int) -> list[list[int]]:
@@ -98,20 +104,26 @@ class Runs:
         self.capacity = aligned(n + self.new + max_draft_len + 1)
         self.caches, self.states = {}, {}
 
-    def reference(self) -> np.ndarray:
+    def reference(self, builder=None) -> np.ndarray:
+        """The verifier's greedy decode: from its own prefill, or (a transfer's builder) from that builder's cache."""
         import kvjax
         cfg, params = self.model
+        if builder is not None:
+            return np.asarray(kvjax.generate_from(builder, self.tokens, self.new, eos_token_ids=()))[0]
         return np.asarray(kvjax.generate(params, cfg, self.tokens, self.new, eos_token_ids=()))[0]
 
     def plain(self):
         from kvjax.generation.loop import decode_from
         return decode_from(*self.plain_args)
 
-    def spec(self, drafter):
-        """(tokens [1, N], counters) of the verify loop with `drafter` (its start state made once and kept)."""
+    def spec(self, drafter, builder=None):
+        """(tokens [1, N], counters) of the verify loop with `drafter` (its start state made once and kept); the
+        verifier reads its own prefill, or the cache `builder` (a speculative KV transfer's) makes."""
         from kvjax.speculative.loop import run_loop
-        layers = tuple(drafter.feature_layers)
-        if layers not in self.caches:
+        layers = ("built", id(builder)) if builder is not None else tuple(drafter.feature_layers)
+        if builder is not None and layers not in self.caches:
+            self.caches[layers] = (builder(self.prefix, self.plen, capacity=self.capacity), None)
+        elif layers not in self.caches:
             if layers:
                 self.caches[layers] = self.prefill.with_features(self.prefix, self.plen, layers=layers,
                                                                  capacity=self.capacity)
@@ -225,10 +237,38 @@ def small_models(args, source) -> dict:
     return out
 
 
-def make_drafters(args, source):
-    from kvjax.speculative import LookupDrafter, ModelDrafter, combined
-    vocab = source.cfg.vocab_size
+def transfer_map(args, source, models: dict):
+    """(small model's label, map) of --transfer: the map checked against the verifier and one of --models."""
+    import kvjax
     if args.smoke:
+        rng = np.random.RandomState(0)
+        windows = [rng.randint(1, source.cfg.vocab_size, (n, 32)).astype(np.int32) for n in (8, 4)]
+        kvmap, _ = kvjax.fit_map(models["small"], source, *windows, batch_size=4, residual_rank=2)
+        return "small", kvmap
+    try:
+        kvmap = kvjax.load_map(args.transfer)
+    except (OSError, ValueError) as e:
+        sys.exit(f"launch.bench.spec_cost: --transfer {args.transfer}: {e}")
+    from kvjax.mapper.kvmap import check_models
+    for label, model in models.items():
+        try:
+            check_models(kvmap, model.cfg, source.cfg)
+            return label, kvmap
+        except ValueError:
+            continue
+    sys.exit(f"launch.bench.spec_cost: --transfer {args.transfer} maps no model of --models into the verifier "
+             f"{args.source} (fit one with python -m kvjax.launch --config=toy_reverse: runs/toy_reverse/map, and pass "
+             "its reader, checkpoints/toy/target, in --models)")
+
+
+def make_drafters(args, source):
+    """(drafters, parts, calls, builders): name -> drafter; part name -> the drafter that is that part alone; name ->
+    (Stats -> calls of each part); name -> the builder of the verifier's cache (transfers only)."""
+    from kvjax.speculative import LookupDrafter, ModelDrafter, combined, transfer_builder
+    vocab = source.cfg.vocab_size
+    if not {"block", "combined"} & set(args.kinds):
+        blocks = {}
+    elif args.smoke:
         import jax
 
         from kvjax.drafter import block_drafter, drafter_config, init_drafter
@@ -239,24 +279,39 @@ def make_drafters(args, source):
         from kvjax.drafter import load_block_drafter
         blocks = {b: load_block_drafter(args.drafter, source, draft_len=b) for b in args.blocks}
     models = small_models(args, source)
-    drafters, parts, calls = {}, {}, {}
+    drafters, parts, calls, builders = {}, {}, {}, {}
+    if args.transfer:
+        small, kvmap = transfer_map(args, source, models)
+        made = {k: transfer_builder(models[small], source, kvmap, k) for k in args.transfer_repair}
     for b in args.blocks:
         for label, model in models.items():
             name = f"{label}-{b}"
             drafters[name] = parts[name] = ModelDrafter(model, draft_len=b)
             calls[name] = lambda st, name=name: {name: st.widths.sum()}
+        if args.transfer:  # the small model's rounds, from a translated cache: its parts
+            for k, builder in made.items():
+                name = f"transfer{k}-{b}"
+                drafters[name], builders[name] = ModelDrafter(models[small], draft_len=b), builder
+                calls[name] = lambda st, part=f"{small}-{b}": {part: st.widths.sum()}
         lookup = LookupDrafter(vocab, draft_len=b)
-        drafters[f"lookup-{b}"], parts[f"lookup-{b}"] = lookup, lookup
-        drafters[f"block-{b}"], parts[f"block-{b}"] = blocks[b], blocks[b]
-        drafters[f"combined-{b}"] = combined(blocks[b], vocab, min_match=args.min_match)
-        calls[f"lookup-{b}"] = lambda st, b=b: {f"lookup-{b}": st.widths.sum()}
-        calls[f"block-{b}"] = lambda st, b=b: {f"block-{b}": st.widths.sum()}
-        calls[f"combined-{b}"] = lambda st, b=b: {f"lookup-{b}": st.widths.sum(),
-                                                  f"block-{b}": int(st.drafter["model_rounds"])}
-    return drafters, parts, calls
+        if "lookup" in args.kinds or "combined" in args.kinds:  # combined's parts are lookup's and the block's
+            parts[f"lookup-{b}"] = lookup
+        if blocks:
+            parts[f"block-{b}"] = blocks[b]
+        if "lookup" in args.kinds:
+            drafters[f"lookup-{b}"] = lookup
+            calls[f"lookup-{b}"] = lambda st, b=b: {f"lookup-{b}": st.widths.sum()}
+        if "block" in args.kinds:
+            drafters[f"block-{b}"] = blocks[b]
+            calls[f"block-{b}"] = lambda st, b=b: {f"block-{b}": st.widths.sum()}
+        if "combined" in args.kinds:
+            drafters[f"combined-{b}"] = combined(blocks[b], vocab, min_match=args.min_match)
+            calls[f"combined-{b}"] = lambda st, b=b: {f"lookup-{b}": st.widths.sum(),
+                                                      f"block-{b}": int(st.drafter["model_rounds"])}
+    return drafters, parts, calls, builders
 
 
-def run_set(args, source, prompts, drafters, parts, calls) -> dict:
+def run_set(args, source, prompts, drafters, parts, calls, builders=None) -> dict:
     """One prompt set: exactness and tau per drafter; with --repeats, the parts (on the first prompt) and per prompt
     the measured and predicted speed-ups.
 
@@ -288,14 +343,16 @@ def run_set(args, source, prompts, drafters, parts, calls) -> dict:
     t0 = time.time()
     for i, prompt in enumerate(prompts):
         runs = Runs(source, prompt, args.new, max_b)
-        want = runs.reference()
+        builders = builders or {}
+        want = {None: runs.reference(), **{id(b): runs.reference(b) for b in builders.values()}}
         stats = {}
         for name, d in drafters.items():
-            out, counters = runs.spec(d)
+            out, counters = runs.spec(d, builders.get(name))
             st = stats_of(counters, d.draft_len)
             stats[name] = st
             r = per[name]
-            r["identical"] += int(np.array_equal(np.asarray(out)[0], want))
+            r["identical"] += int(np.array_equal(np.asarray(out)[0], want[id(builders[name]) if name in builders
+                                                                          else None]))
             r["prompts"] += 1
             r["accepted"] += int(st.accepted.sum())
             r["rounds"] += int(st.rounds.sum())
@@ -309,7 +366,8 @@ def run_set(args, source, prompts, drafters, parts, calls) -> dict:
                        for name, d in drafters.items() if path_of(d) == "variable"}
             replay_rounds = {name: int(np.sum(stats_of(runs.spec(d)[1], d.draft_len).widths))
                              for name, d in replays.items()}  # compiles (one program per draft length)
-            fns = {"plain": runs.plain, **{name: (lambda d=d: runs.spec(d)[0]) for name, d in drafters.items()},
+            fns = {"plain": runs.plain, **{name: (lambda d=d, b=builders.get(name): runs.spec(d, b)[0])
+                                           for name, d in drafters.items()},
                    **{("ref", b): (lambda d=d: runs.spec(d)[0]) for b, d in refs.items()},
                    **{("replay", name): (lambda d=d: runs.spec(d)[0]) for name, d in replays.items()}}
             secs = {k: statistics.median(v) for k, v in timed(fns, args.repeats).items()}
@@ -458,9 +516,15 @@ def parse(argv):
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new", type=int, default=128, help="new tokens per prompt")
     p.add_argument("--blocks", type=int, nargs="+", default=[4, 8, 16])
+    p.add_argument("--kinds", nargs="*", default=list(KINDS), choices=KINDS,
+                   help="which of the toy source's own drafters run (default: all; none: only --models / --transfer)")
     p.add_argument("--models", nargs="*", default=[],
                    help="small models (HF directories sharing the verifier's tokenizer) drafting one token a forward, "
                         "e.g. checkpoints/toy/target checkpoints/toy/pruned")
+    p.add_argument("--transfer", default="", help="speculative KV transfer through this map (fitted from one of "
+                   "--models into the verifier, e.g. runs/toy_reverse/map); with --smoke any value: a tiny fitted map")
+    p.add_argument("--transfer-repair", type=int, nargs="+", default=[0],
+                   help="verifier layers recomputed over the prompt (bottom) before a transfer decodes, one arm each")
     p.add_argument("--min-match", type=int, default=2, help="combined: the shortest recurring n-gram lookup copies")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats (0: exactness and tau only)")
     p.add_argument("--cpu", default="", help="pin to these CPUs, e.g. 1 or 0,1")
@@ -473,6 +537,12 @@ def parse(argv):
         p.error("--replot needs --chart PATH")
     if any(b < 1 for b in args.blocks) or args.prompts < 1 or args.new < 2 or args.repeats < 0:
         p.error("--blocks must be >= 1, --prompts >= 1, --new >= 2 and --repeats >= 0")
+    if any(k < 0 for k in args.transfer_repair) or len(set(args.transfer_repair)) < len(args.transfer_repair):
+        p.error("--transfer-repair: distinct layer counts >= 0")
+    if not (args.kinds or args.models or args.smoke):
+        p.error("nothing to run: --kinds is empty and no --models are given")
+    if args.transfer and not (args.models or args.smoke):
+        p.error("--transfer needs --models with the small model its map was fitted from (e.g. checkpoints/toy/target)")
     if args.smoke:
         args.prompts, args.prompt_len, args.new, args.repeats = 2, 24, 12, 1
     return args
@@ -518,12 +588,12 @@ def main(argv=None) -> dict:
             sets["windows"] = [w[: args.prompt_len].astype(int).tolist() for w in windows[: args.prompts]]
         if "code" in args.sets:
             sets["code"] = code_prompts(tok, args.prompts, args.prompt_len)
-    drafters, parts, calls = make_drafters(args, source)
+    drafters, parts, calls, builders = make_drafters(args, source)
     result = {"args": vars(args), "allocator": applied, "load": os.getloadavg(), "sets": {}}
     t0 = time.time()
     for name, prompts in sets.items():
         print(f"[{time.time() - t0:.0f}s] set {name}: {len(prompts)} prompts", flush=True)
-        result["sets"][name] = run_set(args, source, prompts, drafters, parts, calls)
+        result["sets"][name] = run_set(args, source, prompts, drafters, parts, calls, builders)
         if args.out:  # after every set: an interrupted run keeps what it measured
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
