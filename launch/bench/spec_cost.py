@@ -4,6 +4,8 @@ measured on the same runs, side by side in one process.
 
     python -m launch.bench.spec_cost --out runs/spec_cost.json                # 2 sets x 12 prompts, b = 4 / 8 / 16
     python -m launch.bench.spec_cost --prompts 100 --repeats 0               # exactness and tau only (200 prompts)
+    python -m launch.bench.spec_cost --kinds --models checkpoints/toy/target checkpoints/toy/pruned \
+        --transfer runs/toy_reverse/map --transfer-repair 0 4    # the pair's small models and speculative KV transfer
     python -m launch.bench.spec_cost --smoke                                  # tiny random models (the tests)
 
 Verifier: the toy source. Drafters: prompt lookup (`lookup-b`), the block drafter (`block-b`, checkpoints/toy/drafter)
