@@ -84,6 +84,8 @@ def check_speculative(rows: list) -> None:
         assert r["context"] == 64 and r["step_ms"] > 0 and r["c_verify"] > 0
         assert r["break_even_tau"] == pytest.approx(r["c_verify"] + r["c_draft"], rel=1e-12)
         assert r["drafter_layers"] == 1 and r["feature_layers"] == [1]
+        assert r["c_draft_model"] >= 0 and r["model_drafter_layers"] == 1 and r["model_drafter_hidden"] == 32
+        assert r["break_even_tau_model"] == pytest.approx(r["c_verify"] + r["c_draft_model"], rel=1e-12)
 
 
 def check_serving(sec: dict) -> None:

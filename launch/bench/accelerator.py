@@ -25,6 +25,9 @@ recorded as skipped, with the reason, when it would not fit):
    (a random drafter shaped as DFlash's for Qwen3-8B: 5 layers at the verifier's width, reading its layers 1, 9, 17,
    25, 33), each inside the compiled verify loop (launch/bench/spec_cost.py). A drafter's measured tau then gives
    this device's speed-up: tau / (c_verify(b) + c_draft(b)); `break_even_tau` is the tau that pays for a round.
+   Beside it a small model drafting one token a forward (a Qwen3-0.6B shape, random bf16 weights): c_draft_model(b)
+   and break_even_tau_model, the price of the pair's small model as drafter and of speculative KV transfer's rounds
+   (the same rounds; launch/bench/spec_cost.py --models / --transfer measures their tau).
 7. serving: the serving cost model's parts (launch/bench/serve_cost.py) at Qwen3-32B -> Qwen3-8B shapes, priced at the
    conversation workload's middle turn: the split prefill of a whole prompt (alone and in a batch of 4), the same
    after the prompt's cached prefix (the prefix cache's path), and a decode step of 1 and of 64 rows. They give this
@@ -56,6 +59,8 @@ QWEN3_8B = dict(vocab_size=151_936, hidden_size=4096, intermediate_size=12_288, 
                 num_kv_heads=8, head_dim=128, tie_word_embeddings=False)
 QWEN3_32B = dict(vocab_size=151_936, hidden_size=5120, intermediate_size=25_600, num_layers=64, num_heads=64,
                  num_kv_heads=8, head_dim=128, tie_word_embeddings=False)
+QWEN3_0_6B = dict(vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
+                  num_kv_heads=8, head_dim=128, tie_word_embeddings=True)
 TINY_TARGET = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                    head_dim=16, tie_word_embeddings=False)
 TINY_SOURCE = dict(TINY_TARGET, hidden_size=96, num_layers=3)
@@ -200,6 +205,7 @@ DFLASH_QWEN3_8B = dict(num_layers=5, feature_layers=(1, 9, 17, 25, 33))  # DFlas
 
 def speculative_section(args, target) -> list[dict]:
     from kvjax.drafter import block_drafter, drafter_config, init_drafter
+    from kvjax.speculative import ModelDrafter
     from launch.bench.spec_cost import Runs, measure_parts
     cfg = target.cfg
     shape = dict(num_layers=1, feature_layers=None) if args.smoke else DFLASH_QWEN3_8B
@@ -208,6 +214,8 @@ def speculative_section(args, target) -> list[dict]:
     dtype = target.params.embed.dtype
     dparams = jax.tree.map(lambda x: x.astype(dtype), init_drafter(dcfg, jax.random.key(5)))
     parts = {f"block-{b}": block_drafter(target, dcfg, dparams, draft_len=b) for b in args.spec_blocks}
+    small = random_model(dict(TINY_TARGET, hidden_size=32, num_layers=1) if args.smoke else QWEN3_0_6B, 7, dtype)
+    parts.update({f"model-{b}": ModelDrafter(small, draft_len=b) for b in args.spec_blocks})
     prompt = np.asarray(jax.random.randint(jax.random.key(9), (args.context,), 0, cfg.vocab_size)).tolist()
     runs = Runs(target, prompt, args.spec_tokens, max(args.spec_blocks))
     costs = measure_parts(runs, parts, args.spec_repeats, cfg.vocab_size, variable=False)
@@ -215,12 +223,15 @@ def speculative_section(args, target) -> list[dict]:
     rows = []
     for b in args.spec_blocks:
         cv, cd = costs["verify"]["fixed"][b][b + 1] / s, costs["draft"][f"block-{b}"] / s
+        cm = costs["draft"][f"model-{b}"] / s
         row = {"block": b, "context": args.context, "step_ms": s * 1e3, "c_verify": cv, "c_draft": cd,
                "break_even_tau": cv + cd, "drafter_layers": dcfg.num_layers,
-               "feature_layers": list(dcfg.feature_layers)}
+               "feature_layers": list(dcfg.feature_layers), "c_draft_model": cm, "break_even_tau_model": cv + cm,
+               "model_drafter_layers": small.cfg.num_layers, "model_drafter_hidden": small.cfg.hidden_size}
         rows.append(row)
         print(f"speculative b={b:2d} at context {args.context}: step {s * 1e3:.3f} ms, c_verify {cv:.2f}, c_draft "
-              f"{cd:.2f} steps: speed-up = tau / {cv + cd:.2f}")
+              f"{cd:.2f} steps: speed-up = tau / {cv + cd:.2f}; a small model drafting: c_draft {cm:.2f}, tau / "
+              f"{cv + cm:.2f}")
     return rows
 
 
@@ -311,7 +322,8 @@ def table(result: dict) -> str:
                      f"{100 * r['roofline_frac']:.0f}% of HBM roofline |")
     for r in result.get("speculative", []) if isinstance(result.get("speculative"), list) else []:
         lines.append(f"| speculative b={r['block']} ctx {r['context']} | c_verify {r['c_verify']:.2f} + c_draft "
-                     f"{r['c_draft']:.2f} steps of {r['step_ms']:.2f} ms: speed-up = tau / {r['break_even_tau']:.2f} |")
+                     f"{r['c_draft']:.2f} steps of {r['step_ms']:.2f} ms: speed-up = tau / {r['break_even_tau']:.2f}; "
+                     f"a small model drafting: tau / {r['break_even_tau_model']:.2f} |")
     sv = result.get("serving", {})
     if "predicted" in sv:
         p = sv["predicted"]
