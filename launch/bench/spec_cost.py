@@ -286,15 +286,6 @@ def make_drafters(args, source):
         small, kvmap = transfer_map(args, source, models)
         made = {k: transfer_builder(models[small], source, kvmap, k) for k in args.transfer_repair}
     for b in args.blocks:
-        for label, model in models.items():
-            name = f"{label}-{b}"
-            drafters[name] = parts[name] = ModelDrafter(model, draft_len=b)
-            calls[name] = lambda st, name=name: {name: st.widths.sum()}
-        if args.transfer:  # the small model's rounds, from a translated cache: its parts
-            for k, builder in made.items():
-                name = f"transfer{k}-{b}"
-                drafters[name], builders[name] = ModelDrafter(models[small], draft_len=b), builder
-                calls[name] = lambda st, part=f"{small}-{b}": {part: st.widths.sum()}
         lookup = LookupDrafter(vocab, draft_len=b)
         if "lookup" in args.kinds or "combined" in args.kinds:  # combined's parts are lookup's and the block's
             parts[f"lookup-{b}"] = lookup
@@ -310,6 +301,15 @@ def make_drafters(args, source):
             drafters[f"combined-{b}"] = combined(blocks[b], vocab, min_match=args.min_match)
             calls[f"combined-{b}"] = lambda st, b=b: {f"lookup-{b}": st.widths.sum(),
                                                       f"block-{b}": int(st.drafter["model_rounds"])}
+        for label, model in models.items():
+            name = f"{label}-{b}"
+            drafters[name] = parts[name] = ModelDrafter(model, draft_len=b)
+            calls[name] = lambda st, name=name: {name: st.widths.sum()}
+        if args.transfer:  # the small model's rounds, from a translated cache: its parts
+            for k, builder in made.items():
+                name = f"transfer{k}-{b}"
+                drafters[name], builders[name] = ModelDrafter(models[small], draft_len=b), builder
+                calls[name] = lambda st, part=f"{small}-{b}": {part: st.widths.sum()}
     return drafters, parts, calls, builders
 
 
