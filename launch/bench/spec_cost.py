@@ -17,10 +17,10 @@ pair's small model as drafter); and with --transfer MAP, speculative KV transfer
 prefill (K: --transfer-repair, the verifier's bottom layers recomputed; kvjax.speculative.transfer_builder). Its
 rounds are the small model drafter's rounds, so it is priced by the same parts and only its tau differs; it is
 compared token for token with the verifier's greedy decode from that same cache (kvjax.generate_from), which is what
-it equals, and timed against plain decoding from the native cache (the same shapes: the same cost). Prompt sets, none seen in any
-training: `windows` (the first --prompt-len tokens of checkpoints/toy/eval/heldout_windows.npy rows, the corpus's
-held-out split) and `code` (numpy's own Python sources, from outside the toy corpus, tokenized with the toy tokenizer:
---prompt-len tokens from the start of each file, files in sorted order).
+it equals, and timed against plain decoding from the native cache (the same shapes: the same cost). Prompt sets, none
+seen in any training: `windows` (the first --prompt-len tokens of checkpoints/toy/eval/heldout_windows.npy rows, the
+corpus's held-out split) and `code` (numpy's own Python sources, from outside the toy corpus, tokenized with the toy
+tokenizer: --prompt-len tokens from the start of each file, files in sorted order).
 
 Per prompt every drafter decodes --new tokens greedily (EOS off) and is compared token for token with kvjax.generate;
 its Stats give tau, the verify widths and (combined) the rounds that ran the block drafter. Then, --repeats times in
