@@ -159,7 +159,7 @@ def test_a_prompt_read_in_pieces_gets_the_cache_it_gets_read_whole(stack, which)
 def test_the_rest_after_a_cached_prefix_is_read_in_pieces_that_pad_little(stack):
     """A piece costs its width whether its positions are real or padding: after a cached prefix the rest is read in
     the widest pieces that pad fewer than 64 positions (a 98-token rest in two 64-token pieces, not one of 256), and
-    gets the cache that reading it whole gives."""
+    gets the cache that reading it whole gives. A prompt the cache holds whole reads nothing."""
     from kvjax.serve import programs
     from kvjax.serve.prefill import PrefillJob
 
@@ -173,7 +173,7 @@ def test_the_rest_after_a_cached_prefix_is_read_in_pieces_that_pad_little(stack)
     builder = Recording(stack["source"], stack["target"], stack["kvmap"])
     buckets = programs.buckets(CAPACITY)
     first = ids(stack, 101, 3)
-    for cached, rest, expect in ((96, 98, [64, 64]), (16, 200, [256])):
+    for cached, rest, expect in ((96, 98, [64, 64]), (16, 200, [256]), (96, 0, [])):
         prefix = PrefixCache(16, 1 << 30)
         PrefillJob(builder, [first], buckets, 1, prefix).finish()  # stores its 6 whole blocks: 96 tokens
         prompt = first[:cached] + ids(stack, rest + 1, 4)  # the last token is decoded, not prefilled
@@ -181,7 +181,7 @@ def test_the_rest_after_a_cached_prefix_is_read_in_pieces_that_pad_little(stack)
         job = PrefillJob(builder, [prompt], buckets, 1, prefix)
         got = job.finish()
         job.close()
-        assert job.reused == cached and job.capacity == CAPACITY
+        assert job.reused == cached and job.capacity == programs.bucket_for(cached + rest, buckets)
         assert widths == expect, (rest, widths)
         whole = programs.prefill_batch(Mapped(stack["source"], stack["target"], stack["kvmap"]), [prompt],
                                        job.capacity, 1)

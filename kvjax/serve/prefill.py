@@ -74,9 +74,9 @@ class PrefillJob:
 
     def _rest_width(self) -> int:
         """The next piece's width after a cached prefix: the widest of WIDTHS that pads fewer than WIDTHS[0]
-        positions of the longest remaining row (the narrowest always does)."""
+        positions of the longest remaining row, else the narrowest (a prompt read whole from the cache has no rest)."""
         remaining = int((self.end - self.offset).max())
-        return min(max(w for w in WIDTHS if w - remaining < WIDTHS[0]), self.capacity)
+        return min(max((w for w in WIDTHS if w - remaining < WIDTHS[0]), default=WIDTHS[0]), self.capacity)
 
     @property
     def done(self) -> bool:
