@@ -12,7 +12,7 @@ from maptools import native_cache
 from kvjax.mapper.kvmap import ridge_only
 from kvjax.mapper.pairing import depth_pairing, topk_pairing
 from kvjax.fitting.residual import ResidualConfig, evaluate_kl
-from kvjax.mapper.ridge import LAMBDAS, chunk_stats, mse, reference, select, solve, to_stats
+from kvjax.mapper.ridge import LAMBDAS, Stats, chunk_stats, mse, reference, select, solve, to_stats
 from kvjax.eval.distances import cache_distances
 from kvjax.models.rope import apply_rope, rope_angles, rope_table, unapply_rope
 
@@ -253,7 +253,7 @@ def test_residual_training_resumes_exactly(pair, tmp_path):
                          workdir=str(tmp_path / "b"))  # the checkpoint interval is not part of a run's identity
 
 
-def test_topk_pairing_concatenates_the_best_source_layers(pair):
+def test_topk_pairing_concatenates_the_best_source_layers(pair, monkeypatch):
     source, target = pair
     kvmap, report = kvjax.fit_map(source, target, windows(8, 32), windows(8, 32, seed=1), pairing=2, batch_size=8)
     r2 = np.asarray(report["layer_r2"])
@@ -261,6 +261,26 @@ def test_topk_pairing_concatenates_the_best_source_layers(pair):
     for t, layers in enumerate(report["pairing"]):
         assert len(layers) == 2 and set(layers) == set(np.argsort(-r2[t])[:2].tolist())
     assert kvmap.keys[0].w_in.shape[0] == 2 * 2 * 16  # two source layers of 2 kv heads x 16
+    # the top-k fit reads the picked layers' block of every layer's statistics (one calibration pass): the same map
+    # as a fit that collects the picked pairing's own statistics, and the same choice of lambda
+    explicit, again = kvjax.fit_map(source, target, windows(8, 32), windows(8, 32, seed=1),
+                                    pairing=tuple(tuple(p) for p in report["pairing"]), batch_size=8)
+    assert [r["key"]["lambda"] for r in again["layers"]] == [r["key"]["lambda"] for r in report["layers"]]
+    for a, b in zip(jax.tree.leaves(kvmap), jax.tree.leaves(explicit)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    # a model too large to screen every layer in one pass is screened a group at a time: the same table and map
+    from kvjax.fitting import fit
+    monkeypatch.setattr(fit, "STATS_BUDGET", 1)
+    assert fit.screen_groups(3, 2, 32) == [(0,), (1,), (2,)]
+    grouped, by_groups = kvjax.fit_map(source, target, windows(8, 32), windows(8, 32, seed=1), pairing=2,
+                                       batch_size=8)
+    np.testing.assert_allclose(by_groups["layer_r2"], report["layer_r2"], rtol=1e-5)
+    assert by_groups["pairing"] == report["pairing"]
+    for a, b in zip(jax.tree.leaves(kvmap), jax.tree.leaves(grouped)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="ref = 0"):  # around a reference map the residual reads every feature
+        around = Stats.zeros(4, 2, np.ones((4, 2)))
+        around.restrict([0, 1])
 
 
 def test_direct_injection_baseline_copies_the_source_cache():

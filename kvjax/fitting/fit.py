@@ -24,22 +24,49 @@ def _batches(windows, batch_size: int, mesh: Mesh | None):
     return batches_of(windows, batch_size) if mesh is None else row_batches(windows, batch_size)
 
 
+def restrict(stats: list[Stats], pairing: Pairing, width: int) -> list[Stats]:
+    """Per target layer, statistics of several source layers' features (block i: features i x width .. (i + 1) x
+    width, as kvjax.kernels.features.paired_features concatenates them) restricted to the blocks `pairing` gives it,
+    in its order."""
+    return [st.restrict(np.concatenate([np.arange(s * width, (s + 1) * width) for s in layers]))
+            for st, layers in zip(stats, pairing)]
+
+
+STATS_BUDGET = 1 << 30  # bytes of float64 scatter sums the layer screen holds at once (keys and values)
+
+
+def screen_groups(n_source: int, n_target: int, width: int) -> list[tuple[int, ...]]:
+    """Source layers in groups whose joint statistics (keys and values, every target layer: 2 x n_target x (g x
+    width)^2 float64) fit STATS_BUDGET: a toy's every layer in one group, one layer per group for a 64-layer model
+    (joint statistics of all of Qwen3-32B's layers would take 34 GB)."""
+    g = max(1, int((STATS_BUDGET / (16 * n_target * width * width)) ** 0.5))
+    return [tuple(range(i, min(i + g, n_source))) for i in range(0, n_source, g)]
+
+
 def layer_r2(source: Model, target: Model, calib: np.ndarray, heldout: np.ndarray, batch_size: int = 8,
-             lams=LAMBDAS, mesh: Mesh | None = None) -> np.ndarray:
+             lams=LAMBDAS, mesh: Mesh | None = None) -> tuple[np.ndarray, tuple[list[Stats], list[Stats]] | None]:
     """Held-out R^2 of single-source-layer ridge fits for every (target layer, source layer): [n_target, n_source],
-    mean of the key and value R^2."""
-    n_src, n_tgt = source[0].num_layers, target[0].num_layers
-    out = np.zeros((n_tgt, n_src))
-    for s in range(n_src):
-        pairing = ((s,),) * n_tgt
-        train_k, train_v = collect_stats(source, target, pairing, _batches(calib, batch_size, mesh),
-                                         f"rank src {s}", mesh=mesh)
-        held_k, held_v = collect_stats(source, target, pairing, _batches(heldout, batch_size, mesh),
-                                       f"rank src {s}", mesh=mesh, refs=_refs(train_k, train_v, lams))
-        for t in range(n_tgt):
-            scores = [r2(select(tr, ho, lams)[0], ho) for tr, ho in ((train_k[t], held_k[t]), (train_v[t], held_v[t]))]
-            out[t, s] = np.mean(scores)
-    return out
+    mean of the key and value R^2. The calibration windows are read once per group of source layers
+    (`screen_groups`), each single-layer fit taking its block of the group's statistics; the held-out windows (a few
+    batches) once per source layer, around its fits. Also returns, when one group held every layer, those statistics
+    (per target layer, keys and values), from which any pairing's training statistics restrict."""
+    (scfg, _), n_tgt = source, target[0].num_layers
+    width = scfg.num_kv_heads * scfg.head_dim
+    groups = screen_groups(scfg.num_layers, n_tgt, width)
+    out = np.zeros((n_tgt, scfg.num_layers))
+    for group in groups:
+        every_k, every_v = collect_stats(source, target, (group,) * n_tgt, _batches(calib, batch_size, mesh),
+                                         f"rank src {group[0]}-{group[-1]}", total=-(-len(calib) // batch_size),
+                                         mesh=mesh)
+        for i, s in enumerate(group):
+            pairing = ((i,),) * n_tgt  # layer s is block i of the group's features
+            tr_k, tr_v = restrict(every_k, pairing, width), restrict(every_v, pairing, width)
+            held_k, held_v = collect_stats(source, target, ((s,),) * n_tgt, _batches(heldout, batch_size, mesh),
+                                           f"rank src {s}", mesh=mesh, refs=_refs(tr_k, tr_v, lams))
+            for t in range(n_tgt):
+                scores = [r2(select(tr, ho, lams)[0], ho) for tr, ho in ((tr_k[t], held_k[t]), (tr_v[t], held_v[t]))]
+                out[t, s] = np.mean(scores)
+    return out, ((every_k, every_v) if len(groups) == 1 else None)
 
 
 def fit_map(source: Model, target: Model, calib: np.ndarray, heldout: np.ndarray, *,
@@ -67,14 +94,19 @@ def fit_map(source: Model, target: Model, calib: np.ndarray, heldout: np.ndarray
         raise ValueError(f"source and target tokenizers differ (tokenizer.json fingerprints {tokenizers[0]} vs "
                          f"{tokenizers[1]}); the map needs models that share a tokenizer")
     report: dict = {}
+    every = None
     if pairing == "depth":
         pairing = depth_pairing(scfg.num_layers, tcfg.num_layers)
     elif isinstance(pairing, int):
-        report["layer_r2"] = layer_r2(source, target, calib, heldout, batch_size, lams, mesh).tolist()
-        pairing = topk_pairing(np.asarray(report["layer_r2"]), pairing)
+        r2_table, every = layer_r2(source, target, calib, heldout, batch_size, lams, mesh)
+        report["layer_r2"] = r2_table.tolist()
+        pairing = topk_pairing(r2_table, pairing)
     pairing = check_pairing(pairing, scfg.num_layers, tcfg.num_layers)
-    train_k, train_v = collect_stats(source, target, pairing, _batches(calib, batch_size, mesh), "calibrate",
-                                     total=-(-len(calib) // batch_size), mesh=mesh)
+    if every is None:
+        train_k, train_v = collect_stats(source, target, pairing, _batches(calib, batch_size, mesh), "calibrate",
+                                         total=-(-len(calib) // batch_size), mesh=mesh)
+    else:  # the screen held every layer's statistics: the pairing's are a block of them (no second pass)
+        train_k, train_v = (restrict(st, pairing, scfg.num_kv_heads * scfg.head_dim) for st in every)
     held_k, held_v = collect_stats(source, target, pairing, _batches(heldout, batch_size, mesh), "held-out stats",
                                    mesh=mesh, refs=_refs(train_k, train_v, lams))
     keys, values, layers = [], [], []

@@ -416,7 +416,7 @@ def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarra
             restored = manager.restore(start, args=ocp.args.StandardRestore(restore_target(state())))
             kvmap, opt_state, average = restored if average is not None else (*restored, None)
             log.info("residual: resumed from step %d", start)
-    history = []
+    history, pending = [], None
     end = rc.steps if stop_at is None else min(stop_at, rc.steps)
     bar = tqdm(range(start, end), initial=start, total=rc.steps, desc="train residual", unit="step",
                disable=not distributed.is_primary())
@@ -431,16 +431,23 @@ def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarra
                 batch = distributed.global_batch(rows, batch_sh, (rc.batch_size, window))
             if copies is None:
                 kvmap, opt_state, loss = step(kvmap, opt_state, sparams, tparams, batch)
-                history.append({"step": i + 1, "kl": float(loss)})
+                losses = {"kl": loss}
             else:  # the copy pool's own order: (seed + 1, epoch), as the text pool's is (seed, epoch)
                 kvmap, opt_state, (loss, copy) = step(kvmap, opt_state, sparams, tparams, batch,
                                                       copies.batch(i, rc.copy_batch, rc.seed + 1))
-                history.append({"step": i + 1, "kl": float(loss), "copy_kl": float(copy)})
+                losses = {"kl": loss, "copy_kl": copy}
+            # the step runs while the next batch is gathered on the host: read a step's losses one step later
+            # (reading them now would wait for it), never later (the queue of dispatched steps stays one deep)
+            if pending is not None:
+                history.append(pending())
+            pending = lambda i=i, losses=losses: {"step": i + 1, **{k: float(v) for k, v in losses.items()}}  # noqa: E731
             if average is not None:
                 average = averaged(average, kvmap)
             distributed.heartbeat()
             if manager is not None and ((i + 1) % rc.save_every == 0 or i + 1 == end):
                 manager.save(i + 1, args=ocp.args.StandardSave(state()))
+        if pending is not None:
+            history.append(pending())
     if manager is not None:
         manager.wait_until_finished()
         if distributed.is_primary():

@@ -78,6 +78,15 @@ class Stats:
         term is small when ref fits)."""
         return self.crr + 2 * np.sum(self.ref * self.cxr, 0) + np.sum(self.ref * (self.cxx @ self.ref), 0)
 
+    def restrict(self, features: np.ndarray) -> "Stats":
+        """The statistics of x's `features` (indices into Fx) alone: centred sums restrict exactly to their sub-blocks.
+        Training statistics only (ref = 0): around a reference map the residual itself reads every feature."""
+        if np.any(self.ref):
+            raise ValueError("only statistics of y itself (ref = 0) restrict to a subset of x's features")
+        f = np.asarray(features)
+        return Stats(self.n, self.mx[f], self.my.copy(), self.cxx[np.ix_(f, f)], self.cxr[f], self.crr.copy(),
+                     self.ref[f])
+
     def cov_xx(self):
         return self.cxx / self.n
 
