@@ -74,7 +74,9 @@ def test_benchmark_smoke(tmp_path):
     from launch.bench import spec_cost
     out = tmp_path / "spec_cost.json"
     result = spec_cost.main(["--smoke", "--blocks", "2", "--sets", "windows", "--transfer", "smoke",
-                             "--transfer-repair", "0", "1", "--out", str(out)])
+                             "--transfer-repair", "0", "1", "--out", str(out), "--accept-chart",
+                             str(tmp_path / "accept.png")])
+    assert (tmp_path / "accept.png").stat().st_size > 0
     saved = json.loads(out.read_text())
     res = saved["sets"]["windows"]
     # small: a model drafting; transferK: the same model drafting while the verifier reads the cache a map made of
@@ -87,6 +89,11 @@ def test_benchmark_smoke(tmp_path):
     for name, r in res["drafters"].items():
         assert r["identical"] == r["prompts"] == 2, name
         assert sum(r["widths"]) == r["rounds"] and r["tau"] >= 1
+        hist = r["accepted_hist"]  # rounds by drafts accepted: their count and tau; tau from the positions' shares
+        assert len(hist) == 3 and sum(hist) == r["rounds"]
+        assert (sum(k * n for k, n in enumerate(hist)) + r["rounds"]) / r["rounds"] == pytest.approx(r["tau"])
+        shares = np.cumprod([p or 0.0 for p in r["accept_given_previous"]])
+        assert 1 + shares.sum() == pytest.approx(r["tau"])
         variable = name not in ("block-2", "small-2", "transfer0-2", "transfer1-2")
         path = costs["c_verify"]["variable" if variable else "fixed"]["2"]
         mean = sum(w * path[str(t)] for t, w in enumerate(r["widths"]) if w) / r["rounds"]
@@ -148,6 +155,14 @@ def test_accept_cost_probe_smoke():
     for r in res["mix"].values():
         assert len(r["widths"]) == 2 and sum(r["widths"][0][2:]) > 0
         assert r["replay_ratio"][0] == pytest.approx(r["replay"][0] / r["alone"][0]) and min(r["alone"]) > 0
+
+
+def test_acceptance_by_draft_position():
+    """Rounds that accepted 0 / 1 / 2 drafts: 2 / 1 / 3. Position 1 was accepted in 4 of 6 rounds, position 2 in 3
+    of those 4; tau = 1 + 4/6 + 4/6 x 3/4 = 13/6, as (accepted + rounds) / rounds counts it."""
+    from launch.bench.spec_cost import accept_given_previous
+    assert accept_given_previous([2, 1, 3]) == pytest.approx([4 / 6, 3 / 4])
+    assert accept_given_previous([5, 0, 0]) == [0.0, None]  # no round reached position 2
 
 
 def test_a_replay_draws_the_runs_widths_tiled_to_one_length():

@@ -440,7 +440,7 @@ def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarra
             # (reading them now would wait for it), never later (the queue of dispatched steps stays one deep)
             if pending is not None:
                 history.append(pending())
-            pending = lambda i=i, losses=losses: {"step": i + 1, **{k: float(v) for k, v in losses.items()}}  # noqa: E731
+            pending = lambda i=i, got=losses: {"step": i + 1, **{k: float(v) for k, v in got.items()}}  # noqa: E731
             if average is not None:
                 average = averaged(average, kvmap)
             distributed.heartbeat()

@@ -30,16 +30,19 @@ compiled loop, kvjax.generation.decode_from): measured speed-up = T_plain / T_sp
 The parts, on the set's first prompt (the contexts of a set have one length), each inside the loop itself: s = plain
 decoding's step; v(t) = a round at width t with a drafter that costs nothing (NullDrafter; the fixed-length path at
 b + 1 and the variable-length path at every width 1 .. b + 1); d = what each drafting part adds to a round
-(Ignored(drafter) - v(b + 1), paired, 3 x --repeats times). Each is kept in units of s measured beside it, and each prompt's prediction is
-priced at that prompt's own plain step (timed beside its drafters), so a uniform machine drift between the two
-phases cancels, and its verify costs at draft length b are rescaled by a reference round timed beside it (the
-full-width null round at b: its cost in plain steps now / the parts'): predicted T_spec = s_prompt * (sum_t w[t]
-c_verify(t) + sum_k n_k c_draft_k) (kvjax.speculative.cost), predicted speed-up = sum T_plain / sum predicted T_spec
-over a set's prompts, and the prediction error = measured / predicted - 1 (also without the rescaling: error_parts).
+(Ignored(drafter) - v(b + 1), paired, 3 x --repeats times). Each is kept in units of s measured beside it, and
+each prompt's prediction is priced at that prompt's own plain step (timed beside its drafters), so a uniform machine
+drift between the two phases cancels, and its verify costs at draft length b are rescaled by a reference round timed
+beside it (the full-width null round at b: its cost in plain steps now / the parts'): predicted T_spec = s_prompt *
+(sum_t w[t] c_verify(t) + sum_k n_k c_draft_k) (kvjax.speculative.cost), predicted speed-up = sum T_plain / sum
+predicted T_spec over a set's prompts, and the prediction error = measured / predicted - 1 (also without the
+rescaling: error_parts).
 A variable-length drafter's rounds change width round to round, which each width's loop alone does not pay, and its
 narrow widths are not rescaled by a reference of their own; so each prompt also times, beside it, a null drafter that
 replays that run's own widths (`replay`), and prices its rounds by it: predicted_speedup_replay, error_replay (for a
 fixed-length drafter the same as the rescaled prediction: its rounds are all the reference round).
+Each drafter's rounds are also counted by the drafts they accepted: `accept_given_previous[k - 1]` is the share of
+rounds accepting draft position k among those that accepted k - 1 (the table's second part; --accept-chart draws it).
 --cpu pins the process (and XLA's thread pool) to those CPUs.
 """
 
@@ -238,7 +241,7 @@ def run_set(args, source, prompts, drafters, parts, calls, builders=None) -> dic
                  "draft": {k: v / s for k, v in costs["draft"].items()}}
     per = {name: {"identical": 0, "prompts": 0, "accepted": 0, "rounds": 0, "t_spec": 0.0, "t_plain": 0.0,
                   "t_pred": 0.0, "t_pred_parts": 0.0, "t_pred_replay": 0.0, "widths": np.zeros(max_b + 2, np.int64),
-                  "calls": {}}
+                  "hist": np.zeros(max_b + 1, np.int64), "calls": {}}
            for name in drafters}
     # a reference round per draft length, timed with every prompt: the full-width null round, whose cost in plain
     # steps the parts also measured; its ratio rescales that prompt's verify costs (see run_set's docstring)
@@ -260,6 +263,8 @@ def run_set(args, source, prompts, drafters, parts, calls, builders=None) -> dic
             r["accepted"] += int(st.accepted.sum())
             r["rounds"] += int(st.rounds.sum())
             r["widths"][: len(st.widths)] += np.asarray(st.widths)
+            accepted = np.asarray(st.per_round)
+            r["hist"] += np.bincount(accepted[accepted >= 0], minlength=max_b + 1)[: max_b + 1]
             for k, n in calls[name](st).items():
                 r["calls"][k] = r["calls"].get(k, 0) + int(n)
         if args.repeats:
@@ -311,7 +316,9 @@ def run_set(args, source, prompts, drafters, parts, calls, builders=None) -> dic
     for name, r in per.items():
         row = {"identical": r["identical"], "prompts": r["prompts"],
                "tau": (r["accepted"] + r["rounds"]) / max(r["rounds"], 1), "rounds": r["rounds"],
-               "widths": r["widths"].tolist(), "calls": r["calls"]}
+               "widths": r["widths"].tolist(), "calls": r["calls"],
+               "accepted_hist": r["hist"][: drafters[name].draft_len + 1].tolist(),
+               "accept_given_previous": accept_given_previous(r["hist"][: drafters[name].draft_len + 1])}
         if costs:
             s = costs["step"]
             d = drafters[name]
@@ -327,6 +334,17 @@ def run_set(args, source, prompts, drafters, parts, calls, builders=None) -> dic
             row["error_replay"] = row["measured_speedup"] / row["predicted_speedup_replay"] - 1
         out["drafters"][name] = row
     return out
+
+
+def accept_given_previous(hist) -> list[float | None]:
+    """From rounds counted by drafts accepted (hist[k]: rounds that accepted exactly k), for each draft position
+    k = 1 .. b the share of rounds that accepted it among those that accepted position k - 1: where a drafter's
+    acceptance dies. tau = 1 + sum over k of the product of the first k (None where no round got that far)."""
+    at_least = np.cumsum(np.asarray(hist)[::-1])[::-1]  # rounds that accepted >= k drafts
+    return [float(at_least[k] / at_least[k - 1]) if at_least[k - 1] else None for k in range(1, len(at_least))]
+
+
+POSITIONS = (1, 2, 3, 4, 6, 8, 12, 16)  # the draft positions the acceptance table shows
 
 
 def table(result: dict) -> str:
@@ -347,6 +365,13 @@ def table(result: dict) -> str:
                          f" {r['measured_speedup']:.2f}x | {100 * r['error']:+.1f}% | {100 * r['error_parts']:+.1f}% |"
                          f" {100 * r['error_replay']:+.1f}% |")
             lines.append(line)
+        shown = [k for k in POSITIONS if k <= max(len(r["accept_given_previous"]) for r in res["drafters"].values())]
+        lines += ["draft position k accepted, given k - 1 were:", "| drafter |" + "".join(f" {k} |" for k in shown),
+                  "|---" * (len(shown) + 1) + "|"]
+        for name, r in res["drafters"].items():
+            p = r["accept_given_previous"]
+            lines.append(f"| {name} |" + "".join(
+                " - |" if k > len(p) or p[k - 1] is None else f" {100 * p[k - 1]:.0f}% |" for k in shown))
         if timed_:
             lines.append("verify scale per draft length (reference round now / parts; median, range over prompts): "
                          + " ".join(f"{b}:{np.median(v):.3f} [{min(v):.3f}, {max(v):.3f}]"
@@ -409,6 +434,26 @@ def chart(result: dict, path: str) -> str:
     return save(fig, path)
 
 
+def accept_chart(result: dict, path: str) -> str:
+    """Per set, each drafter's share of rounds accepting draft position k among those that accepted k - 1."""
+    from kvjax.eval.charts import plt, save
+    sets = result["sets"]
+    fig, axes = plt().subplots(1, len(sets), figsize=(5.5 * len(sets), 4), squeeze=False)
+    for ax, (set_name, res) in zip(axes[0], sets.items()):
+        for i, (name, r) in enumerate(res["drafters"].items()):
+            p = r["accept_given_previous"]
+            ks = [k for k in range(1, len(p) + 1) if p[k - 1] is not None]
+            marker = {"lookup": "^", "block": "s", "combined": "o"}.get(name.split("-")[0], "x")  # x: a small model
+            ax.plot(ks, [100 * p[k - 1] for k in ks], "-" + marker, ms=4, color=f"C{i}",
+                    label=f"{name} (tau {r['tau']:.2f})")
+        ax.set_ylim(0, 100)
+        ax.set_xlabel("draft position k")
+        ax.set_ylabel("rounds accepting k, of those accepting k - 1 (%)")
+        ax.set_title(f"{set_name}: where acceptance dies")
+        ax.legend(fontsize=7)
+    return save(fig, path)
+
+
 def parse(argv):
     from launch.bench.spec_drafters import KINDS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -435,10 +480,11 @@ def parse(argv):
     p.add_argument("--smoke", action="store_true", help="tiny random models, 2 prompts of 24 tokens, 12 new tokens")
     p.add_argument("--out", default="", help="write the results as JSON here")
     p.add_argument("--chart", default="", help="draw the costs and predicted-vs-measured chart here (PNG)")
-    p.add_argument("--replot", default="", help="only draw --chart from this earlier --out JSON")
+    p.add_argument("--accept-chart", default="", help="draw each drafter's acceptance by draft position here (PNG)")
+    p.add_argument("--replot", default="", help="only draw --chart / --accept-chart from this earlier --out JSON")
     args = p.parse_args(argv)
-    if args.replot and not args.chart:
-        p.error("--replot needs --chart PATH")
+    if args.replot and not (args.chart or args.accept_chart):
+        p.error("--replot needs --chart PATH or --accept-chart PATH")
     if any(b < 1 for b in args.blocks) or args.prompts < 1 or args.new < 2 or args.repeats < 0:
         p.error("--blocks must be >= 1, --prompts >= 1, --new >= 2 and --repeats >= 0")
     if any(k < 0 for k in args.transfer_repair) or len(set(args.transfer_repair)) < len(args.transfer_repair):
@@ -469,7 +515,11 @@ def main(argv=None) -> dict:
     args = parse(argv)
     if args.replot:
         with open(args.replot) as f:
-            print(chart(json.load(f), args.chart))
+            earlier = json.load(f)
+        if args.chart:
+            print(chart(earlier, args.chart))
+        if args.accept_chart:
+            print(accept_chart(earlier, args.accept_chart))
         return {}
     if args.cpu:
         os.sched_setaffinity(0, {int(c) for c in args.cpu.split(",")})  # before JAX sizes its thread pool
@@ -507,6 +557,8 @@ def main(argv=None) -> dict:
     print(result["table"])
     if args.chart and any(r["costs"] for r in result["sets"].values()):
         print("chart:", chart(result, args.chart))
+    if args.accept_chart:
+        print("acceptance chart:", accept_chart(result, args.accept_chart))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
