@@ -89,6 +89,31 @@ def test_token_identical_to_greedy_generate(pair, block):
     assert stats.rounds.min() < 40  # rounds accepted drafts
 
 
+def test_refinement_feeds_back_the_confident_prefix_and_stays_exact(pair):
+    """A refinement pass keeps the drafted tokens before the first one under the threshold, feeds them back as
+    known inputs and drafts the rest again; speculative decoding with refinement is still the greedy decode."""
+    verifier, dcfg, dp = pair
+    cfg, params = verifier
+    head = dm.draft_head(params, None)
+    tokens = jax.random.randint(jax.random.key(4), (3, 20), 0, VOCAB)
+    feats = dm.target_features(params, cfg, tokens, dcfg.feature_layers)
+    cache = dm.extend_context(dp, dcfg, dm.init_context(dcfg, 3, 64), feats, jnp.array([19, 19, 19]))
+    last = tokens[:, 19]
+    first_tokens, first = dm.draft(dp, dcfg, params, cache, last, 4, head)
+    conf = np.max(np.asarray(jax.nn.softmax(first, -1)), -1)
+    threshold = float(conf[:, 0].max())  # the most confident row keeps its first draft at least; the others none
+    sure = np.cumprod(conf >= threshold, axis=1).astype(bool)
+    assert sure.any() and (~sure).any()  # some positions kept, some drafted again
+    again = dm.draft_logits(dp, dcfg, params, cache, last, 4, head, first_tokens, jnp.asarray(sure))
+    _, got = dm.draft(dp, dcfg, params, cache, last, 4, head, refine=1, threshold=threshold)
+    np.testing.assert_allclose(got, np.where(sure[..., None], first, again), atol=1e-6)
+    assert not np.allclose(np.asarray(again)[~sure], np.asarray(first)[~sure])  # the known prefix changed them
+    drafter = block_drafter(verifier, dcfg, dp, draft_len=4, refine=2)
+    prompts = ragged_prompts(5, 7)
+    want = np.asarray(kvjax.generate(params, cfg, prompts, 40))
+    np.testing.assert_array_equal(np.asarray(speculative_generate(verifier, drafter, prompts, 40)), want)
+
+
 def test_eos_and_draft_vocabulary(pair):
     """Rows stopping at EOS mid-block, and a drafter restricted to part of the vocabulary (its head is a subset of
     the verifier's rows), still give the greedy output."""

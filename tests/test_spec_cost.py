@@ -74,10 +74,11 @@ def test_benchmark_smoke(tmp_path):
     from launch.bench import spec_cost
     out = tmp_path / "spec_cost.json"
     result = spec_cost.main(["--smoke", "--blocks", "2", "--sets", "windows", "--transfer", "smoke",
-                             "--transfer-repair", "0", "1", "--out", str(out), "--accept-chart",
+                             "--transfer-repair", "0", "1", "--refine", "1", "--out", str(out), "--accept-chart",
                              str(tmp_path / "accept.png")])
     assert (tmp_path / "accept.png").stat().st_size > 0
     saved = json.loads(out.read_text())
+    assert saved["args"]["refine"] == 1  # the block drafters draft with one refinement pass (still exact, below)
     res = saved["sets"]["windows"]
     # small: a model drafting; transferK: the same model drafting while the verifier reads the cache a map made of
     # the small model's prefill (K verifier layers recomputed), checked against the verifier's decode from that cache

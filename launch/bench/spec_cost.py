@@ -475,6 +475,8 @@ def parse(argv):
     p.add_argument("--transfer-repair", type=int, nargs="+", default=[0],
                    help="verifier layers recomputed over the prompt (bottom) before a transfer decodes, one arm each")
     p.add_argument("--min-match", type=int, default=2, help="combined: the shortest recurring n-gram lookup copies")
+    p.add_argument("--refine", type=int, default=0, help="the block drafter's refinement passes per greedy draft "
+                   "(kvjax.drafter.model.draft: the confident prefix fed back, the rest drafted again)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats (0: exactness and tau only)")
     p.add_argument("--cpu", default="", help="pin to these CPUs, e.g. 1 or 0,1")
     p.add_argument("--smoke", action="store_true", help="tiny random models, 2 prompts of 24 tokens, 12 new tokens")
@@ -485,8 +487,8 @@ def parse(argv):
     args = p.parse_args(argv)
     if args.replot and not (args.chart or args.accept_chart):
         p.error("--replot needs --chart PATH or --accept-chart PATH")
-    if any(b < 1 for b in args.blocks) or args.prompts < 1 or args.new < 2 or args.repeats < 0:
-        p.error("--blocks must be >= 1, --prompts >= 1, --new >= 2 and --repeats >= 0")
+    if any(b < 1 for b in args.blocks) or args.prompts < 1 or args.new < 2 or args.repeats < 0 or args.refine < 0:
+        p.error("--blocks must be >= 1, --prompts >= 1, --new >= 2, --repeats >= 0 and --refine >= 0")
     if any(k < 0 for k in args.transfer_repair) or len(set(args.transfer_repair)) < len(args.transfer_repair):
         p.error("--transfer-repair: distinct layer counts >= 0")
     if not (args.kinds or args.models or args.smoke):

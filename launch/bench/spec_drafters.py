@@ -72,10 +72,10 @@ def make_drafters(args, source):
         from kvjax.drafter import block_drafter, drafter_config, init_drafter
         dcfg = drafter_config(source.cfg, num_layers=1, block_sizes=tuple(args.blocks))
         dparams = init_drafter(dcfg, jax.random.key(3), target_params=source.params)
-        blocks = {b: block_drafter(source, dcfg, dparams, draft_len=b) for b in args.blocks}
+        blocks = {b: block_drafter(source, dcfg, dparams, draft_len=b, refine=args.refine) for b in args.blocks}
     else:
         from kvjax.drafter import load_block_drafter
-        blocks = {b: load_block_drafter(args.drafter, source, draft_len=b) for b in args.blocks}
+        blocks = {b: load_block_drafter(args.drafter, source, draft_len=b, refine=args.refine) for b in args.blocks}
     models = small_models(args, source)
     drafters, parts, calls, builders = {}, {}, {}, {}
     if args.transfer:
