@@ -37,8 +37,8 @@ STATS_BUDGET = 1 << 30  # bytes of float64 scatter sums the layer screen holds a
 
 def screen_groups(n_source: int, n_target: int, width: int) -> list[tuple[int, ...]]:
     """Source layers in groups whose joint statistics (keys and values, every target layer: 2 x n_target x (g x
-    width)^2 float64) fit STATS_BUDGET: a toy's every layer in one group, one layer per group for a 64-layer model
-    (joint statistics of all of Qwen3-32B's layers would take 34 GB)."""
+    width)^2 float64) fit STATS_BUDGET: a toy's every layer in one group, one layer per group for Qwen3-32B (the
+    joint statistics of all its layers would take 34 GB for each target layer's keys alone)."""
     g = max(1, int((STATS_BUDGET / (16 * n_target * width * width)) ** 0.5))
     return [tuple(range(i, min(i + g, n_source))) for i in range(0, n_source, g)]
 
