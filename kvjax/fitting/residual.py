@@ -342,6 +342,11 @@ def restore_target(tree):
     return jax.tree.map(leaf, tree)
 
 
+def _logged(step: int, losses: dict) -> dict:
+    """A step's log line: its losses read from the device (waits for the step)."""
+    return {"step": step, **{k: float(v) for k, v in losses.items()}}
+
+
 def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarray, rc: ResidualConfig,
                    workdir: str | None = None, stop_at: int | None = None,
                    mesh: Mesh | None = None, tokenizer=None) -> tuple[KVMap, list[dict]]:
@@ -439,15 +444,15 @@ def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarra
             # the step runs while the next batch is gathered on the host: read a step's losses one step later
             # (reading them now would wait for it), never later (the queue of dispatched steps stays one deep)
             if pending is not None:
-                history.append(pending())
-            pending = lambda i=i, got=losses: {"step": i + 1, **{k: float(v) for k, v in got.items()}}  # noqa: E731
+                history.append(_logged(*pending))
+            pending = (i + 1, losses)
             if average is not None:
                 average = averaged(average, kvmap)
             distributed.heartbeat()
             if manager is not None and ((i + 1) % rc.save_every == 0 or i + 1 == end):
                 manager.save(i + 1, args=ocp.args.StandardSave(state()))
         if pending is not None:
-            history.append(pending())
+            history.append(_logged(*pending))
     if manager is not None:
         manager.wait_until_finished()
         if distributed.is_primary():

@@ -385,6 +385,11 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _marker(name: str) -> str:
+    """A drafter's marker in the charts, by its kind (x: a small model or a transfer)."""
+    return {"lookup": "^", "block": "s", "combined": "o"}.get(name.split("-")[0], "x")
+
+
 def chart(result: dict, path: str) -> str:
     """Left: c_verify(t) per set (the variable path at the largest draft length; the fixed path's points); right:
     predicted (widths replayed) against measured speed-up per drafter and set, with the +-10% band."""
@@ -405,8 +410,7 @@ def chart(result: dict, path: str) -> str:
         a.plot([t for t, _ in fixed], [v for _, v in fixed], "s", color=color, mfc="none", ms=7,
                label=f"{set_name}: fixed path at b + 1")
         for name, r in res["drafters"].items():
-            kind = name.split("-")[0]
-            marker = {"lookup": "^", "block": "s", "combined": "o"}.get(kind, "x")  # x: a small model
+            marker = _marker(name)
             pred = r.get("predicted_speedup_replay", r["predicted_speedup"])  # older JSON: no replay
             b.plot(pred, r["measured_speedup"], marker, color=color, ms=6)
             b.annotate(name, (pred, r["measured_speedup"]), fontsize=6, xytext=(3, 2), textcoords="offset points")
@@ -443,8 +447,7 @@ def accept_chart(result: dict, path: str) -> str:
         for i, (name, r) in enumerate(res["drafters"].items()):
             p = r["accept_given_previous"]
             ks = [k for k in range(1, len(p) + 1) if p[k - 1] is not None]
-            marker = {"lookup": "^", "block": "s", "combined": "o"}.get(name.split("-")[0], "x")  # x: a small model
-            ax.plot(ks, [100 * p[k - 1] for k in ks], "-" + marker, ms=4, color=f"C{i}",
+            ax.plot(ks, [100 * p[k - 1] for k in ks], "-" + _marker(name), ms=4, color=f"C{i}",
                     label=f"{name} (tau {r['tau']:.2f})")
         ax.set_ylim(0, 100)
         ax.set_xlabel("draft position k")
