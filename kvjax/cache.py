@@ -2,7 +2,10 @@
 
 Fixed-capacity buffers, one per layer for keys and one for values, plus the number of valid positions per row. Keys
 are stored after RoPE (as transformers does). Capacity and the origin of the contents are static metadata, so a
-jitted function specialises on them and a mapped cache can never pass unnoticed for a natively computed one.
+jitted function specialises on them and a mapped cache can never pass unnoticed for a natively computed one. Yet the
+same program serves every origin: the library's entry points that take caches are `cache_jit`s, which compile once
+for all origins and label what they return with the origin of what they were given (a map's arms would otherwise
+each recompile the answerer's programs: a third of the compile time of the default job).
 
 Why one buffer per layer (as the params are, kvjax.models.params): on XLA:CPU a dot cannot read a slice of a larger
 buffer in place, so a stacked [L, B, Hkv, C, hd] cache made every decode step copy each layer's attention window
@@ -21,6 +24,7 @@ the map, the builders and the evaluation helpers hand over and read [B, Hkv, T, 
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -176,3 +180,50 @@ def valid(cache: KVCache, row: int) -> tuple[jax.Array, jax.Array]:
     n = int(cache.lengths[row])
     keys = cache.with_keys_transposed(False).keys
     return jnp.stack([a[row, :, :n] for a in keys]), jnp.stack([a[row, :, :n] for a in cache.values])
+
+
+
+def _relabel(tree, origin: str, only: str | None = None):
+    """`tree` (a cache, or tuples / lists / dicts holding caches and other values) with its caches labelled
+    `origin` (with `only`, just those labelled `only`)."""
+    if isinstance(tree, KVCache):
+        return tree.replace(origin=origin) if tree.origin != origin and only in (None, tree.origin) else tree
+    if isinstance(tree, (tuple, list)):
+        out = [_relabel(x, origin, only) for x in tree]
+        return type(tree)(*out) if hasattr(tree, "_fields") else type(tree)(out)
+    if isinstance(tree, dict):
+        return {k: _relabel(v, origin, only) for k, v in tree.items()}
+    return tree
+
+
+def _origins(tree, out: set) -> set:
+    if isinstance(tree, KVCache):
+        out.add(tree.origin)
+    elif isinstance(tree, (tuple, list, dict)):
+        for x in (tree.values() if isinstance(tree, dict) else tree):
+            _origins(x, out)
+    return out
+
+
+class cache_jit:  # noqa: N801 (used as jax.jit is)
+    """jax.jit for a function that takes caches, compiled once for caches of every origin (module docstring).
+
+    A call whose caches (arguments, or inside tuples, lists and dicts of them) share one origin runs the function
+    on them labelled "native" and gives the caches it returns that origin back; caches of several origins in one
+    call keep what the trace gives them, as does a cache the function labels itself (the map's output). jax.jit's
+    own attributes (`lower`, ...) are the jitted function's."""
+
+    def __init__(self, fn: Callable, **jit_kwargs):
+        self.jitted = jax.jit(fn, **jit_kwargs)
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args, **kwargs):
+        origins = _origins((args, kwargs), set())
+        if len(origins) != 1 or origins == {"native"}:
+            return self.jitted(*args, **kwargs)
+        (origin,) = origins
+        args, kwargs = _relabel((args, kwargs), "native")
+        return _relabel(self.jitted(*args, **kwargs), origin, only="native")
+
+    def __getattr__(self, name):
+        return getattr(self.jitted, name)

@@ -82,6 +82,29 @@ def test_mapped_is_apply_map_of_the_source_cache_and_shares_one_prefill(pair, kv
     assert_same_cache(piped, built, forward_terms(source[0], tokens.shape[1]) + map_terms)
 
 
+def test_an_answerers_programs_compile_once_for_native_and_mapped_caches(pair, kvmap):
+    """The answerer's prefill-free programs (first token, decode loop) and the source's prefill are compiled by the
+    native arms; the mapped arm runs the same programs (kvjax.cache.cache_jit), its caches still labelled mapped."""
+    from kvjax.generation.loop import decode_from
+    from kvjax.models.decoder import decode_jit, prefill_jit
+    source, target = pair
+    tokens, _ = batch(b=2, t=23, seed=7)
+    for model in (source, target):
+        kvjax.generate_from(NativePrefill(model), tokens, 5, eos_token_ids=())
+    sizes = [f._cache_size() for f in (prefill_jit, decode_jit, decode_from)]
+    mapped = kvjax.generate_from(Mapped(source, target, kvmap), tokens, 5, eos_token_ids=())
+    assert [f._cache_size() for f in (prefill_jit, decode_jit, decode_from)] == sizes
+    assert np.asarray(mapped).shape == (2, 5)
+
+    def cache():
+        return Mapped(source, target, kvmap)(tokens[:, :-1], np.full(2, 22, np.int32), capacity=32)
+    (cfg, params), last = target, jnp.asarray(tokens[:, -1])
+    logits, after = decode_jit(params, cfg, last, cache())
+    assert after.origin == f"mapped:{kvmap.map_id}"  # what the program returns keeps its input's label
+    want, _ = decode_jit.jitted(params, cfg, last, cache())  # plain jax.jit: a program specialised on the label
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(want))
+
+
 def test_partial_recompute_ends(pair, kvmap):
     source, target = pair
     tokens, lengths = batch()

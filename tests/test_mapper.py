@@ -283,6 +283,28 @@ def test_topk_pairing_concatenates_the_best_source_layers(pair, monkeypatch):
         around.restrict([0, 1])
 
 
+def test_collect_stats_reads_several_pairings_of_a_target_layer_in_one_pass(pair):
+    """The layer screen's held-out pass: entry i of the pairing (and of refs) for target layer targets[i]; the same
+    statistics as one pass per pairing."""
+    from kvjax.fitting.calibrate import batches_of, collect_stats
+    source, target = pair
+    w = windows(8, 32)
+    rng = np.random.default_rng(0)
+    refs = [[(rng.normal(size=(32, 16)), rng.normal(size=(32, 16))) for _ in range(2)] for _ in range(3)]
+    one = [collect_stats(source, target, ((s,),) * 2, batches_of(w, 4), refs=refs[s]) for s in range(3)]
+    k, v = collect_stats(source, target, tuple((s,) for s in range(3) for _ in range(2)), batches_of(w, 4),
+                         targets=(0, 1) * 3, refs=[r for per_s in refs for r in per_s])
+    for s in range(3):
+        for t in range(2):
+            for got, want in ((k[2 * s + t], one[s][0][t]), (v[2 * s + t], one[s][1][t])):
+                assert got.n == want.n
+                for f in ("mx", "my", "cxx", "cxr", "crr", "ref"):  # float32 chunks, fused differently: 2^-16
+                    w = getattr(want, f)
+                    np.testing.assert_allclose(getattr(got, f), w, rtol=0, atol=2.0 ** -16 * np.abs(w).max())
+    with pytest.raises(ValueError, match="2 target layers for 3 entries"):
+        collect_stats(source, target, ((0,), (1,), (2,)), batches_of(w, 4), targets=(0, 1))
+
+
 def test_direct_injection_baseline_copies_the_source_cache():
     from kvjax.mapper.kvmap import direct_map
     a, b = model(2, 32, 2, 1, 16, seed=0, theta=1e4), model(2, 48, 4, 1, 16, seed=1, theta=1e4)

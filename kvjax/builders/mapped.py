@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.builders.base import CacheBuilder, Clock, Resumable
+from kvjax.builders.native import prefill_cache
 from kvjax.cache import KVCache, init_cache
 from kvjax.mapper.kvmap import KVMap, apply_map, check_models, map_span
 from kvjax.models.decoder import prefill_jit
@@ -34,10 +35,8 @@ class SourcePrefill(CacheBuilder):
         """A memoised cache serves any capacity up to its own: the map reads only the prompt's slots."""
         key = (tokens.shape, tokens.tobytes(), lengths.tobytes()) if self.memo else None
         if key is None or key != self._key or self._cache.capacity < capacity:
-            cfg, params = self.model
-            _, cache, _, _ = prefill_jit(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths), capacity=capacity,
-                                      logits=False)
-            self._cache, self._key = clock("source_prefill", cache), key
+            self._cache = clock("source_prefill", prefill_cache(self.model, tokens, lengths, capacity))
+            self._key = key
         return self._cache
 
 
@@ -53,7 +52,9 @@ class Mapped(CacheBuilder, Resumable):
         self.source = shared if shared is not None else SourcePrefill(source, memo=False)
 
     def build(self, tokens, lengths, capacity: int, clock: Clock) -> KVCache:
-        source_cache = self.source.build(tokens, lengths, tokens.shape[1], clock)  # the map reads slots 0..T-1
+        # the map reads slots 0..T-1; the source prefills at the answerer's capacity all the same, so that it runs
+        # the program of the source's own native arm (one compile) and a shared prefill serves both
+        source_cache = self.source.build(tokens, lengths, capacity, clock)
         return clock("map", map_jit(self.kvmap, source_cache, capacity=capacity, length=tokens.shape[1],
                                     impl=self.impl))
 

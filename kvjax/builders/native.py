@@ -12,6 +12,15 @@ from kvjax.cache import KVCache, init_cache
 from kvjax.models.decoder import prefill_jit
 
 
+def prefill_cache(model, tokens, lengths, capacity: int, dtype=None) -> KVCache:
+    """The model's own cache of the prompt: the one prefill program every native read runs (the answerer's arm, the
+    source under a map), so that they share its compilations."""
+    cfg, params = model
+    _, cache, _, _ = prefill_jit(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths), capacity=capacity,
+                                 dtype=dtype, logits=False)
+    return cache
+
+
 class NativePrefill(CacheBuilder, Resumable):
     """The answering model prefills the prompt itself (the native arms: "target", "source"). Resumable: its state
     is the model's own cache."""
@@ -23,10 +32,7 @@ class NativePrefill(CacheBuilder, Resumable):
         return None if self.dtype is None else jnp.dtype(self.dtype)
 
     def build(self, tokens, lengths, capacity: int, clock: Clock) -> KVCache:
-        cfg, params = self.model
-        _, cache, _, _ = prefill_jit(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths), capacity=capacity,
-                                  dtype=self._dtype(), logits=False)
-        return clock("prefill", cache)
+        return clock("prefill", prefill_cache(self.model, tokens, lengths, capacity, self._dtype()))
 
     def start(self, batch: int, capacity: int) -> tuple[KVCache]:
         cfg, params = self.model

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.builders import CacheBuilder, Mapped
+from kvjax.cache import cache_jit
 from kvjax.mapper.kl import kl
 from kvjax.mapper.kvmap import KVMap
 from kvjax.models.decoder import forward, forward_nocache
@@ -25,7 +26,7 @@ def _references(source_params, target_params, source_cfg, target_cfg, tokens, pr
     return teacher, native
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@functools.partial(cache_jit, static_argnames=("cfg",))
 def _student(params, cfg, cache, continuation):
     """The target's logits for the last prefix token and the continuation, read from the built cache."""
     return forward(params, cfg, continuation, cache)[0]

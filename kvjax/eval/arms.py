@@ -34,7 +34,7 @@ import numpy as np
 from tqdm import tqdm
 
 from kvjax.builders import CacheBuilder, Mapped, NativePrefill, PartialRecompute, SourcePrefill
-from kvjax.cache import KVCache
+from kvjax.cache import KVCache, cache_jit
 from kvjax.eval.arm_settings import ArmSettings
 from kvjax.eval.likelihood import bucket, continuation_logprobs, fit_capacity
 from kvjax.eval.multiple_choice import MCItem, MCResult, PrefixFn, encode
@@ -194,7 +194,7 @@ def score_mc_arms(items: list[MCItem], tokenizer, arms: list[Arm], normalize: st
             for name, (lp, nt) in scores.items()}
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@functools.partial(cache_jit, static_argnames=("cfg",))
 def _teacher_forced(params, cfg, cache, tokens, answer_lengths):
     """tokens [B, 1 + A] = last prompt token then the answer: (answer sum log-prob [B], top token at each answer
     position [B, A] (-1 past each row's length))."""

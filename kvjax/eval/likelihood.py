@@ -19,7 +19,7 @@ import optax
 
 from kvjax.builders.base import bucket
 from kvjax.builders import NativePrefill
-from kvjax.cache import KVCache, check_compatible, init_cache
+from kvjax.cache import KVCache, cache_jit, check_compatible, init_cache
 from kvjax.models.config import Qwen3Config
 from kvjax.models.params import Params
 from kvjax.models.decoder import forward, forward_nocache
@@ -57,7 +57,7 @@ def native_prefix_cache(params: Params, cfg: Qwen3Config, context_ids, batch: in
                                                      capacity=capacity)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@functools.partial(cache_jit, static_argnames=("cfg",))
 def _continuation_logprobs(params, cfg, cache, tokens, cont_lengths):
     """tokens [B, 1 + C] = last context token then the continuation; (sum logprob [B], per-token logprob [B, C])."""
     logits, _ = forward(params, cfg, tokens, cache, lengths=1 + cont_lengths)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from kvjax.cache import KVCache, check_compatible
+from kvjax.cache import KVCache, cache_jit, check_compatible
 from kvjax.eval.likelihood import bucket, continuation_logprobs, fit_capacity, native_prefix_cache
 from kvjax.eval.multiple_choice import PrefixFn, encode
 from kvjax.generation import Sampling, decode_loop
@@ -66,7 +66,7 @@ def load_retrieval(path: str, tokenizer, limit: int | None = None) -> list[Retri
     return items
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "n_new"))
+@functools.partial(cache_jit, static_argnames=("cfg", "n_new"))
 def _greedy(params, cfg, cache, last_tokens, n_new):
     """Run last_tokens [B] after the cache, then greedy-decode: int32 [B, n_new] (no EOS stop)."""
     logits, cache = forward(params, cfg, last_tokens[:, None], cache)

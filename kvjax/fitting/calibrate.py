@@ -24,17 +24,28 @@ from kvjax.models.params import shard_params
 log = logging.getLogger(__name__)
 
 
-@functools.partial(jax.jit, static_argnames=("scfg", "tcfg", "pairing"))
-def _window_stats(sparams, tparams, scfg, tcfg, pairing: Pairing, tokens, mask, refs):
+Pairs = tuple[tuple[int, tuple[int, ...]], ...]  # (target layer, its source layers) per set of statistics
+
+
+def pairs_of(pairing: Pairing, targets: tuple[int, ...] | None = None) -> Pairs:
+    """Each entry of `pairing` with the target layer it is for: entry i is target layer i, or targets[i]."""
+    targets = tuple(range(len(pairing))) if targets is None else tuple(int(t) for t in targets)
+    if len(targets) != len(pairing):
+        raise ValueError(f"{len(targets)} target layers for {len(pairing)} entries of the pairing")
+    return tuple(zip(targets, (tuple(int(s) for s in layers) for layers in pairing)))
+
+
+@functools.partial(jax.jit, static_argnames=("scfg", "tcfg", "pairs"))
+def _window_stats(sparams, tparams, scfg, tcfg, pairs: Pairs, tokens, mask, refs):
     src = prefill_forward(sparams, scfg, tokens, logits=False).cache  # the models' own caches
     tgt = prefill_forward(tparams, tcfg, tokens, logits=False).cache
     flat_mask = mask.reshape(-1)
     out = []
-    for t, layers in enumerate(pairing):
+    for i, (t, layers) in enumerate(pairs):
         xk, xv = paired_features(src, layers, scfg.rope)
         yk, yv = layer_features(tgt, t, tcfg.rope)
         flat = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731
-        rk, rv = refs[t]
+        rk, rv = refs[i]
         out.append((chunk_stats(flat(xk), flat(yk), flat_mask, rk), chunk_stats(flat(xv), flat(yv), flat_mask, rv)))
     return out
 
@@ -63,10 +74,11 @@ def _refs32(scfg: Qwen3Config, tcfg: Qwen3Config, pairing: Pairing, refs) -> lis
 
 
 def collect_stats(source: Model, target: Model, pairing: Pairing, batches: Iterable[np.ndarray],
-                  desc: str = "calibrate", total: int | None = None, mesh: Mesh | None = None, refs=None
-                  ) -> tuple[list[Stats], list[Stats]]:
+                  desc: str = "calibrate", total: int | None = None, mesh: Mesh | None = None, refs=None,
+                  targets: tuple[int, ...] | None = None) -> tuple[list[Stats], list[Stats]]:
     """Sum statistics over batches of token windows int [B, T] (EOS-padded rows count fully). Returns per target
-    layer (key stats, value stats).
+    layer (key stats, value stats). With `targets`, entry i of `pairing` (and of `refs`) is for target layer
+    targets[i] instead of layer i: several pairings of one target layer in one pass over the windows.
 
     `refs`, per target layer a (key, value) pair of reference maps [Fx, Fy] (kvjax.mapper.ridge.reference of the
     training statistics), makes these statistics of the residuals around them: what held-out MSE and R^2 need to
@@ -80,8 +92,9 @@ def collect_stats(source: Model, target: Model, pairing: Pairing, batches: Itera
     rules (already-placed params are used as they are); batches are padded to a multiple of the data axis with
     masked rows, so the statistics function compiles once.
     """
+    pairs = pairs_of(pairing, targets)
     if mesh is not None:
-        return _collect_stats_sharded(source, target, pairing, batches, desc, total, mesh, refs)
+        return _collect_stats_sharded(source, target, pairs, batches, desc, total, mesh, refs)
     (scfg, sparams), (tcfg, tparams) = source, target
     refs = _refs32(scfg, tcfg, pairing, refs)
     k_stats: list[Stats] | None = None
@@ -89,7 +102,7 @@ def collect_stats(source: Model, target: Model, pairing: Pairing, batches: Itera
     for tokens in tqdm(batches, desc=desc, unit="batch", total=total, leave=False):
         tokens = jnp.asarray(tokens, jnp.int32)
         mask = jnp.ones(tokens.shape, jnp.float32)
-        sums = _window_stats(sparams, tparams, scfg, tcfg, pairing, tokens, mask, refs)
+        sums = _window_stats(sparams, tparams, scfg, tcfg, pairs, tokens, mask, refs)
         batch_k = [to_stats(k, rk) for (k, _), (rk, _) in zip(sums, refs)]
         batch_v = [to_stats(v, rv) for (_, v), (_, rv) in zip(sums, refs)]
         if k_stats is None:
@@ -134,7 +147,7 @@ def _data_shards(mesh: Mesh) -> int:
 
 
 @functools.lru_cache(maxsize=16)
-def _sharded_stats_fn(scfg, tcfg, pairing: Pairing, mesh: Mesh, s_shardings, t_shardings, shape):
+def _sharded_stats_fn(scfg, tcfg, pairs: Pairs, mesh: Mesh, s_shardings, t_shardings, shape):
     """jit of: both models' caches for a global batch -> per-data-shard chunk statistics, leaves [S, ...]."""
     shards = _data_shards(mesh)
     batch = sharding.data_sharding(mesh, shape)
@@ -147,10 +160,10 @@ def _sharded_stats_fn(scfg, tcfg, pairing: Pairing, mesh: Mesh, s_shardings, t_s
         m = mask.reshape(shards, -1)
         stats = jax.vmap(chunk_stats, in_axes=(0, 0, 0, None))
         res = []
-        for t, layers in enumerate(pairing):
+        for i, (t, layers) in enumerate(pairs):
             xk, xv = paired_features(src, layers, scfg.rope)
             yk, yv = layer_features(tgt, t, tcfg.rope)
-            rk, rv = refs[t]
+            rk, rv = refs[i]
             res.append((stats(split(xk), split(yk), m, rk), stats(split(xv), split(yv), m, rv)))
         return res
 
@@ -185,8 +198,9 @@ def merge_across_processes(stats: list[Stats]) -> list[Stats]:
     return out
 
 
-def _collect_stats_sharded(source: Model, target: Model, pairing: Pairing, batches, desc: str, total, mesh: Mesh,
+def _collect_stats_sharded(source: Model, target: Model, pairs: Pairs, batches, desc: str, total, mesh: Mesh,
                            refs):
+    pairing = tuple(layers for _, layers in pairs)
     source, target = model_on_mesh(source, mesh), model_on_mesh(target, mesh)
     (scfg, sparams), (tcfg, tparams) = source, target
     # process 0's refs everywhere: every shard's residual must be around the same map for the sums to merge
@@ -214,7 +228,7 @@ def _collect_stats_sharded(source: Model, target: Model, pairing: Pairing, batch
                          jax.process_index(), jax.process_count(), mine.start, mine.stop, shape[0], shards)
             tokens = distributed.global_batch(rows, data, shape)
             mask = distributed.global_batch(np.ones((len(rows), shape[1]), np.float32), data, shape, np.float32)
-            fn = _sharded_stats_fn(scfg, tcfg, pairing, mesh, s_sh, t_sh, shape)
+            fn = _sharded_stats_fn(scfg, tcfg, pairs, mesh, s_sh, t_sh, shape)
             sums = fn(sparams, tparams, tokens, mask, refs_on_mesh)
             leaves = [leaf for layer in sums for kind in layer for leaf in kind]
             if acc is None:

@@ -48,8 +48,9 @@ def layer_r2(source: Model, target: Model, calib: np.ndarray, heldout: np.ndarra
     """Held-out R^2 of single-source-layer ridge fits for every (target layer, source layer): [n_target, n_source],
     mean of the key and value R^2. The calibration windows are read once per group of source layers
     (`screen_groups`), each single-layer fit taking its block of the group's statistics; the held-out windows (a few
-    batches) once per source layer, around its fits. Also returns, when one group held every layer, those statistics
-    (per target layer, keys and values), from which any pairing's training statistics restrict."""
+    batches) once per group too, with statistics around each of its fits. Also returns, when one group held every
+    layer, those statistics (per target layer, keys and values), from which any pairing's training statistics
+    restrict."""
     (scfg, _), n_tgt = source, target[0].num_layers
     width = scfg.num_kv_heads * scfg.head_dim
     groups = screen_groups(scfg.num_layers, n_tgt, width)
@@ -58,13 +59,20 @@ def layer_r2(source: Model, target: Model, calib: np.ndarray, heldout: np.ndarra
         every_k, every_v = collect_stats(source, target, (group,) * n_tgt, _batches(calib, batch_size, mesh),
                                          f"rank src {group[0]}-{group[-1]}", total=-(-len(calib) // batch_size),
                                          mesh=mesh)
+        # each layer's single-layer fits: block i of the group's statistics for layer s = group[i]
+        train = [(restrict(every_k, ((i,),) * n_tgt, width), restrict(every_v, ((i,),) * n_tgt, width))
+                 for i in range(len(group))]
+        # the held-out statistics around every one of those fits in one pass (entry i * n_tgt + t: layer group[i]
+        # read by target layer t)
+        held_k, held_v = collect_stats(
+            source, target, tuple((s,) for s in group for _ in range(n_tgt)), _batches(heldout, batch_size, mesh),
+            f"held-out src {group[0]}-{group[-1]}", mesh=mesh, targets=tuple(range(n_tgt)) * len(group),
+            refs=[ref for tr_k, tr_v in train for ref in _refs(tr_k, tr_v, lams)])
         for i, s in enumerate(group):
-            pairing = ((i,),) * n_tgt  # layer s is block i of the group's features
-            tr_k, tr_v = restrict(every_k, pairing, width), restrict(every_v, pairing, width)
-            held_k, held_v = collect_stats(source, target, ((s,),) * n_tgt, _batches(heldout, batch_size, mesh),
-                                           f"rank src {s}", mesh=mesh, refs=_refs(tr_k, tr_v, lams))
+            tr_k, tr_v = train[i]
             for t in range(n_tgt):
-                scores = [r2(select(tr, ho, lams)[0], ho) for tr, ho in ((tr_k[t], held_k[t]), (tr_v[t], held_v[t]))]
+                ho_k, ho_v = held_k[i * n_tgt + t], held_v[i * n_tgt + t]
+                scores = [r2(select(tr, ho, lams)[0], ho) for tr, ho in ((tr_k[t], ho_k), (tr_v[t], ho_v))]
                 out[t, s] = np.mean(scores)
     return out, ((every_k, every_v) if len(groups) == 1 else None)
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.builders import CacheBuilder, Clock
-from kvjax.cache import KVCache
+from kvjax.cache import KVCache, cache_jit
 from kvjax.generation.prompts import prepare
 from kvjax.generation.sampling import Sampling, sample
 from kvjax.models.config import Qwen3Config
@@ -93,7 +93,7 @@ def generate(params: Params, cfg: Qwen3Config, prompt, max_new_tokens: int, *, p
                          pad_id=p.pad, cache_dtype=dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "n", "sampling", "eos", "pad"))
+@functools.partial(cache_jit, static_argnames=("cfg", "n", "sampling", "eos", "pad"))
 def decode_from(params, cfg, cache, logits, key, n, sampling, eos, pad):
     """decode_loop's tokens [B, n] from a built cache and the logits of each row's last prompt token (compiled)."""
     return decode_loop(params, cfg, cache, logits, n, key, sampling, eos, pad)[0]

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache import LAYER_AXES, KVCache, init_cache, window_sizes
+from kvjax.cache import LAYER_AXES, KVCache, cache_jit, init_cache, window_sizes
 from kvjax.models.family import family_of
 from kvjax.models.params import Params
 from kvjax.models.rope import rope_angles
@@ -378,9 +378,9 @@ def decode(params, cfg, tokens, cache):
     return logits[:, 0], cache
 
 
-prefill_jit = jax.jit(prefill_forward, static_argnames=("cfg", "capacity", "dtype", "last_only", "fresh",
+prefill_jit = cache_jit(prefill_forward, static_argnames=("cfg", "capacity", "dtype", "last_only", "fresh",
                                                         "feature_layers", "logits", "tap"), donate_argnames=("cache",))
-decode_jit = jax.jit(decode, static_argnames=("cfg",), donate_argnames=("cache",))
+decode_jit = cache_jit(decode, static_argnames=("cfg",), donate_argnames=("cache",))
 
 
 def _check_cache(cfg, cache: KVCache, tokens, ndim: int, what: str) -> None:

@@ -67,7 +67,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache import KVCache
+from kvjax.cache import KVCache, cache_jit
 from kvjax.generation.sampling import Sampling, draw, sampling_probs
 from kvjax.models.decoder import forward_features, verify_forward, write_block
 
@@ -247,7 +247,7 @@ def verify_loop(verifier, drafter, cache: KVCache, state, last: jax.Array, key: 
     return out, counters, c["cache"], c["state"]
 
 
-@functools.partial(jax.jit, static_argnames=("max_new_tokens", "sampling", "eos_ids", "pad_id"))
+@functools.partial(cache_jit, static_argnames=("max_new_tokens", "sampling", "eos_ids", "pad_id"))
 def _run_loop(verifier, drafter, cache, state, last, key, max_new_tokens, sampling, eos_ids, pad_id):
     out, counters, _, _ = verify_loop(verifier, drafter, cache, state, last, key, max_new_tokens, sampling, eos_ids,
                                       pad_id)
