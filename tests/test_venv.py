@@ -37,7 +37,15 @@ def calls(repo) -> list[str]:
 
 
 def installs(repo) -> list[str]:
-    return [c.split("-e ")[1] for c in calls(repo) if c.startswith("-m pip install")]
+    """What was installed, in order: the -e target of each pip or uv install of kvjax."""
+    return [c.split("-e ")[1] for c in calls(repo) if " install " in f"{c} " and "-e " in c]
+
+
+def with_uv(repo, code: int = 0):
+    """A stub uv in the venv that logs its arguments and exits with `code`."""
+    uv = repo / ".venv" / "bin" / "uv"
+    uv.write_text(f'#!/usr/bin/env bash\necho "uv $*" >> "{repo}/calls"\nexit {code}\n')
+    uv.chmod(0o755)
 
 
 def test_kvjax_entry_points_get_the_audio_extra_and_everything_else_the_test_extra(repo):
@@ -71,3 +79,23 @@ def test_bad_use_exits_2_naming_the_fix_before_installing_anything(repo):
     got = run(repo, "python", "-m", "kvjax.launch", extra="gpu")
     assert got.returncode == 2 and "KVJAX_EXTRA=gpu: use test or audio" in got.stderr
     assert calls(repo) == []
+
+
+def test_the_audio_extra_goes_in_through_uv_and_the_test_extra_through_pip(repo):
+    with_uv(repo)
+    assert run(repo, "python", "-m", "kvjax.launch").returncode == 0
+    bootstrap, install = calls(repo)[:2]
+    assert bootstrap.startswith("-m pip install") and bootstrap.endswith(" uv")  # uv from PyPI, as a pip package
+    assert install.startswith("uv pip install") and f"--python {repo}/.venv/bin/python" in install
+    assert installs(repo) == [f"{repo}[audio]"]
+    assert run(repo, "python", "-m", "pytest").returncode == 0
+    test_install = [c for c in calls(repo) if c.endswith("[test]")]
+    assert len(test_install) == 1 and test_install[0].startswith("-m pip install")
+
+
+def test_pip_installs_the_audio_extra_when_uv_fails(repo):
+    with_uv(repo, code=1)
+    assert run(repo, "python", "-m", "kvjax.launch").returncode == 0
+    # uv from pip, uv's install, pip's, the check that kvjax imports, the command
+    assert [c.split()[0] for c in calls(repo)] == ["-m", "uv", "-m", "-c", "-m"]
+    assert installs(repo) == [f"{repo}[audio]", f"{repo}[audio]"] and calls(repo)[2].startswith("-m pip install")
