@@ -182,7 +182,8 @@ def valid(cache: KVCache, row: int) -> tuple[jax.Array, jax.Array]:
     return jnp.stack([a[row, :, :n] for a in keys]), jnp.stack([a[row, :, :n] for a in cache.values])
 
 
-
+# cache_jit's walks go into tuples, lists and dicts only, not jax.tree.map: that would visit every leaf of the params
+# on every call (decode_step runs one per token); caches are passed as arguments or in such containers of them.
 def _relabel(tree, origin: str, only: str | None = None):
     """`tree` (a cache, or tuples / lists / dicts holding caches and other values) with its caches labelled
     `origin` (with `only`, just those labelled `only`)."""
