@@ -251,7 +251,7 @@ def copy_window_problems(cfg: RunConfig, model_cfgs: dict) -> list[str]:
     """The fact-copy windows' settings (residual.copy_*, kvjax.fitting.copy_windows) against the trainer, the models'
     positions, the training text and the pair's tokenizer."""
     from kvjax.hf import CheckpointError, load_tokenizer
-    from kvjax.fitting.copy_windows import MIN_GAP, fact_format
+    from kvjax.fitting.copy_windows import MIN_GAP, fact_format, max_facts
     rc, problems = cfg.residual, []
     if rc.copy_windows < 0:
         problems.append(f"residual.copy_windows={rc.copy_windows}: must be >= 0 (0: off)")
@@ -264,16 +264,20 @@ def copy_window_problems(cfg: RunConfig, model_cfgs: dict) -> list[str]:
         problems.append(f"residual.copy_batch={rc.copy_batch}: must be >= 1 (fact-copy windows per step)")
     if not 0.0 < rc.copy_weight <= 1.0:
         problems.append(f"residual.copy_weight={rc.copy_weight}: must be in (0, 1] (the copies' share of the loss)")
-    window = rc.copy_len + rc.copy_span
+    window = rc.copy_len + rc.copy_facts * rc.copy_span
     if rc.copy_len < 2 * MIN_GAP or rc.copy_len < rc.copy_span + MIN_GAP:
         problems.append(f"residual.copy_len={rc.copy_len}: must be >= {2 * MIN_GAP} and >= copy_span + {MIN_GAP} "
                         "(the fact sits 64..copy_len-64 tokens back)")
+    most = max_facts(rc.copy_len, rc.copy_span)
+    if not 1 <= rc.copy_facts <= max(1, most):
+        problems.append(f"residual.copy_facts={rc.copy_facts}: must be 1..{max(1, most)} (facts of "
+                        f"copy_span={rc.copy_span} tokens, apart, within copy_len={rc.copy_len})")
     for role, mcfg in model_cfgs.items():
         if window > mcfg.max_position_embeddings:
-            problems.append(f"residual.copy_len + copy_span = {window} exceeds the {role}'s "
+            problems.append(f"residual.copy_len + copy_facts x copy_span = {window} exceeds the {role}'s "
                             f"max_position_embeddings {mcfg.max_position_embeddings}; lower residual.copy_len")
     if window + 2 > cfg.data.max_train_tokens:
-        problems.append(f"residual.copy_len + copy_span = {window} is longer than the training text "
+        problems.append(f"residual.copy_len + copy_facts x copy_span = {window} is longer than the training text "
                         f"(data.max_train_tokens={cfg.data.max_train_tokens}); lower residual.copy_len")
     try:
         fmt = fact_format(load_tokenizer(cfg.target.path), rc.copy_separator, rc.copy_values)

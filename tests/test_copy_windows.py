@@ -2,6 +2,7 @@
 models with a character-level tokenizer, and the toy pair's own tokenizer for the default fact format."""
 
 import dataclasses
+import hashlib
 import os
 
 import jax
@@ -12,6 +13,7 @@ from tokenizers.models import BPE
 
 import kvjax
 from kvjax.fitting.copy_windows import FactFormat, fact_format, fact_windows, gap_range
+from kvjax.fitting.residual import pooled_kl
 from kvjax.fitting.residual import ResidualConfig
 from tests.maptools import VOCAB, tiny_pair
 
@@ -44,8 +46,8 @@ RC = ResidualConfig(steps=4, batch_size=2, prefix_len=24, cont_len=8, lr=1e-2, w
 def test_fact_format_of_the_toy_tokenizer_and_bad_alphabets():
     toy = kvjax.load_tokenizer(os.path.join(REPO, "checkpoints/toy/pruned"))
     # launch/toy/config.py's EQUALS_SPACE and DIGITS: the format the toy source's last training phase wrote
-    assert fact_format(toy, " = ", "0123456789") == FactFormat((308, 221), tuple(range(16, 26)))
-    assert FMT == FactFormat((1, 30, 1), tuple(range(17, 27)))
+    assert fact_format(toy, " = ", "0123456789") == FactFormat(((308, 221),), tuple(range(16, 26)))
+    assert FMT == FactFormat(((1, 30, 1),), tuple(range(17, 27)))
     with pytest.raises(ValueError, match="one token"):
         fact_format(toy, " = ", "0123456789xyz" + "\u00e9\u00e9\u00e9")
     with pytest.raises(ValueError, match="empty"):
@@ -54,12 +56,13 @@ def test_fact_format_of_the_toy_tokenizer_and_bad_alphabets():
 
 def test_fact_windows_repeat_a_fact_at_the_stated_gap_deterministically():
     windows, at = fact_windows(TOKENS, 50, 160, 12, FMT, seed=7)
-    assert windows.shape == (50, 172) and windows.dtype == np.int32
+    assert windows.shape == (50, 172) and windows.dtype == np.int32 and at.shape == (50, 1)
+    at = at[:, 0]
     lo, hi = gap_range(160, 12)
     assert (lo, hi) == (64, 96)
     gaps = 160 - at
     assert gaps.min() >= lo and gaps.max() <= hi and len(set(gaps.tolist())) > 10  # spread over the range
-    sep, values = np.asarray(FMT.separator), set(FMT.values)
+    sep, values = np.asarray(FMT.separators[0]), set(FMT.values)
     for w, a in zip(windows, at):
         fact = w[a : a + 12]
         np.testing.assert_array_equal(w[160:], fact)  # the continuation is the fact, copied from `gap` back
@@ -67,7 +70,7 @@ def test_fact_windows_repeat_a_fact_at_the_stated_gap_deterministically():
         assert offsets, f"no separator after a 2-5 token key in {fact}"
         assert set(fact[offsets[0] + 3 :].tolist()) <= values  # the rest is the value
     again, at2 = fact_windows(TOKENS, 50, 160, 12, FMT, seed=7)
-    np.testing.assert_array_equal(again, windows), np.testing.assert_array_equal(at2, at)
+    np.testing.assert_array_equal(again, windows), np.testing.assert_array_equal(at2[:, 0], at)
     other, _ = fact_windows(TOKENS, 50, 160, 12, FMT, seed=8)
     assert not np.array_equal(other, windows)
     with pytest.raises(ValueError, match="span must be"):
@@ -77,8 +80,9 @@ def test_fact_windows_repeat_a_fact_at_the_stated_gap_deterministically():
 def test_random_separators_are_drawn_per_fact_from_the_window_text():
     """copy_separator "*": each fact's separator is 1-3 tokens of its own window's text (no one format to learn)."""
     fmt = fact_format(char_tokenizer(), "*", "0123456789")
-    assert fmt.separator == () and fmt.max_separator() == 3 and fmt.min_span() == 9
+    assert fmt.separators == () and fmt.max_separator() == 3 and fmt.min_span() == 9
     windows, at = fact_windows(TOKENS, 60, 160, 12, fmt, seed=3)
+    at = at[:, 0]
     values = set(fmt.values)
     seps = set()
     for w, a in zip(windows, at):
@@ -93,6 +97,69 @@ def test_random_separators_are_drawn_per_fact_from_the_window_text():
     assert len(seps) > 20  # separators differ from fact to fact
     with pytest.raises(ValueError, match="span must be"):
         fact_windows(TOKENS, 4, 160, 8, fmt, seed=0)
+
+
+def test_several_separators_are_drawn_per_fact_and_one_keeps_its_windows():
+    """copy_separator " = | -> | equals ": each fact draws one of the three; a setting of one separator makes the
+    windows it made before several existed (the shipped maps' training data unchanged)."""
+    tok = char_tokenizer()
+    fmt = fact_format(tok, " = | -> | equals ", "0123456789")
+    enc = lambda s: tuple(tok.encode(s, add_special_tokens=False).ids)  # noqa: E731
+    assert fmt.separators == (enc(" = "), enc(" -> "), enc(" equals ")) and fmt.max_separator() == 8
+    assert fmt.min_span() == 5 + 8 + 1
+    windows, at = fact_windows(TOKENS, 90, 160, 16, fmt, seed=5)
+    at = at[:, 0]
+    counts = dict.fromkeys(fmt.separators, 0)
+    for w, a in zip(windows, at):
+        fact = w[a : a + 16]
+        np.testing.assert_array_equal(w[160:], fact)
+        found = [s for s in fmt.separators for k in range(2, 6) if tuple(fact[k : k + len(s)].tolist()) == s
+                 and set(fact[k + len(s) :].tolist()) <= set(fmt.values)]
+        assert len(found) == 1, f"not exactly one separator after a 2-5 token key in {fact}"
+        counts[found[0]] += 1
+    assert min(counts.values()) >= 15, counts  # each drawn about a third of the time
+    one, at1 = fact_windows(TOKENS, 50, 160, 12, FMT, seed=7)
+    # the windows (and fact starts) that one separator made before several existed (6fff26d's fact_windows)
+    assert hashlib.sha256(one.tobytes() + at1.tobytes()).hexdigest()[:16] == "1efc601985db60bb"
+    with pytest.raises(ValueError, match="tokenizes to nothing"):
+        fact_format(tok, " = ||", "0123456789")
+
+
+def test_several_facts_a_window_are_written_apart_and_all_repeated_in_a_drawn_order():
+    """copy_facts: each window holds `facts` facts at their own gaps, never overlapping, and its continuation repeats
+    every one of them, in an order drawn per window."""
+    windows, at = fact_windows(TOKENS, 40, 160, 12, FMT, seed=9, facts=3)
+    assert windows.shape == (40, 160 + 36) and at.shape == (40, 3)
+    lo, hi = gap_range(160, 12)
+    orders = set()
+    for w, starts in zip(windows, at):
+        assert all(lo <= 160 - a <= hi for a in starts)
+        assert all(abs(int(a) - int(b)) >= 12 for i, a in enumerate(starts) for b in starts[:i])  # apart
+        facts = [tuple(w[a : a + 12].tolist()) for a in starts]
+        repeats = [tuple(w[160 + 12 * k : 172 + 12 * k].tolist()) for k in range(3)]
+        assert sorted(repeats) == sorted(facts)
+        orders.add(tuple(facts.index(r) for r in repeats))
+    assert len(orders) > 3  # not always the order they sit in the text
+    again, at2 = fact_windows(TOKENS, 40, 160, 12, FMT, seed=9, facts=3)
+    np.testing.assert_array_equal(again, windows), np.testing.assert_array_equal(at2, at)
+    with pytest.raises(ValueError, match="do not fit apart"):
+        fact_windows(TOKENS, 2, 160, 12, FMT, seed=0, facts=4)  # 33 start positions hold 3 facts of 12 apart
+
+
+def test_the_copy_loss_skips_the_first_tokens_of_every_repeated_fact(pair, ridge):
+    """pooled_kl(period=span) leaves out the first COPY_SKIP positions of each repeat, not only of the first."""
+    from kvjax.fitting.residual import student_logits
+    from kvjax.fitting.teacher_pool import pool_of, teacher_logits
+    from kvjax.mapper.kl import kl
+    source, target = pair
+    windows, _ = fact_windows(TOKENS, 2, 160, 12, FMT, seed=4, facts=2)
+    pool = pool_of(source, target, windows, 160, "source")
+    batch = pool.batch(0, 2, seed=0)
+    per = np.asarray(kl(teacher_logits(source, batch[2]), student_logits(ridge, target, batch[1], batch[0], 160)))
+    want = np.concatenate([per[:, 2:12], per[:, 14:24]], axis=1).mean()
+    got = float(pooled_kl(ridge, source, target, batch, 160, skip=2, period=12))
+    assert got == pytest.approx(float(want), rel=1e-5)
+    assert got != pytest.approx(float(pooled_kl(ridge, source, target, batch, 160, skip=2)), rel=1e-4)
 
 
 def test_copy_windows_change_the_step_and_training_resumes_exactly(pair, ridge, tmp_path):
@@ -168,6 +235,9 @@ def test_the_default_config_trains_copies_and_gates_on_retrieval_and_preflight_e
     # a context map (kvjax.mapper.kvmap.LinearMap.down_prev) is a residual setting: it enters that stage's hash only
     assert "context" not in rc.hashed() and dataclasses.replace(rc, context=1).hashed()["context"] == 1
     assert "copy_len=100: must be >= 128" in problems(copy_len=100)
+    assert "residual.copy_facts=0: must be 1..57" in problems(copy_facts=0)
+    assert "residual.copy_facts=58: must be 1..57" in problems(copy_facts=58)
+    assert "copy_facts" not in rc.hashed() and dataclasses.replace(rc, copy_facts=4).hashed()["copy_facts"] == 4
     preflight.check_processes(cfg, 1)
     with pytest.raises(err, match="residual.pool_windows and residual.copy_windows need one process"):
         preflight.check_processes(cfg, 2)

@@ -148,12 +148,15 @@ def _step_fn(opt: optax.GradientTransformation, rc: ResidualConfig, scfg, tcfg):
 
 
 def pooled_kl(kvmap: KVMap, source: Model, target: Model, batch, prefix: int, teacher: str = "source",
-              skip: int = 0) -> jax.Array:
+              skip: int = 0, period: int = 0) -> jax.Array:
     """Mean KL of the target-from-mapped-cache vs the teacher on a Pool batch (tokens, source cache, teacher hidden
-    states) of windows of `prefix` + continuation tokens, the first `skip` continuation positions left out."""
+    states) of windows of `prefix` + continuation tokens, the first `skip` continuation positions left out (with
+    `period`: the first `skip` of every `period` positions, e.g. of each repeated fact)."""
     tokens, src_cache, hidden = batch
     logits = jax.lax.stop_gradient(teacher_logits(source if teacher == "source" else target, hidden))
     per_position = kl(logits, student_logits(kvmap, target, src_cache, tokens, prefix))
+    if period:
+        return per_position.reshape(per_position.shape[0], -1, period)[:, :, skip:].mean()
     return (per_position[:, skip:] if skip else per_position).mean()
 
 
@@ -170,7 +173,7 @@ def _pooled_step_fn(opt: optax.GradientTransformation, rc: ResidualConfig, scfg,
 
 def _copy_step_fn(opt: optax.GradientTransformation, rc: ResidualConfig, scfg, tcfg, pooled: bool):
     """The step with fact-copy windows mixed in (rc.copy_windows): (1 - copy_weight) x the ordinary KL (streaming or
-    on the text pool) + copy_weight x the KL on the copies' repeats after COPY_SKIP tokens. Returns (map, state,
+    on the text pool) + copy_weight x the KL on the copies' repeats after COPY_SKIP tokens of each. Returns (map, state,
     (ordinary KL, copy KL))."""
     def step(kvmap, opt_state, sparams, tparams, batch, copy_batch):
         source, target = (scfg, sparams), (tcfg, tparams)
@@ -178,7 +181,8 @@ def _copy_step_fn(opt: optax.GradientTransformation, rc: ResidualConfig, scfg, t
         def loss(m):
             text = (pooled_kl(m, source, target, batch, rc.prefix_len, rc.teacher) if pooled else
                     window_kl(m, source, target, batch, rc.prefix_len, rc.teacher).mean())
-            copy = pooled_kl(m, source, target, copy_batch, rc.copy_len, rc.teacher, skip=COPY_SKIP)
+            copy = pooled_kl(m, source, target, copy_batch, rc.copy_len, rc.teacher, skip=COPY_SKIP,
+                             period=rc.copy_span if rc.copy_facts > 1 else 0)
             return (1.0 - rc.copy_weight) * text + rc.copy_weight * copy, (text, copy)
         (_, parts), grads = jax.value_and_grad(loss, has_aux=True)(kvmap)
         updates, opt_state = opt.update(grads, opt_state, kvmap)
@@ -193,7 +197,7 @@ def copy_pool(source: Model, target: Model, tokens: np.ndarray, rc: ResidualConf
         raise ValueError("residual.copy_windows needs the pair's tokenizer to write its facts (train_residual(..., "
                          "tokenizer=kvjax.load_tokenizer(target_path))); or set residual.copy_windows=0")
     fmt = fact_format(tokenizer, rc.copy_separator, rc.copy_values)
-    windows, _ = fact_windows(tokens, rc.copy_windows, rc.copy_len, rc.copy_span, fmt, rc.seed)
+    windows, _ = fact_windows(tokens, rc.copy_windows, rc.copy_len, rc.copy_span, fmt, rc.seed, rc.copy_facts)
     return pool_of(source, target, windows, rc.copy_len, rc.teacher)
 
 

@@ -58,12 +58,16 @@ class ResidualConfig:
     copy_windows: int = 0
     copy_len: int = 1024  # text tokens before the repeat (the cache the map translates; the needle's distance)
     copy_span: int = 16  # tokens of the fact, repeated as the continuation
+    # facts a fact-copy window holds, each repeated in the continuation (copy_facts x copy_span tokens): more to learn
+    # from for the same pass of the map over the window's copy_len tokens, the step's costly part
+    copy_facts: int = 1
     copy_batch: int = 4  # fact-copy windows per step, beside `batch_size` ordinary windows
     copy_weight: float = 0.5  # share of the step's loss on the fact-copy windows (the rest: the ordinary KL)
     # the fact's format as text, tokenized with the pair's tokenizer: the separator between key and value, and the
     # value alphabet (each symbol one token, as Qwen3 tokenizes digits); " = " and digits read like `timeout_x = 41199`.
-    # "*": each fact's separator is 1-3 tokens of its window's own text, so the map learns to carry what any format
-    # needs rather than one format's (the RULER evaluation's unseen needle formats)
+    # Several separators joined by "|" (" = | -> | was "): each fact draws one, so the map learns more than one
+    # format's copy. "*": each fact's separator is 1-3 tokens of its window's own text. Both aim at the RULER
+    # evaluation's needle formats never seen in training (docs/method.md has what each did)
     copy_separator: str = " = "
     copy_values: str = "0123456789"
 
@@ -76,6 +80,7 @@ class ResidualConfig:
 TEACHERS = ("source", "target")
 # field -> its default (see ResidualConfig.hashed)
 ADDED_LATER = {"teacher": "source", "pool_windows": 0, "init_from": "", "ema": 0.0, "copy_windows": 0,
-               "copy_len": 1024, "copy_span": 16, "copy_batch": 4, "copy_weight": 0.5, "copy_separator": " = ",
+               "copy_len": 1024, "copy_span": 16, "copy_facts": 1, "copy_batch": 4, "copy_weight": 0.5,
+               "copy_separator": " = ",
                "copy_values": "0123456789", "context": 0, "attention_heads": 0, "attention_dim": 32,
                "train_ridge": False, "ridge_lr": 0.1}
