@@ -197,7 +197,7 @@ def test_compare_runs_pairs_items_and_refuses_different_ones(tmp_path, capsys):
     recovers, and a measure whose items differ reported as not compared (never paired wrongly)."""
     from launch.research import compare_runs
 
-    def run(name, residual, kl, piqa_items=4):
+    def run(name, residual, kl, piqa_items=4, colon=(0, 0)):
         d = tmp_path / name
         (d / "eval").mkdir(parents=True)
         (d / "metrics.json").write_text("{}")
@@ -210,9 +210,13 @@ def test_compare_runs_pairs_items_and_refuses_different_ones(tmp_path, capsys):
         (d / "eval" / "kl.json").write_text(json.dumps({"per_window": {"residual": kl}}))
         needles = {"1024": {"items": 2, "source": "r.jsonl", "arms": {"residual": {"correct": residual[:2]}}}}
         (d / "eval" / "retrieval.json").write_text(json.dumps(needles))
+        ruler = {"1024": {"niah_single_colon": {"items": 2, "answers": [" 12", " 34"][: len(colon)],
+                                                "arms": {"residual": {"correct": colon}}}}}
+        (d / "eval" / "ruler.json").write_text(json.dumps(ruler))
         return str(d)
     base = run("base", [0, 1, 1, 0], [0.5, 0.7])
-    better = run("better", [1, 1, 1, 0], [0.4, 0.7], piqa_items=3)
+    better = run("better", [1, 1, 1, 0], [0.4, 0.7], piqa_items=3, colon=(1, 0))
+    other = run("other", [1, 1, 1, 0], [0.4, 0.7], colon=(1,))
     rows = {r["measure"]: r for r in compare_runs.compare(base, better)}
     hs = rows["mc.hellaswag"]
     assert hs["n"] == 4 and hs["delta"] == pytest.approx(0.25) and hs["ci95"][0] >= 0.0
@@ -220,6 +224,9 @@ def test_compare_runs_pairs_items_and_refuses_different_ones(tmp_path, capsys):
     assert rows["kl"]["delta"] == pytest.approx(-0.05)
     assert rows["retrieval.1024"]["delta"] == pytest.approx(0.5) and "gap_base" not in rows["retrieval.1024"]
     assert "different items" in rows["mc.piqa"]["skipped"]
+    assert rows["ruler.1024.niah_single_colon"]["delta"] == pytest.approx(0.5)
+    assert "different items" in {r["measure"]: r for r in compare_runs.compare(base, other)}[
+        "ruler.1024.niah_single_colon"]["skipped"]
     compare_runs.main([base, better])
     assert "gap 50.0% -> 100.0%" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="no metrics.json"):

@@ -4,8 +4,8 @@
     python -m launch.research.compare_runs BASE RUN --arm residual --base-arm residual --json out.json
 
 An attempt at a better map is a run that differs from a baseline run in one setting (often its calibrate / ridge
-stages copied, `--redo=residual`). Both runs score the same multiple-choice items, KL windows and needles when their
-eval settings agree, so the difference between them is best measured per item: this reads each run's eval/*.json
+stages copied, `--redo=residual`). Both runs score the same multiple-choice items, KL windows, needles and RULER
+items when their eval settings agree, so the difference between them is best measured per item: this reads each run's eval/*.json
 (nothing is recomputed) and prints, for every measure both runs hold, RUN's arm minus BASE's arm with a paired 95%
 bootstrap interval (kvjax.eval.stats), beside each run's own value and, for multiple choice, the share of the
 target-to-source gap each recovers. Runs whose items differ (another limit or set) are refused per measure with the
@@ -55,6 +55,17 @@ def per_item(base: str, run: str, base_arm: str, arm: str) -> dict[str, tuple]:
                              for r in ("target", "source")) if name == "mc" else None)
                 out[measure] = (np.asarray(a["arms"][base_arm]["correct"]), np.asarray(b["arms"][arm]["correct"]),
                                 gap)
+    for length, (a, b) in _pairs(base, run, "ruler").items():  # {length: {task: {"answers", "arms": {...}}}}
+        for task in (t for t in a if t in b):
+            measure, x, y = f"ruler.{length}.{task}", a[task], b[task]
+            if x.get("answers") != y.get("answers"):
+                out[measure] = (None, None, f"different items ({x.get('items')} vs {y.get('items')}; another "
+                                            "seed, limit or setting of eval.ruler)")
+            elif base_arm not in x["arms"] or arm not in y["arms"]:
+                out[measure] = (None, None, "arm missing")
+            else:
+                out[measure] = (np.asarray(x["arms"][base_arm]["correct"]), np.asarray(y["arms"][arm]["correct"]),
+                                None)
     kl_a, kl_b = _load(base, "kl"), _load(run, "kl")
     if kl_a and kl_b:
         a, b = kl_a["per_window"].get(base_arm), kl_b["per_window"].get(arm)
@@ -107,10 +118,10 @@ def main(argv=None) -> None:
         print(f"{run} [{args.arm}] - {args.base} [{args.base_arm}]")
         for r in rows:
             if "skipped" in r:
-                print(f"  {r['measure']:<16} not compared: {r['skipped']}")
+                print(f"  {r['measure']:<29} not compared: {r['skipped']}")
                 continue
             gap = (f"   gap {100 * r['gap_base']:.1f}% -> {100 * r['gap_run']:.1f}%" if "gap_base" in r else "")
-            print(f"  {r['measure']:<16} n={r['n']:<5} {r['base']:.4f} -> {r['run']:.4f}   "
+            print(f"  {r['measure']:<29} n={r['n']:<5} {r['base']:.4f} -> {r['run']:.4f}   "
                   f"{r['delta']:+.4f} [{r['ci95'][0]:+.4f}, {r['ci95'][1]:+.4f}]{gap}")
     if args.json:
         with open(args.json, "w") as f:
