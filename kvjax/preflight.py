@@ -264,7 +264,7 @@ def copy_window_problems(cfg: RunConfig, model_cfgs: dict) -> list[str]:
         problems.append(f"residual.copy_batch={rc.copy_batch}: must be >= 1 (fact-copy windows per step)")
     if not 0.0 < rc.copy_weight <= 1.0:
         problems.append(f"residual.copy_weight={rc.copy_weight}: must be in (0, 1] (the copies' share of the loss)")
-    window = rc.copy_len + rc.copy_facts * rc.copy_span
+    window = rc.copy_window_len
     if rc.copy_len < 2 * MIN_GAP or rc.copy_len < rc.copy_span + MIN_GAP:
         problems.append(f"residual.copy_len={rc.copy_len}: must be >= {2 * MIN_GAP} and >= copy_span + {MIN_GAP} "
                         "(the fact sits 64..copy_len-64 tokens back)")

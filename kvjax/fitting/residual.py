@@ -181,6 +181,7 @@ def _copy_step_fn(opt: optax.GradientTransformation, rc: ResidualConfig, scfg, t
         def loss(m):
             text = (pooled_kl(m, source, target, batch, rc.prefix_len, rc.teacher) if pooled else
                     window_kl(m, source, target, batch, rc.prefix_len, rc.teacher).mean())
+            # one fact: the plain skip, the reduction the shipped maps were trained with (bit for bit)
             copy = pooled_kl(m, source, target, copy_batch, rc.copy_len, rc.teacher, skip=COPY_SKIP,
                              period=rc.copy_span if rc.copy_facts > 1 else 0)
             return (1.0 - rc.copy_weight) * text + rc.copy_weight * copy, (text, copy)

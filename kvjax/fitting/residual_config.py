@@ -71,6 +71,11 @@ class ResidualConfig:
     copy_separator: str = " = "
     copy_values: str = "0123456789"
 
+    @property
+    def copy_window_len(self) -> int:
+        """Tokens of one fact-copy window: its text, then every fact repeated."""
+        return self.copy_len + self.copy_facts * self.copy_span
+
     def hashed(self) -> dict:
         """The settings as stage hashes and checkpoint identities record them: fields added later only when they
         differ from their default, so that runs made before those fields existed keep their hashes."""
@@ -81,6 +86,5 @@ TEACHERS = ("source", "target")
 # field -> its default (see ResidualConfig.hashed)
 ADDED_LATER = {"teacher": "source", "pool_windows": 0, "init_from": "", "ema": 0.0, "copy_windows": 0,
                "copy_len": 1024, "copy_span": 16, "copy_facts": 1, "copy_batch": 4, "copy_weight": 0.5,
-               "copy_separator": " = ",
-               "copy_values": "0123456789", "context": 0, "attention_heads": 0, "attention_dim": 32,
-               "train_ridge": False, "ridge_lr": 0.1}
+               "copy_separator": " = ", "copy_values": "0123456789", "context": 0, "attention_heads": 0,
+               "attention_dim": 32, "train_ridge": False, "ridge_lr": 0.1}

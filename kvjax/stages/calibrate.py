@@ -26,7 +26,7 @@ def run(job, stage: Stage) -> None:
     tok = job.tokenizer()
     train = corpus.read_tokens(d.train_text, tok, eos, d.max_train_tokens, d.manifest, d.text_field)
     rc = cfg.residual
-    copies = rc.copy_len + rc.copy_facts * rc.copy_span if rc.copy_windows else 0  # the fact-copy windows' length
+    copies = rc.copy_window_len if rc.copy_windows else 0
     need = max(cfg.map.window_len, rc.prefix_len + rc.cont_len, copies) + 2
     if len(train) < 2 * need:
         raise LaunchError(f"data.train_text gave {len(train)} tokens; calibration and residual windows need at "

@@ -3,9 +3,9 @@
     python -m launch.research.compare_runs BASE RUN [RUN ...]             # run dirs of `python -m kvjax.launch`
     python -m launch.research.compare_runs BASE RUN --arm residual --base-arm residual --json out.json
 
-An attempt at a better map is a run that differs from a baseline run in one setting (often its calibrate / ridge
-stages copied, `--redo=residual`). Both runs score the same multiple-choice items, KL windows, needles and RULER
-items when their eval settings agree, so the difference between them is best measured per item: this reads each run's eval/*.json
+An attempt at a better map is a run that differs from a baseline run in one setting (often its calibrate / ridge stages
+copied, `--redo=residual`). Both runs score the same multiple-choice items, KL windows, needles and RULER items when
+their eval settings agree, so the difference between them is best measured per item: this reads each run's eval/*.json
 (nothing is recomputed) and prints, for every measure both runs hold, RUN's arm minus BASE's arm with a paired 95%
 bootstrap interval (kvjax.eval.stats), beside each run's own value and, for multiple choice, the share of the
 target-to-source gap each recovers. Runs whose items differ (another limit or set) are refused per measure with the
