@@ -280,7 +280,7 @@ def copy_window_problems(cfg: RunConfig, model_cfgs: dict) -> list[str]:
         problems.append(f"residual.copy_len + copy_facts x copy_span = {window} is longer than the training text "
                         f"(data.max_train_tokens={cfg.data.max_train_tokens}); lower residual.copy_len")
     try:
-        fmt = fact_format(load_tokenizer(cfg.target.path), rc.copy_separator, rc.copy_values)
+        fmt = fact_format(load_tokenizer(cfg.target.path), rc.copy_separator, rc.copy_values, rc.copy_avoid)
         if rc.copy_span < fmt.min_span():
             problems.append(f"residual.copy_span={rc.copy_span}: a fact (a key of up to 5 tokens, the separator "
                             f"{rc.copy_separator!r} = up to {fmt.max_separator()} tokens, a value) needs >= "

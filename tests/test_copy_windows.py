@@ -125,6 +125,42 @@ def test_several_separators_are_drawn_per_fact_and_one_keeps_its_windows():
         fact_format(tok, " = ||", "0123456789")
 
 
+def test_wildcard_separators_draw_window_tokens_never_an_avoided_one_or_a_value():
+    """copy_separator "? | ?? ": each "?" is one token of the fact's own window text, drawn per fact; the tokens of
+    copy_avoid (an evaluation's own separators, kept unseen) and the value alphabet are never drawn."""
+    from kvjax.fitting.copy_windows import ANY
+    tok = char_tokenizer()
+    enc = lambda s: tok.encode(s, add_special_tokens=False).ids  # noqa: E731
+    fmt = fact_format(tok, "? | ?? ", "0123456789", avoid="a|bc")
+    assert fmt.separators == ((ANY, *enc(" ")), (*enc(" "), ANY, ANY, *enc(" "))) and fmt.max_separator() == 4
+    assert fmt.avoid == tuple(sorted(enc("abc")))
+    text = TOKENS.copy()
+    text[::7] = enc("a")[0]  # a common token of the text, avoided
+    text[3::11] = FMT.values[4]  # a value symbol in the text, never a separator
+    windows, at = fact_windows(text, 120, 160, 14, fmt, seed=4)
+    never, drawn = set(fmt.avoid) | set(fmt.values), set()
+    space = enc(" ")[0]
+    for w, a in zip(windows, at[:, 0]):
+        fact = w[a : a + 14]
+        np.testing.assert_array_equal(w[160:], fact)
+        v = 14
+        while fact[v - 1] in fmt.values:
+            v -= 1
+        assert fact[v - 1] == space  # both separators end in the space, the value after it
+        if fact[v - 4] == space and 2 <= v - 4 <= 5:  # " ?? ": two wildcards between spaces
+            got = fact[v - 3 : v - 1]
+        else:  # "? ": one wildcard
+            got = fact[v - 2 : v - 1]
+        assert not set(got.tolist()) & never
+        assert set(got.tolist()) <= set(w[:160].tolist())  # tokens of the window's own text
+        drawn |= set(got.tolist())
+    assert len(drawn) > 30  # drawn per fact, not one separator
+    with pytest.raises(ValueError, match="tokenizes to nothing"):
+        fact_format(tok, " = |", "0123456789")
+    with pytest.raises(ValueError, match="keeps unseen"):  # a listed separator may not show what avoid keeps unseen
+        fact_format(tok, " = | : ", "0123456789", avoid=":")
+
+
 def test_several_facts_a_window_are_written_apart_and_all_repeated_in_a_drawn_order():
     """copy_facts: each window holds `facts` facts at their own gaps, never overlapping, and its continuation repeats
     every one of them, in an order drawn per window."""
@@ -238,6 +274,8 @@ def test_the_default_config_trains_copies_and_gates_on_retrieval_and_preflight_e
     assert "residual.copy_facts=0: must be 1..57" in problems(copy_facts=0)
     assert "residual.copy_facts=58: must be 1..57" in problems(copy_facts=58)
     assert "copy_facts" not in rc.hashed() and dataclasses.replace(rc, copy_facts=4).hashed()["copy_facts"] == 4
+    assert "keeps unseen" in problems(copy_separator=" = | is ", copy_avoid=" is")
+    assert "copy_avoid" not in rc.hashed() and dataclasses.replace(rc, copy_avoid=":").hashed()["copy_avoid"] == ":"
     preflight.check_processes(cfg, 1)
     with pytest.raises(err, match="residual.pool_windows and residual.copy_windows need one process"):
         preflight.check_processes(cfg, 2)

@@ -13,8 +13,11 @@ its end (gap drawn from [max(64, span), length - 64]: near and far copies alike)
 continuation (`facts` > 1: that many facts, each at its own gap, all repeated in a drawn order). The fact is 2-5 key
 tokens drawn from the window itself (a key that looks like the text), a separator (one, or one drawn per fact from
 several), then value tokens drawn uniformly from an alphabet (what a needle's answer is made of): with the defaults
-" = " and "0123456789" it reads like `timeout_x = 41199`. KL to the teacher is scored on each repeat after its first
-COPY_SKIP tokens (before those, nothing says a copy is coming; after, an induction head predicts every token).
+" = " and "0123456789" it reads like `timeout_x = 41199`. A separator may hold wildcards (WILDCARD, "?"): each is one
+token of the fact's own window text, drawn per fact, so that "? " teaches the copy of a value after any token and a
+space, not after a list's few (tokens the setting `avoid`s, and the value alphabet, are never drawn). KL to the
+teacher is scored on each repeat after its first COPY_SKIP tokens (before those, nothing says a copy is coming;
+after, an induction head predicts every token).
 
 Everything here is a pure function of its arguments (seeded numpy), so a rerun and a resumed run make the same windows.
 """
@@ -31,15 +34,19 @@ COPY_SKIP = 2  # repeat tokens not scored: the first key token cannot be foresee
 RANDOM = "*"  # the separator setting that draws each fact's separator from the window's own text
 RANDOM_SEPARATOR = (1, 3)  # its length range (inclusive), in tokens
 SEPARATORS = "|"  # joins several separators in one setting (" = | -> ")
+WILDCARD = "?"  # in a separator: one token drawn per fact from its window's text ("? ": any token, then a space)
+ANY = -1  # a wildcard's place in FactFormat.separators
 
 
 @dataclasses.dataclass(frozen=True)
 class FactFormat:
-    """A fact's token ids: what may separate key from value (one or more separators, each fact drawing one; empty:
-    RANDOM, each fact's own 1-3 tokens of its window's text), and the value alphabet (one token per symbol)."""
+    """A fact's token ids: what may separate key from value (one or more separators, each fact drawing one, ANY where
+    a wildcard draws a token of the window's text; empty: RANDOM, each fact's own 1-3 tokens of its window's text),
+    the value alphabet (one token per symbol), and the tokens a wildcard never draws."""
 
     separators: tuple[tuple[int, ...], ...]
     values: tuple[int, ...]
+    avoid: tuple[int, ...] = ()
 
     def max_separator(self) -> int:
         return max(map(len, self.separators)) if self.separators else RANDOM_SEPARATOR[1]
@@ -50,19 +57,30 @@ class FactFormat:
         return max(KEY_TOKENS[1] + self.max_separator() + 1, COPY_SKIP + 1)
 
 
-def fact_format(tokenizer, separator: str, values: str) -> FactFormat:
+def _separator(tokenizer, text: str) -> tuple[int, ...]:
+    """A separator's ids: its text pieces tokenized apart, ANY for each WILDCARD between them."""
+    out: list[int] = []
+    for i, piece in enumerate(text.split(WILDCARD)):
+        if i:
+            out.append(ANY)
+        if piece:
+            out.extend(tokenizer.encode(piece, add_special_tokens=False).ids)
+    return tuple(out)
+
+
+def fact_format(tokenizer, separator: str, values: str, avoid: str = "") -> FactFormat:
     """The FactFormat of text settings under a `tokenizers.Tokenizer` (e.g. " = " and "0123456789"). `separator` is
     one separator, several joined by SEPARATORS (" = | -> | := ": each fact draws one, so the map learns more than
-    one format's copy), or RANDOM ("*": drawn per fact from the text). Each value symbol must be a single token (as
-    Qwen3's tokenizer splits digits): a multi-token symbol would make values whose tokens the model never sees
-    together."""
+    one format's copy), or RANDOM ("*": drawn per fact from the text); a separator's WILDCARDs ("? ") are tokens drawn
+    per fact from the text, never one of `avoid`'s (text joined by SEPARATORS: e.g. an evaluation's own separators,
+    to keep them unseen). Each value symbol must be a single token (as Qwen3's tokenizer splits digits): a
+    multi-token symbol would make values whose tokens the model never sees together."""
     seps = ()
     if separator != RANDOM:
-        seps = tuple(dict.fromkeys(tuple(tokenizer.encode(s, add_special_tokens=False).ids)
-                                   for s in separator.split(SEPARATORS)))
+        seps = tuple(dict.fromkeys(_separator(tokenizer, s) for s in separator.split(SEPARATORS)))
         if not all(seps):
             raise ValueError(f"the fact separator setting {separator!r} has a separator that tokenizes to nothing; "
-                             f"use visible text such as ' = ' (several: ' = | -> ')")
+                             f"use visible text such as ' = ' (several: ' = | -> ', any token then a space: '? ')")
     ids = []
     for ch in dict.fromkeys(values):  # distinct, in order
         got = tokenizer.encode(ch, add_special_tokens=False).ids
@@ -72,7 +90,13 @@ def fact_format(tokenizer, separator: str, values: str) -> FactFormat:
         ids.append(got[0])
     if not ids:
         raise ValueError("the fact value alphabet is empty; use e.g. '0123456789'")
-    return FactFormat(seps, tuple(ids))
+    avoided = sorted({i for a in avoid.split(SEPARATORS) if a
+                      for i in tokenizer.encode(a, add_special_tokens=False).ids})
+    shown = sorted({i for sep in seps for i in sep if i in avoided})
+    if shown:
+        raise ValueError(f"the fact separator setting {separator!r} writes token(s) {shown} that the setting avoid "
+                         f"({avoid!r}) keeps unseen; drop those separators or those avoided texts")
+    return FactFormat(seps, tuple(ids), tuple(avoided))
 
 
 def gap_range(length: int, span: int) -> tuple[int, int]:
@@ -104,6 +128,7 @@ def fact_windows(tokens: np.ndarray, n: int, length: int, span: int, fmt: FactFo
     rng = np.random.default_rng([seed, 1021])  # a stream of its own: not the text windows' draws
     starts = rng.integers(0, len(tokens) - length + 1, n)
     values = np.asarray(fmt.values, np.int32)
+    never = np.asarray(fmt.values + fmt.avoid, np.int32)  # what a wildcard does not draw
     out = np.zeros((n, length + facts * span), np.int32)
     at = np.zeros((n, facts), np.int64)
     for i, s in enumerate(starts):
@@ -122,6 +147,12 @@ def fact_windows(tokens: np.ndarray, n: int, length: int, span: int, fmt: FactFo
                 separator = fmt.separators[int(rng.integers(len(fmt.separators)))]
             else:
                 separator = fmt.separators[0]
+            if ANY in separator:  # wildcards: tokens of this window's text, none avoided and none a value's
+                pool = w[~np.isin(w, never)]
+                if not len(pool):
+                    raise ValueError("a fact-copy window's text holds no token a separator wildcard may draw")
+                separator = np.where(np.asarray(separator) == ANY, pool[rng.integers(0, len(pool), len(separator))],
+                                     separator)
             v = a + key + len(separator)
             w[a : a + key] = w[rng.integers(0, length, key)]
             w[a + key : v] = separator

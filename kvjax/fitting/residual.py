@@ -197,7 +197,7 @@ def copy_pool(source: Model, target: Model, tokens: np.ndarray, rc: ResidualConf
     if tokenizer is None:
         raise ValueError("residual.copy_windows needs the pair's tokenizer to write its facts (train_residual(..., "
                          "tokenizer=kvjax.load_tokenizer(target_path))); or set residual.copy_windows=0")
-    fmt = fact_format(tokenizer, rc.copy_separator, rc.copy_values)
+    fmt = fact_format(tokenizer, rc.copy_separator, rc.copy_values, rc.copy_avoid)
     windows, _ = fact_windows(tokens, rc.copy_windows, rc.copy_len, rc.copy_span, fmt, rc.seed, rc.copy_facts)
     return pool_of(source, target, windows, rc.copy_len, rc.teacher)
 

@@ -67,9 +67,12 @@ class ResidualConfig:
     # value alphabet (each symbol one token, as Qwen3 tokenizes digits); " = " and digits read like `timeout_x = 41199`.
     # Several separators joined by "|" (" = | -> | was "): each fact draws one, so the map learns more than one
     # format's copy. "*": each fact's separator is 1-3 tokens of its window's own text. Both aim at the RULER
-    # evaluation's needle formats never seen in training (docs/method.md has what each did)
+    # evaluation's needle formats never seen in training (docs/method.md has what each did). A "?" in a separator is
+    # one token of the window's text, drawn per fact ("? ": any token then a space), never a token of `copy_avoid`
+    # (text, several joined by "|": e.g. the evaluation's own separators " is|:|\": \"", to keep them unseen)
     copy_separator: str = " = "
     copy_values: str = "0123456789"
+    copy_avoid: str = ""
 
     @property
     def copy_window_len(self) -> int:
@@ -86,5 +89,5 @@ TEACHERS = ("source", "target")
 # field -> its default (see ResidualConfig.hashed)
 ADDED_LATER = {"teacher": "source", "pool_windows": 0, "init_from": "", "ema": 0.0, "copy_windows": 0,
                "copy_len": 1024, "copy_span": 16, "copy_facts": 1, "copy_batch": 4, "copy_weight": 0.5,
-               "copy_separator": " = ", "copy_values": "0123456789", "context": 0, "attention_heads": 0,
-               "attention_dim": 32, "train_ridge": False, "ridge_lr": 0.1}
+               "copy_separator": " = ", "copy_values": "0123456789", "copy_avoid": "", "context": 0,
+               "attention_heads": 0, "attention_dim": 32, "train_ridge": False, "ridge_lr": 0.1}
