@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.builders import Clock, Mapped, NativePrefill, PartialRecompute, Pipelined, SourcePrefill, recompute
+from kvjax.builders import (Clock, Mapped, NativePrefill, NativeTail, PartialRecompute, Pipelined, SourcePrefill,
+                            recompute, split_tail)
 from kvjax.builders.partial import recompute_layers
 from kvjax.mapper.kvmap import apply_map
 from maptools import VOCAB, tiny_model, tiny_pair
@@ -145,6 +146,42 @@ def test_partial_recompute_reads_mapped_layers_and_rewrites_only_its_own():
     np.testing.assert_array_equal(np.asarray(got.k[:2]), np.asarray(noisy.k[:2]))
     assert not np.allclose(valid(got, "k")[0][2], valid(native, "k")[0][2], atol=1e-3)
     assert got.origin.startswith("partial[2]")
+
+
+def test_split_tail_keeps_a_mapped_head_in_every_row():
+    tokens = np.arange(1, 21, dtype=np.int32).reshape(2, 10)
+    head, tail, n = split_tail(tokens, np.asarray([10, 3], np.int32), 4)
+    np.testing.assert_array_equal(head, [6, 1])
+    np.testing.assert_array_equal(n, [4, 2])
+    np.testing.assert_array_equal(tail, [[7, 8, 9, 10], [12, 13, 0, 0]])  # right-padded with 0
+    head, tail, n = split_tail(tokens, np.asarray([0, 1], np.int32), 4)
+    np.testing.assert_array_equal(head, [0, 1])
+    np.testing.assert_array_equal(n, [0, 0])
+
+
+def test_native_tail_maps_the_head_and_reads_the_tail_natively(pair, kvmap):
+    source, target = pair
+    (cfg, params), (tokens, lengths) = target, batch()
+    mapped = Mapped(source, target, kvmap)(tokens, lengths, capacity=64)
+    assert_same_cache(NativeTail(source, target, kvmap, 0)(tokens, lengths, capacity=64), mapped)
+    clock = Clock()
+    got = NativeTail(source, target, kvmap, 5, shared=SourcePrefill(source))(tokens, lengths, capacity=64,
+                                                                             clock=clock)
+    assert set(clock.phases) == {"source_prefill", "map", "tail"} and got.origin.startswith("tail5:mapped")
+    # what reading the prompt in two pieces gives: the map's cache of each row's head, then the target's prefill
+    head, tail, n = split_tail(tokens, lengths, 5)
+    want = Mapped(source, target, kvmap)(tokens, head, capacity=64)
+    _, want = kvjax.prefill(params, cfg, tail, want, n)
+    assert_same_cache(got, want, forward_terms(cfg, tokens.shape[1]))
+    for r, h in enumerate(head):  # the head is the mapped cache's, the tail is not
+        np.testing.assert_array_equal(valid(got, "k")[r][:, :, :h], valid(mapped, "k")[r][:, :, :h])
+        assert not np.allclose(valid(got, "k")[r][:, :, h:], valid(mapped, "k")[r][:, :, h:], atol=1e-3)
+    # a map that is exact (the target read by itself through "direct" injection) gives the native cache
+    from kvjax.mapper.injection import injection_map
+    exact = NativeTail(target, target, injection_map(cfg, cfg), 5)(tokens, lengths, capacity=64)
+    assert_same_cache(exact, NativePrefill(target)(tokens, lengths, capacity=64), forward_terms(cfg, tokens.shape[1]))
+    with pytest.raises(ValueError, match="pass 0 or more"):
+        NativeTail(source, target, kvmap, -1)
 
 
 def test_builder_input_errors(pair):

@@ -538,7 +538,7 @@ def test_arm_table():
     from kvjax.eval import arms
     from kvjax.run_config import RunConfig
     assert [a.name for a in arms.TABLE] == ["target", "direct", "perhead", "bridge", "ridge", "residual", "partial",
-                                            "source"]
+                                            "tail", "source"]
     assert len({a.colour for a in arms.TABLE}) == len(arms.TABLE)
     for name in ("toy", "toy_pruned", "toy_pruned_quick", "qwen32_8"):  # every arm a shipped config names: in the table
         cfg = config_flags.build(name, [], RunConfig)
@@ -576,6 +576,11 @@ def test_every_arm_builds_its_cache(params):
         for r, n in enumerate(lengths):
             np.testing.assert_allclose(got[0, r, :, :n], np.asarray(getattr(caches["target"], what))[0, r, :, :n],
                                        atol=1e-5)
+    # tail (default 16 tokens: every row but its first token): the mapped first position, then the target's own
+    for what in ("k", "v"):
+        got = np.asarray(getattr(caches["tail"], what))
+        np.testing.assert_allclose(got[:, :, :, :1], np.asarray(getattr(mapped, what))[:, :, :, :1], atol=1e-6)
+        assert not np.allclose(got[:, 0, :, 1:4], np.asarray(getattr(mapped, what))[:, 0, :, 1:4], atol=1e-3)
     one = built[0].prefix_fn([5, 6, 7, 8, 11], 3)  # item by item: the context's prefix in `rows` identical rows
     np.testing.assert_allclose(np.asarray(one.k[:, 0]), np.asarray(caches["target"].k[:, 0]), atol=1e-5)
     assert np.asarray(one.lengths).tolist() == [4, 4, 4]

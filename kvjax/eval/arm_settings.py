@@ -15,6 +15,9 @@ class ArmSettings:
     # "top": the target reads the mapped lower layers and recomputes its top k (costs a pass of its queries and MLPs)
     partial_k: int = 1
     partial_mode: str = "bottom"
+    # the "tail" arm (kvjax.builders.NativeTail): the final map's cache with each prompt's last `tail_tokens` tokens
+    # read by the target itself (where a prompt's question is); costs a target prefill of that many tokens
+    tail_tokens: int = 16
 
     def problems(self, target_layers: int | None = None) -> list[str]:
         """What preflight reports about these settings (`target_layers`: the answering model's depth, if known)."""
@@ -24,4 +27,6 @@ class ArmSettings:
         if self.partial_k < 0 or (target_layers is not None and self.partial_k > target_layers):
             top = "" if target_layers is None else f"..{target_layers} (the target's layers)"
             out.append(f"arms.partial_k={self.partial_k}: pass 0{top or ' or more'}")
+        if self.tail_tokens < 0:
+            out.append(f"arms.tail_tokens={self.tail_tokens}: pass 0 or more")
         return out

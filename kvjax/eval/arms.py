@@ -11,6 +11,8 @@
   residual  the same with the ridge + residual map
   partial   the final map's cache with k target layers recomputed natively (kvjax.builders.PartialRecompute; k and
             the placement from RunConfig.arms)
+  tail      the final map's cache with each prompt's last tokens read by the target itself (kvjax.builders.
+            NativeTail; how many from RunConfig.arms.tail_tokens)
   source    the source reads and answers (native large model)
 
 Each row names the arm (its key in configs, eval records and metrics.json), its legend label and chart colour, how
@@ -33,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from kvjax.builders import CacheBuilder, Mapped, NativePrefill, PartialRecompute, SourcePrefill
+from kvjax.builders import CacheBuilder, Mapped, NativePrefill, NativeTail, PartialRecompute, SourcePrefill
 from kvjax.cache import KVCache, cache_jit
 from kvjax.eval.arm_settings import ArmSettings
 from kvjax.eval.likelihood import bucket, continuation_logprobs, fit_capacity
@@ -64,10 +66,12 @@ class ArmSpec:
     colour: str  # chart colour
     cache: Callable[[ArmContext], CacheBuilder]  # how its cache is built (kvjax.builders)
     needs: str | None = None  # the fitted map it reads (a stage of the job); None: it exists in every run
-    reads_settings: bool = False  # built with RunConfig.arms (a change there reruns the evaluations that score it)
+    # the fields of RunConfig.arms it is built with (a change in one reruns the evaluations that score it)
+    reads_settings: tuple[str, ...] = ()
 
 
 TARGET, DIRECT, RIDGE, RESIDUAL, PARTIAL, SOURCE = "target", "direct", "ridge", "residual", "partial", "source"
+TAIL = "tail"
 PERHEAD = "perhead"
 BRIDGE = "bridge"
 
@@ -85,7 +89,11 @@ TABLE = (
             lambda c: Mapped(c.source, c.target, c.map(RESIDUAL), name=RESIDUAL, shared=c.shared), needs=RESIDUAL),
     ArmSpec(PARTIAL, "partial recompute", "#C44E52",
             lambda c: PartialRecompute(c.source, c.target, c.map(c.final), c.settings.partial_k,
-                                       c.settings.partial_mode, name=PARTIAL, shared=c.shared), reads_settings=True),
+                                       c.settings.partial_mode, name=PARTIAL, shared=c.shared),
+            reads_settings=("partial_k", "partial_mode")),
+    ArmSpec(TAIL, "map + native tail", "#8C8C8C",
+            lambda c: NativeTail(c.source, c.target, c.map(c.final), c.settings.tail_tokens, name=TAIL,
+                                 shared=c.shared), reads_settings=("tail_tokens",)),
     ArmSpec(SOURCE, "native source", "#DD8452", lambda c: c.shared),
 )
 ARMS = {a.name: a for a in TABLE}

@@ -97,8 +97,10 @@ def stage_settings(e: Evaluation, cfg, fitted: tuple[str, ...]) -> dict:
     if "arms" in out[e.name]:
         from kvjax.eval.arms import ARMS
         out["arms"] = list(ec.arms)
-        if any(ARMS[a].reads_settings for a in ec.arms if a in ARMS):
-            out["arm_settings"] = to_dict(cfg.arms)
+        fields = [f for a in ARMS if a in ec.arms for f in ARMS[a].reads_settings]
+        if fields:
+            settings = to_dict(cfg.arms)
+            out["arm_settings"] = {f: settings[f] for f in fields}
     return {**out, **e.depends(cfg)}
 
 
