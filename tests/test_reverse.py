@@ -126,11 +126,13 @@ TINY = [
     "--config.eval.distances.enabled=false",
     "--config.eval.native_kl.windows=4", "--config.eval.native_kl.prefix_len=24",
     "--config.eval.native_kl.cont_len=8", "--config.eval.native_kl.batch_size=4",
-    "--config.eval.mc.limit=3", "--config.eval.mc.arms=target,residual,partial", "--config.eval.retrieval.enabled=false",
+    "--config.eval.mc.limit=3", "--config.eval.mc.arms=target,residual,partial,tail",
+    "--config.eval.retrieval.enabled=false",
     "--config.eval.ttft.lengths=32,64", "--config.eval.ttft.repeats=1", "--config.eval.bootstrap=200",
     "--config.eval.speculative.lengths=40", "--config.eval.speculative.new_tokens=6",
     "--config.eval.speculative.repeats=1", "--config.eval.speculative.draft_lens=2",
     "--config.arms.partial_k=1",  # the tiny answerer has 4 layers: the config's 4 would recompute them all
+    "--config.eval.ttft.tail=true", "--config.arms.tail_tokens=8",
 ]
 
 
@@ -142,7 +144,7 @@ def test_reverse_job_end_to_end(reverse_pair, tmp_path):
     metrics = json.load(open(os.path.join(out, "metrics.json")))
     assert "kl" not in metrics and metrics["run"]["source"]["layers"] == 2 and metrics["run"]["target"]["layers"] == 4
     nk = metrics["native_kl"]
-    assert set(nk["kl"]) == {"direct", "ridge", "residual", "partial"} and nk["final"] == "residual"
+    assert set(nk["kl"]) == {"direct", "ridge", "residual", "partial", "tail"} and nk["final"] == "residual"
     for arm in ("ridge", "residual", "partial"):
         lo, hi = nk["minus_direct"][arm]["ci95"]
         assert lo <= nk["minus_direct"][arm]["mean"] <= hi
@@ -151,12 +153,15 @@ def test_reverse_job_end_to_end(reverse_pair, tmp_path):
         nk["partial_minus_final"]["ci95"][1]
     tt = metrics["ttft"]
     assert set(tt["lengths"]) == {"32", "64"} and tt["repair"] == {"k": 1, "mode": "bottom"}
+    assert tt["tail_tokens"] == 8
     for row in tt["lengths"].values():
-        assert set(row["ttft_s"]) == {"target", "mapped", "partial"} and all(v > 0 for v in row["ttft_s"].values())
+        assert set(row["ttft_s"]) == {"target", "mapped", "partial", "tail"}
+        assert all(v > 0 for v in row["ttft_s"].values())
         lo, mid, hi = row["speedup_rounds"]["mapped"]
         assert lo <= mid <= hi and row["speedup"]["mapped"] > 0
         assert set(row["phases_s"]["mapped"]) == {"source_prefill", "map", "first_token"}
         assert set(row["phases_s"]["partial"]) == {"source_prefill", "map", "recompute", "first_token"}
+        assert set(row["phases_s"]["tail"]) == {"source_prefill", "map", "tail", "first_token"}
     sp = metrics["speculative"]["lengths"]["40"]
     assert set(sp) == {"native", "plain@2", "transfer@2", "repaired@2", "lookup@2"}
     for arm in ("plain@2", "lookup@2"):  # lossless: drafting for the verifier's own cache gives its greedy output
@@ -165,7 +170,8 @@ def test_reverse_job_end_to_end(reverse_pair, tmp_path):
         assert 1 <= sp[arm]["acceptance_length"] <= 3 and sp[arm]["latency_s"] > 0 and sp[arm]["decode_tps"] > 0
         assert 0 <= sp[arm]["prefix_match"] <= 1 and sp[arm]["latency_vs_native"] > 0
     assert set(sp["transfer@2"]["phases_s"]) >= {"prefill", "map", "decode"}
-    for path in ("mc.hellaswag.acc.partial", "mc.piqa.delta_vs_target.residual.ci95", "mc.piqa.acc.target"):
+    for path in ("mc.hellaswag.acc.partial", "mc.piqa.acc.tail", "mc.piqa.delta_vs_target.residual.ci95",
+                 "mc.piqa.acc.target"):
         assert lookup(metrics, path)
     report = open(os.path.join(out, "report.md")).read()
     for heading in ("## Time to first token", "## Cache quality: the answerer's KL", "![native KL](native_kl.png)",

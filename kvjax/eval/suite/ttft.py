@@ -1,5 +1,6 @@
 """Evaluation `ttft`: time to first token of the answering model from a cache built out of the reader's prefill
-(reader prefill + final map, and + the repair: kvjax.builders.PartialRecompute with RunConfig.arms) against the
+(reader prefill + final map, + the repair: kvjax.builders.PartialRecompute, and + the answerer reading the prompt's
+last tokens: kvjax.builders.NativeTail, both with RunConfig.arms) against the
 answerer's own prefill, at several prompt lengths, timed side by side in one run (kvjax.eval.ttft: rotating order,
 medians of the timed rounds, per-round ratios). The speed-up this direction is for: small reads, large answers. Off by
 default (the forward job's `throughput` times its split path); metrics.json `ttft`."""
@@ -15,9 +16,11 @@ from kvjax.eval.report import length_label, quality_cost, quality_tag
 from kvjax.eval.suite.evaluation import Chart, Evaluation, at_least_one
 
 log = logging.getLogger(__name__)
-NATIVE, MAPPED, PARTIAL = "target", "mapped", "partial"  # keys: the answerer's prefill, reader + map, + repair
+# keys: the answerer's prefill, reader + map, + repair, + the answerer's own read of the prompt's last tokens
+NATIVE, MAPPED, PARTIAL, TAIL = "target", "mapped", "partial", "tail"
 STYLE = {NATIVE: ("native {target} prefill", "#4C72B0"), MAPPED: ("{source} prefill + map", "#55A868"),
-         PARTIAL: ("{source} prefill + map + repair", "#C44E52")}
+         PARTIAL: ("{source} prefill + map + repair", "#C44E52"),
+         TAIL: ("{source} prefill + map + native tail", "#8C8C8C")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,22 +29,26 @@ class TTFTEval:
     lengths: tuple[int, ...] = (1024, 2048, 4096)  # prompt lengths (tokens of held-out text)
     repeats: int = 5  # timed rounds after a compile round (builders in rotating order); medians are reported
     repair: bool = True  # also time the repaired cache (partial recomputation, RunConfig.arms settings)
+    tail: bool = False  # also time the map + native tail (kvjax.builders.NativeTail, RunConfig.arms.tail_tokens)
     batch_size: int = 1  # requests together
 
 
 def run(ec: TTFTEval, ctx) -> dict:
-    from kvjax.builders import Mapped, NativePrefill, PartialRecompute
+    from kvjax.builders import Mapped, NativePrefill, NativeTail, PartialRecompute
     from kvjax.eval.ttft import measure_ttft
     kvmap = ctx.map(ctx.final)
     builders = {NATIVE: NativePrefill(ctx.target), MAPPED: Mapped(ctx.source, ctx.target, kvmap)}
     if ec.repair:
         builders[PARTIAL] = PartialRecompute(ctx.source, ctx.target, kvmap, ctx.cfg.arms.partial_k,
                                              ctx.cfg.arms.partial_mode)
+    if ec.tail:
+        builders[TAIL] = NativeTail(ctx.source, ctx.target, kvmap, ctx.cfg.arms.tail_tokens)
     rows = measure_ttft(builders, ctx.heldout.reshape(-1), ec.lengths, repeats=ec.repeats, batch_size=ec.batch_size)
     for length, r in rows.items():
         log.info("ttft %5d: %s", length, {a: round(float(np.median(v)), 4) for a, v in r["rounds"].items()})
     return {"rows": {str(k): v for k, v in rows.items()}, "final": ctx.final, "batch_size": ec.batch_size,
-            "repeats": ec.repeats, "repair": {"k": ctx.cfg.arms.partial_k, "mode": ctx.cfg.arms.partial_mode}}
+            "repeats": ec.repeats, "repair": {"k": ctx.cfg.arms.partial_k, "mode": ctx.cfg.arms.partial_mode},
+            **({"tail_tokens": ctx.cfg.arms.tail_tokens} if ec.tail else {})}
 
 
 def metrics(ev: dict, ctx) -> dict:
@@ -59,8 +66,7 @@ def metrics(ev: dict, ctx) -> dict:
                 row["speedup_rounds"][a] = [float(per_round.min()), float(np.median(per_round)),
                                             float(per_round.max())]
         out[length] = row
-    out_meta = {"final": ev["final"], "batch_size": ev["batch_size"], "repeats": ev["repeats"],
-                "repair": ev["repair"]}
+    out_meta = {k: ev[k] for k in ("final", "batch_size", "repeats", "repair", "tail_tokens") if k in ev}
     return {"lengths": out, **out_meta}
 
 
@@ -69,8 +75,8 @@ def _labels(ctx) -> dict[str, tuple[str, str]]:
 
 
 def cache_arm(arm: str, tt: dict) -> str:
-    """The kvjax.eval.arms cache a timed builder makes (mapped: the final map's; partial: its repair), whose answers
-    the mc / native_kl evaluations score."""
+    """The kvjax.eval.arms cache a timed builder makes (mapped: the final map's; partial: its repair; tail: the map
+    with a native tail), whose answers the mc / native_kl evaluations score."""
     return tt["final"] if arm == MAPPED else arm
 
 
@@ -83,7 +89,7 @@ def summary(tt: dict, ctx) -> list[str]:
     labels = _labels(ctx)
     return [f"- Time to first token at {length_label(int(longest))}: {labels[a][0]} {s[a]:.2f}x the speed of "
             f"{ctx.target}'s own prefill, answering from the {cache_arm(a, tt)} cache, not {ctx.target}'s own "
-            f"(quality: {quality_cost(ctx.metrics, cache_arm(a, tt))})." for a in (MAPPED, PARTIAL) if a in s]
+            f"(quality: {quality_cost(ctx.metrics, cache_arm(a, tt))})." for a in (MAPPED, PARTIAL, TAIL) if a in s]
 
 
 def report(tt: dict, ctx) -> list[str]:
@@ -94,7 +100,9 @@ def report(tt: dict, ctx) -> list[str]:
            f"Batch {tt['batch_size']}; TTFT = cache of all but the last prompt token + the answerer's forward over "
            f"that token; medians of {tt['repeats']} timed rounds (builders in rotating order, after a compile round); "
            f"speed-up = native median / arm median, with [min, median, max] of the same-round ratios. Map: "
-           f"{tt['final']}; repair: {rep['mode']} {rep['k']} answerer layer(s) recomputed.", "",
+           f"{tt['final']}; repair: {rep['mode']} {rep['k']} answerer layer(s) recomputed"
+           + (f"; native tail: the answerer reads the last {tt['tail_tokens']} tokens" if "tail_tokens" in tt else "")
+           + ".", "",
            "| prompt | " + " | ".join(f"{labels[a][0]} s" for a in arms) + " | "
            + " | ".join(f"speed-up {a}" for a in arms if a != NATIVE) + " |",
            "|---|" + "---|" * (2 * len(arms) - 1)]
@@ -136,6 +144,12 @@ def chart(tt: dict, path: str, ctx) -> str:
     return charts.save(fig, path)
 
 
+def _arm_settings(cfg) -> dict:
+    """The RunConfig.arms fields the timed builders read (the repair's; the tail's when it is timed)."""
+    out = {"partial_k": cfg.arms.partial_k, "partial_mode": cfg.arms.partial_mode}
+    return {**out, "tail_tokens": cfg.arms.tail_tokens} if cfg.eval.ttft.tail else out
+
+
 def preflight(ec: TTFTEval, cfg) -> list[str]:
     problems = at_least_one("eval.ttft", ec, "repeats", "batch_size")
     if not ec.lengths or min(ec.lengths) < 2:
@@ -145,5 +159,5 @@ def preflight(ec: TTFTEval, cfg) -> list[str]:
 
 EVALUATION = Evaluation(
     name="ttft", settings=TTFTEval, run=run, metrics=metrics, section=15, report=report, summary=summary,
-    charts=(Chart("ttft_reverse", chart),), depends=lambda cfg: {"arm_settings": dataclasses.asdict(cfg.arms)},
+    charts=(Chart("ttft_reverse", chart),), depends=lambda cfg: {"arm_settings": _arm_settings(cfg)},
     preflight=preflight)
