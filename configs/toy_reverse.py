@@ -24,15 +24,15 @@ the 6-layer model's attention at full width, so it cannot pass 2x), and its map 
 layers as they are. The pruned reader gives the better cache (KL 0.294) but mostly through direct reuse, which the
 map barely improves; run it with the second command above.
 
-What this run measures (docs/metrics.md): `ttft` (reader prefill + map [+ repair] vs the 6-layer model's own prefill
-at 1K/2K/4K, one run, rotating order), `native_kl` (the 6-layer model's KL to its own native predictions and
-agreement with them from the mapped cache vs direct reuse of the reader's layers vs the repaired cache, paired by
-window), `mc` (the 6-layer model answering from each cache vs natively, paired by item), `retrieval` at 1K (the
-6-layer model retrieves nothing past its 1K training length), `speculative` (the 2-layer model drafting for the
-6-layer one: plain, and from the transferred cache, vs native decoding at 1K and 4000 tokens) and `distances`. The `kl` evaluation (source-teacher
-KL: the reader as teacher) and `throughput` (the forward direction's decode speed) are off; the residual learns the
-6-layer model's own predictions (residual.teacher="target"). The gate holds the answerer's multiple-choice accuracy
-from the mapped cache to >= 95% of its native accuracy.
+What this run measures (docs/metrics.md): `ttft` (reader prefill + map [+ repair] [+ native tail] vs the 6-layer model's
+own prefill at 1K/2K/4K, one run, rotating order), `native_kl` (the 6-layer model's KL to its own native predictions and
+agreement with them from the mapped cache vs direct reuse of the reader's layers vs the repaired cache and the native
+tail, paired by window), `mc` (the 6-layer model answering from each cache vs natively, paired by item), `retrieval` at
+1K (the 6-layer model retrieves nothing past its 1K training length), `speculative` (the 2-layer model drafting for the
+6-layer one: plain, and from the transferred cache, vs native decoding at 1K and 4000 tokens) and `distances`. The `kl`
+evaluation (source-teacher KL: the reader as teacher) and `throughput` (the forward direction's decode speed) are off;
+the residual learns the 6-layer model's own predictions (residual.teacher="target"). The gate holds the answerer's
+multiple-choice accuracy from the mapped cache to >= 95% of its native accuracy.
 
 Measured (2026-12-01 at c403113, `taskset -c 1 python -m kvjax.launch --config=toy_reverse`, one pinned core): TTFT
 at 4K 11.6x faster from the 2-layer prefill + map than the 6-layer prefill (7.5x at 1K), 1.46x with the bottom-4
@@ -56,7 +56,7 @@ verify round costs 1.7-2.6 decode steps on CPU); the 6-layer model drafting for 
 11-22% faster end to end at 1K and at most 7% faster at 4000 tokens, where the prefill is most of the time.
 
 The other repair, along positions (the `tail` arm, kvjax.builders.NativeTail, `arms.tail_tokens` = 64): the mapped
-cache with the prompt's last 64 tokens read by the 6-layer model itself. Measured 2026-12-06 (this job;
+cache with the prompt's last 64 tokens read by the 6-layer model itself. Measured 2026-12-06 at ea55acf (this job;
 docs/method.md, "The answerer reads the prompt's end itself"): TTFT at 4K 8.0x the 6-layer prefill (the map alone
 10.1x, bottom 4 1.3x); HellaSwag -8.0 [-12.0, -4.5] and PIQA -7.0 [-11.0, -3.5] points vs native (bottom 4: -4.0 /
 -2.0, the map alone: -29.5 / -19.5) on ~200-token contexts, of which 64 tokens are a third (at 4K they are 1.6%);
