@@ -548,6 +548,14 @@ def test_arm_table():
     assert arms.in_table_order({"source", "ridge", "target", "items"}) == ["target", "ridge", "source"]
 
 
+def test_arm_settings_problems_name_the_fix():
+    from kvjax.eval.arm_settings import ArmSettings
+    assert ArmSettings().problems(3) == []
+    assert ArmSettings(tail_tokens=-1).problems() == ["arms.tail_tokens=-1: pass 0 or more"]
+    assert ArmSettings(partial_k=4).problems(3) == ["arms.partial_k=4: pass 0..3 (the target's layers)"]
+    assert ArmSettings(partial_mode="middle").problems()[0].startswith("arms.partial_mode='middle': pass one of")
+
+
 def test_every_arm_builds_its_cache(params):
     """Each row of the arm table gives a cache of its answering model, made as the row says."""
     from kvjax.eval import arms
