@@ -214,6 +214,10 @@ def validate(cfg: RunConfig) -> None:
     if not 0 <= cfg.residual.context <= 8:
         problems.append(f"residual.context={cfg.residual.context}: use 0 (each position alone) or 1..8 previous "
                         "positions")
+    from kvjax.fitting.residual_config import CONTEXT_KINDS
+    if cfg.residual.context_kinds not in CONTEXT_KINDS:
+        problems.append(f"residual.context_kinds={cfg.residual.context_kinds!r}: use kv (keys and values read the "
+                        "context), k (keys only) or v (values only)")
     if not 0 <= cfg.residual.attention_heads <= 16 or cfg.residual.attention_dim < 2 or cfg.residual.attention_dim % 2:
         problems.append(f"residual.attention_heads={cfg.residual.attention_heads}, residual.attention_dim="
                         f"{cfg.residual.attention_dim}: use 0 heads (no cross-position attention) or 1..16 heads of an "

@@ -270,6 +270,8 @@ def test_the_default_config_trains_copies_and_gates_on_retrieval_and_preflight_e
     assert "residual.context=-1: use 0 (each position alone) or 1..8" in problems(context=-1)
     # a context map (kvjax.mapper.kvmap.LinearMap.down_prev) is a residual setting: it enters that stage's hash only
     assert "context" not in rc.hashed() and dataclasses.replace(rc, context=1).hashed()["context"] == 1
+    assert "context_kinds='q': use kv (keys and values read the context), k" in problems(context=1, context_kinds="q")
+    assert "context_kinds" not in rc.hashed() and dataclasses.replace(rc, context_kinds="k").hashed()["context_kinds"]
     assert "copy_len=100: must be >= 128" in problems(copy_len=100)
     assert "residual.copy_facts=0: must be 1..57" in problems(copy_facts=0)
     assert "residual.copy_facts=58: must be 1..57" in problems(copy_facts=58)

@@ -412,6 +412,40 @@ def test_context_map_reads_the_positions_before_each_one(pair, tmp_path):
                                   trained.values[1].down_prev)
 
 
+def test_context_map_on_keys_or_values_only(pair, tmp_path):
+    """residual.context_kinds: the key maps (or the value maps) read the context, the others each position alone; the
+    same draw as both reading it; trained, saved and loaded so; a warm start across kinds is refused."""
+    from kvjax.fitting.residual import warm_start, with_context
+
+    source, target = pair
+    kvmap, _ = kvjax.fit_map(source, target, windows(16, 40), windows(8, 40, seed=1), batch_size=8, residual_rank=4)
+    both = with_context(kvmap, 1, seed=0)
+    keys_only, values_only = (with_context(kvmap, 1, seed=0, kinds=k) for k in ("k", "v"))
+    assert [lm.context for lm in (*keys_only.keys, *keys_only.values)] == [1, 1, 0, 0]
+    assert [lm.context for lm in (*values_only.keys, *values_only.values)] == [0, 0, 1, 1]
+    np.testing.assert_array_equal(keys_only.keys[1].down_prev, both.keys[1].down_prev)
+    np.testing.assert_array_equal(values_only.values[0].down_prev, both.values[0].down_prev)
+    assert with_context(keys_only, 1, seed=0, kinds="k") is keys_only
+    with pytest.raises(ValueError, match="in its key maps, not residual.context=1 in residual.context_kinds='kv'"):
+        with_context(keys_only, 1, seed=0)
+
+    tokens = np.random.RandomState(3).randint(1, VOCAB, 4000).astype(np.uint16)
+    rc = ResidualConfig(steps=2, batch_size=2, prefix_len=24, cont_len=8, lr=3e-2, warmup_steps=1, context=1,
+                        context_kinds="k")
+    trained, _ = kvjax.train_residual(kvmap, source, target, tokens, rc)
+    assert all(np.abs(np.asarray(lm.down_prev)).max() > 0 for lm in trained.keys)
+    assert all(lm.down_prev is None for lm in trained.values)
+    kvjax.save_map(tmp_path / "k", trained)
+    loaded = kvjax.load_map(tmp_path / "k", source[0], target[0])
+    assert [lm.context for lm in (*loaded.keys, *loaded.values)] == [1, 1, 0, 0]
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(trained)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(warm_start(keys_only, str(tmp_path / "k")).keys[0].down_prev,
+                                  trained.keys[0].down_prev)
+    with pytest.raises(ValueError, match="context of keys and values"):
+        warm_start(both, str(tmp_path / "k"))
+
+
 def test_cross_position_map_attends_over_every_earlier_position(pair, tmp_path, monkeypatch):
     from kvjax.kernels.map_insert import insert_layers, map_insert_reference
     from kvjax.mapper import kvmap as kvmap_module

@@ -53,7 +53,8 @@ def header(metrics: dict) -> list[str]:
     kind = f"ridge + rank-{run['map']['residual_rank']} residual" if run["map"]["residual_steps"] > 0 else "ridge"
     context = run["map"].get("residual_context", 0)
     if run["map"]["residual_steps"] > 0 and context:  # a context map (ResidualConfig.context)
-        kind += f" (reading {context} previous position{'s' if context > 1 else ''})"
+        kinds = {"k": " in its keys", "v": " in its values"}.get(run["map"].get("residual_context_kinds", "kv"), "")
+        kind += f" (reading {context} previous position{'s' if context > 1 else ''}{kinds})"
     if run["map"]["residual_steps"] > 0 and run["map"].get("residual_attention"):  # a cross-position map
         kind += f" (attending over every earlier position, {run['map']['residual_attention']} heads)"
     if run["map"].get("ridge_trained"):  # ResidualConfig.train_ridge

@@ -211,28 +211,34 @@ def _sha256(kvmap: KVMap, names: tuple[str, ...]) -> str:
     return digest.hexdigest()
 
 
-def with_context(kvmap: KVMap, context: int, seed: int) -> KVMap:
-    """`kvmap` made a context map reading `context` previous positions (ResidualConfig.context): each layer's
-    `down_prev` drawn fresh (a pure function of `seed`) beside its residual, which is kept; with `up` still zero the
-    map is unchanged. A map that already reads `context` positions is returned as it is; one reading another
-    number is refused."""
-    have = {m.context for m in (*kvmap.keys, *kvmap.values)}
-    if have == {context}:
+def with_context(kvmap: KVMap, context: int, seed: int, kinds: str = "kv") -> KVMap:
+    """`kvmap` made a context map reading `context` previous positions (ResidualConfig.context) in its key maps, its
+    value maps or both (`kinds`: "k", "v" or "kv"; ResidualConfig.context_kinds): each such layer's `down_prev` drawn
+    fresh (a pure function of `seed`, the same draw whatever `kinds`) beside its residual, which is kept; with `up`
+    still zero the map is unchanged. A map that already reads `context` positions where `kinds` asks is returned as it
+    is; one reading another number, or in other maps, is refused."""
+    want = [context if "k" in kinds else 0] * len(kvmap.keys) + [context if "v" in kinds else 0] * len(kvmap.values)
+    have = [m.context for m in (*kvmap.keys, *kvmap.values)]
+    if have == want:
         return kvmap
-    if have != {0}:
-        raise ValueError(f"this map's residual reads {sorted(have)} previous positions, not residual.context="
-                         f"{context}; train from its ridge (a fresh residual) or set residual.context to match")
+    if any(have):
+        raise ValueError(f"this map's residual reads {sorted(set(have))} previous positions in its "
+                         f"{'key and value' if all(have) else 'key' if have[0] else 'value'} maps, not "
+                         f"residual.context={context} in residual.context_kinds={kinds!r}; train from its ridge (a "
+                         "fresh residual) or set residual.context and residual.context_kinds to match")
     keys = jax.random.split(jax.random.fold_in(jax.random.key(seed), 0x6374), len(kvmap.keys) + len(kvmap.values))
 
-    def widen(m, key):  # drawn as the residual's own `down` is (kvjax.mapper.kvmap.linear_map)
+    def widen(m, key, on):  # drawn as the residual's own `down` is (kvjax.mapper.kvmap.linear_map)
+        if not on:
+            return m
         fx, h = m.down.shape
         prev = np.asarray(jax.random.normal(key, (context, fx, h), jnp.float32) / np.sqrt(fx))
         if isinstance(m.down, jax.Array) and m.down.is_fully_addressable:  # placed as the map (a mesh run re-places)
             prev = jax.device_put(prev, m.down.sharding)
         return m.replace(down_prev=prev)
     n = len(kvmap.keys)
-    return kvmap.replace(keys=tuple(widen(m, keys[i]) for i, m in enumerate(kvmap.keys)),
-                         values=tuple(widen(m, keys[n + i]) for i, m in enumerate(kvmap.values)))
+    return kvmap.replace(keys=tuple(widen(m, keys[i], "k" in kinds) for i, m in enumerate(kvmap.keys)),
+                         values=tuple(widen(m, keys[n + i], "v" in kinds) for i, m in enumerate(kvmap.values)))
 
 
 def with_attention(kvmap: KVMap, heads: int, dim: int, seed: int) -> KVMap:
@@ -272,15 +278,18 @@ def warm_start(kvmap: KVMap, path: str) -> KVMap:
     spec = manifest["spec"]
     att = kvmap.keys[0].att_q
     mine = (kvmap.spec.source_fingerprint, kvmap.spec.target_fingerprint, kvmap.spec.residual_rank,
-            kvmap.keys[0].context, 0 if att is None else att.shape[0], [list(p) for p in kvmap.spec.pairing])
+            (kvmap.keys[0].context, kvmap.values[0].context), 0 if att is None else att.shape[0],
+            [list(p) for p in kvmap.spec.pairing])
+    value_layers = manifest.get("value_layers", manifest["layers"])  # (maps saved before it was written: the same)
     theirs = (spec["source_fingerprint"], spec["target_fingerprint"], spec["residual_rank"],
-              manifest["layers"][0].get("context", 0), manifest["layers"][0].get("heads", 0),
-              [list(p) for p in spec["pairing"]])
+              (manifest["layers"][0].get("context", 0), value_layers[0].get("context", 0)),
+              manifest["layers"][0].get("heads", 0), [list(p) for p in spec["pairing"]])
     if mine != theirs:
         raise ValueError(f"residual.init_from={path!r} is a map of other models, pairing, residual rank, context or "
-                         f"attention (source, target, rank, context, heads {theirs[:5]} vs this map's {mine[:5]}); "
-                         "start from a map fitted on this run's ridge with the same residual.context and "
-                         "residual.attention_heads, or '' for a fresh residual")
+                         f"attention (source, target, rank, context of keys and values, heads {theirs[:5]} vs this "
+                         f"map's {mine[:5]}); start from a map fitted on this run's ridge with the same "
+                         "residual.context, residual.context_kinds and residual.attention_heads, or '' for a fresh "
+                         "residual")
     init = load_map(path)
     if _sha256(init, FROZEN) != _sha256(kvmap, FROZEN):
         raise ValueError(f"residual.init_from={path!r} was trained on another ridge fit (its frozen part differs from "
@@ -370,7 +379,7 @@ def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarra
     fact format is tokenized with `tokenizer`, the pair's) from a pool made once, on one process; the log's "kl" is
     then the ordinary windows' KL and "copy_kl" the copies'."""
     if rc.context:
-        kvmap = with_context(kvmap, rc.context, rc.seed)
+        kvmap = with_context(kvmap, rc.context, rc.seed, rc.context_kinds)
     if rc.attention_heads:
         kvmap = with_attention(kvmap, rc.attention_heads, rc.attention_dim, rc.seed)
     if rc.init_from:

@@ -40,6 +40,9 @@ class ResidualConfig:
     # that lost the source's previous-token layer needs keys that carry their neighbours (measured: KL -1.6 to -2.5%,
     # docs/method.md). The Pallas map kernel maps positions alone: context maps run the XLA map. 0: off
     context: int = 0
+    # which of each layer's maps read the context: "kv" both, "k" the keys only (what the target's attention finds a
+    # position by: a needle's key token after its neighbour), "v" the values only (what it copies from there)
+    context_kinds: str = "kv"
     # > 0: a cross-position map (kvjax.mapper.kvmap, LinearMap.att_*): the residual's hidden layer also reads a causal
     # attention of this many heads, `attention_dim` wide each, over the source's features of every position so far
     # (the C2C / Latent Cache Flow class: what a per-position or context map cannot compute). The Pallas map kernel
@@ -86,8 +89,9 @@ class ResidualConfig:
 
 
 TEACHERS = ("source", "target")
+CONTEXT_KINDS = ("kv", "k", "v")
 # field -> its default (see ResidualConfig.hashed)
 ADDED_LATER = {"teacher": "source", "pool_windows": 0, "init_from": "", "ema": 0.0, "copy_windows": 0,
                "copy_len": 1024, "copy_span": 16, "copy_facts": 1, "copy_batch": 4, "copy_weight": 0.5,
                "copy_separator": " = ", "copy_values": "0123456789", "copy_avoid": "", "context": 0,
-               "attention_heads": 0, "attention_dim": 32, "train_ridge": False, "ridge_lr": 0.1}
+               "context_kinds": "kv", "attention_heads": 0, "attention_dim": 32, "train_ridge": False, "ridge_lr": 0.1}

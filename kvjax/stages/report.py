@@ -58,7 +58,9 @@ def run_info(job) -> dict:
     info["map"] = {"pairing": mi["pairing"], "rank": mi["rank"], "lambdas": mi["lambdas"],
                    "heldout_r2": mi["heldout_r2"], "residual_rank": manifest["spec"]["residual_rank"],
                    "residual_steps": mi.get("residual_steps", 0),
-                   "residual_context": manifest["layers"][0].get("context", 0),
+                   "residual_context": max(manifest[k][0].get("context", 0) for k in ("layers", "value_layers")),
+                   "residual_context_kinds": "".join(c for c, k in (("k", "layers"), ("v", "value_layers"))
+                                                     if manifest[k][0].get("context", 0)),
                    "residual_attention": manifest["layers"][0].get("heads", 0),
                    "ridge_trained": bool(cfg.residual.train_ridge and mi.get("residual_steps", 0)),
                    "final": final_arm(cfg)}
