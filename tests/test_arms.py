@@ -15,9 +15,10 @@ def test_arm_table():
     from kvjax.eval import arms
     from kvjax.run_config import RunConfig
     assert [a.name for a in arms.TABLE] == ["target", "direct", "perhead", "bridge", "ridge", "residual", "partial",
-                                            "tail", "source"]
+                                            "tail", "partial_tail", "source"]
     assert len({a.colour for a in arms.TABLE}) == len(arms.TABLE)
-    for name in ("toy", "toy_pruned", "toy_pruned_quick", "qwen32_8"):  # every arm a shipped config names: in the table
+    for name in ("toy", "toy_pruned", "toy_pruned_quick", "qwen32_8", "toy_reverse"):  # every arm a shipped config
+        # names: in the table
         cfg = config_flags.build(name, [], RunConfig)
         assert set(cfg.eval.mc.arms) | set(cfg.eval.retrieval.arms) <= set(arms.ARMS)
     assert arms.available(("target", "residual", "direct", "ridge"), ("ridge",)) == ("target", "direct", "ridge")
@@ -67,6 +68,14 @@ def test_every_arm_builds_its_cache():
         got = np.asarray(getattr(caches["tail"], what))
         np.testing.assert_allclose(got[:, :, :, :1], np.asarray(getattr(mapped, what))[:, :, :, :1], atol=1e-6)
         assert not np.allclose(got[:, 0, :, 1:4], np.asarray(getattr(mapped, what))[:, 0, :, 1:4], atol=1e-3)
+    # partial_tail: the partial arm's cache with the tail arm's native tail on top. Layer 0 is the target's own
+    # everywhere, so the tail above it is too (2 layers); layer 1 keeps the mapped first position
+    for what in ("k", "v"):
+        got, own = np.asarray(getattr(caches["partial_tail"], what)), np.asarray(getattr(caches["target"], what))
+        np.testing.assert_allclose(got[1:, :, :, :1], np.asarray(getattr(mapped, what))[1:, :, :, :1], atol=1e-6)
+        for r, n in enumerate(lengths):
+            np.testing.assert_allclose(got[0, r, :, :n], own[0, r, :, :n], atol=1e-5)
+            np.testing.assert_allclose(got[:, r, :, 1:n], own[:, r, :, 1:n], atol=1e-5)
     one = built[0].prefix_fn([5, 6, 7, 8, 11], 3)  # item by item: the context's prefix in `rows` identical rows
     np.testing.assert_allclose(np.asarray(one.k[:, 0]), np.asarray(caches["target"].k[:, 0]), atol=1e-5)
     assert np.asarray(one.lengths).tolist() == [4, 4, 4]

@@ -184,6 +184,26 @@ def test_native_tail_maps_the_head_and_reads_the_tail_natively(pair, kvmap):
         NativeTail(source, target, kvmap, -1)
 
 
+def test_native_tail_on_a_partially_recomputed_cache(pair, kvmap):
+    """NativeTail(base=PartialRecompute(...)): the bottom layer recomputed over the whole prompt, then the tail read
+    natively in every layer: the partial cache's head, the target's prefill of the tail after it."""
+    source, target = pair
+    (cfg, params), (tokens, lengths) = target, batch()
+    partial = PartialRecompute(source, target, kvmap, 1)
+    clock = Clock()
+    got = NativeTail(source, target, kvmap, 5, base=partial)(tokens, lengths, capacity=64, clock=clock)
+    assert set(clock.phases) == {"source_prefill", "map", "recompute", "tail"}
+    assert got.origin.startswith("tail5:partial[0]:mapped")
+    head, tail, n = split_tail(tokens, lengths, 5)
+    want = partial(tokens, head, capacity=64)
+    _, want = kvjax.prefill(params, cfg, tail, want, n)
+    assert_same_cache(got, want, forward_terms(cfg, tokens.shape[1]))
+    assert_same_cache(NativeTail(source, target, kvmap, 0, base=partial)(tokens, lengths, capacity=64),
+                      partial(tokens, lengths, capacity=64))
+    with pytest.raises(ValueError, match="makes another model's cache"):
+        NativeTail(source, target, kvmap, 5, base=NativePrefill(source))
+
+
 def test_builder_input_errors(pair):
     builder = NativePrefill(pair[1])
     with pytest.raises(ValueError, match="integer array"):

@@ -144,7 +144,8 @@ def test_reverse_job_end_to_end(reverse_pair, tmp_path):
     metrics = json.load(open(os.path.join(out, "metrics.json")))
     assert "kl" not in metrics and metrics["run"]["source"]["layers"] == 2 and metrics["run"]["target"]["layers"] == 4
     nk = metrics["native_kl"]
-    assert set(nk["kl"]) == {"direct", "ridge", "residual", "partial", "tail"} and nk["final"] == "residual"
+    assert set(nk["kl"]) == {"direct", "ridge", "residual", "partial", "tail", "partial_tail"}
+    assert nk["final"] == "residual"
     for arm in ("ridge", "residual", "partial"):
         lo, hi = nk["minus_direct"][arm]["ci95"]
         assert lo <= nk["minus_direct"][arm]["mean"] <= hi
@@ -155,21 +156,24 @@ def test_reverse_job_end_to_end(reverse_pair, tmp_path):
     assert set(tt["lengths"]) == {"32", "64"} and tt["repair"] == {"k": 1, "mode": "bottom"}
     assert tt["tail_tokens"] == 8
     for row in tt["lengths"].values():
-        assert set(row["ttft_s"]) == {"target", "mapped", "partial", "tail"}
+        assert set(row["ttft_s"]) == {"target", "mapped", "partial", "tail", "partial_tail"}
         assert all(v > 0 for v in row["ttft_s"].values())
         lo, mid, hi = row["speedup_rounds"]["mapped"]
         assert lo <= mid <= hi and row["speedup"]["mapped"] > 0
         assert set(row["phases_s"]["mapped"]) == {"source_prefill", "map", "first_token"}
         assert set(row["phases_s"]["partial"]) == {"source_prefill", "map", "recompute", "first_token"}
         assert set(row["phases_s"]["tail"]) == {"source_prefill", "map", "tail", "first_token"}
+        assert set(row["phases_s"]["partial_tail"]) == {"source_prefill", "map", "recompute", "tail", "first_token"}
     sp = metrics["speculative"]["lengths"]["40"]
-    assert set(sp) == {"native", "plain@2", "transfer@2", "repaired@2", "lookup@2"}
+    assert set(sp) == {"native", "plain@2", "transfer@2", "repaired@2", "tail@2", "lookup@2"}
     for arm in ("plain@2", "lookup@2"):  # lossless: drafting for the verifier's own cache gives its greedy output
         assert sp[arm]["matches_native"] == 1.0
-    for arm in ("plain@2", "transfer@2", "repaired@2", "lookup@2"):
+    for arm in ("plain@2", "transfer@2", "repaired@2", "tail@2", "lookup@2"):
         assert 1 <= sp[arm]["acceptance_length"] <= 3 and sp[arm]["latency_s"] > 0 and sp[arm]["decode_tps"] > 0
         assert 0 <= sp[arm]["prefix_match"] <= 1 and sp[arm]["latency_vs_native"] > 0
     assert set(sp["transfer@2"]["phases_s"]) >= {"prefill", "map", "decode"}
+    assert sp["tail@2"]["phases_s"]["tail"] > 0 and sp["tail@2"]["phases_s"]["repair"] > 0
+    assert sp["transfer@2"]["phases_s"]["tail"] == 0 and metrics["speculative"]["tail_tokens"] == 8
     for path in ("mc.hellaswag.acc.partial", "mc.piqa.acc.tail", "mc.piqa.delta_vs_target.residual.ci95",
                  "mc.piqa.acc.target"):
         assert lookup(metrics, path)
@@ -177,6 +181,7 @@ def test_reverse_job_end_to_end(reverse_pair, tmp_path):
     for heading in ("## Time to first token", "## Cache quality: the answerer's KL", "![native KL](native_kl.png)",
                     "![time to first token](ttft_reverse.png)", "## Quality: multiple choice"):
         assert heading in report
-    assert "## Speculative decoding" in report and "lookup@G = " in report
+    assert "## Speculative decoding" in report and "lookup@G = " in report and "tail@G = the same repaired" in report
+    assert "quality of the partial_tail cache" in report
     for chart in ("native_kl.png", "ttft_reverse.png", "speculative.png"):
         assert os.path.getsize(os.path.join(out, chart)) > 0

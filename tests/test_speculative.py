@@ -156,13 +156,16 @@ def test_transfer_decodes_from_the_mapped_cache(models):
     windows = np.random.RandomState(0).randint(1, VOCAB, (8, 32)).astype(np.int32)
     kvmap = kvjax.fit_map(small, big, windows, windows[:4], batch_size=8)[0]  # small reads, large answers
     ps = prompts([9, 20, 4], seed=5)
-    for repair in (0, 1):
+    for repair, tail in ((0, 0), (1, 0), (1, 3)):
         result = speculative_split_generate(small, big, kvmap, ps, 12, draft_len=3, repair_layers=repair,
-                                            eos_token_ids=(), timings=True)
-        want = np.asarray(kvjax.generate_from(transfer_builder(small, big, kvmap, repair), ps, 12, eos_token_ids=()))
-        np.testing.assert_array_equal(np.asarray(result.tokens), want, err_msg=f"repair {repair}")
-        assert set(result.phases) == {"prefill", "map", "repair", "decode"}
-        assert (result.stats.emitted == 12).all()
+                                            tail_tokens=tail, eos_token_ids=(), timings=True)
+        want = np.asarray(kvjax.generate_from(transfer_builder(small, big, kvmap, repair, tail_tokens=tail), ps, 12,
+                                              eos_token_ids=()))
+        np.testing.assert_array_equal(np.asarray(result.tokens), want, err_msg=f"repair {repair}, tail {tail}")
+        assert set(result.phases) == {"prefill", "map", "repair", "tail", "decode"}
+        assert (result.phases["tail"] > 0) == (tail > 0) and (result.stats.emitted == 12).all()
+    with pytest.raises(ValueError, match="tail_tokens=-1: pass 0"):
+        speculative_split_generate(small, big, kvmap, ps, 12, tail_tokens=-1)
 
 
 @struct.dataclass

@@ -38,14 +38,21 @@ def split_tail(tokens: np.ndarray, lengths: np.ndarray, n: int) -> tuple[np.ndar
 
 
 class NativeTail(CacheBuilder):
-    """`kvmap`'s cache of each prompt with its last `n` tokens read by the target itself (n = 0: the mapped cache)."""
+    """`kvmap`'s cache of each prompt with its last `n` tokens read by the target itself (n = 0: the mapped cache).
+
+    `base`: the cache the tail is read on top of, when not the map's alone: another builder for the same target, e.g.
+    `PartialRecompute(source, target, kvmap, k)`, whose bottom layers the target has already recomputed over the
+    whole prompt (the tail then replaces the last n positions in every layer)."""
 
     def __init__(self, source, target, kvmap: KVMap, n: int, name: str | None = None, impl: str = "xla",
-                 shared: SourcePrefill | None = None):
+                 shared: SourcePrefill | None = None, base: CacheBuilder | None = None):
         if n < 0:
             raise ValueError(f"native tail of {n} tokens: pass 0 or more")
+        if base is not None and base.model[0] != target[0]:
+            raise ValueError(f"a native tail on {base.name!r}: that builder makes another model's cache; pass one "
+                             "that builds the target's")
         self.n, self.name = int(n), name or f"tail{n}"
-        self.mapped = Mapped(source, target, kvmap, impl=impl, shared=shared)
+        self.mapped = base if base is not None else Mapped(source, target, kvmap, impl=impl, shared=shared)
         self.model = self.mapped.model
 
     def build(self, tokens, lengths, capacity: int, clock: Clock) -> KVCache:

@@ -13,6 +13,8 @@
             the placement from RunConfig.arms)
   tail      the final map's cache with each prompt's last tokens read by the target itself (kvjax.builders.
             NativeTail; how many from RunConfig.arms.tail_tokens)
+  partial_tail  both: the partial arm's cache with the tail arm's native tail on top (NativeTail(base=
+            PartialRecompute(...)))
   source    the source reads and answers (native large model)
 
 Each row names the arm (its key in configs, eval records and metrics.json), its legend label and chart colour, how
@@ -71,7 +73,7 @@ class ArmSpec:
 
 
 TARGET, DIRECT, RIDGE, RESIDUAL, PARTIAL, SOURCE = "target", "direct", "ridge", "residual", "partial", "source"
-TAIL = "tail"
+TAIL, PARTIAL_TAIL = "tail", "partial_tail"
 PERHEAD = "perhead"
 BRIDGE = "bridge"
 
@@ -94,6 +96,11 @@ TABLE = (
     ArmSpec(TAIL, "map + native tail", "#8C8C8C",
             lambda c: NativeTail(c.source, c.target, c.map(c.final), c.settings.tail_tokens, name=TAIL,
                                  shared=c.shared), reads_settings=("tail_tokens",)),
+    ArmSpec(PARTIAL_TAIL, "partial recompute + native tail", "#E6A0C4",
+            lambda c: NativeTail(c.source, c.target, c.map(c.final), c.settings.tail_tokens, name=PARTIAL_TAIL,
+                                 base=PartialRecompute(c.source, c.target, c.map(c.final), c.settings.partial_k,
+                                                       c.settings.partial_mode, shared=c.shared)),
+            reads_settings=("partial_k", "partial_mode", "tail_tokens")),
     ArmSpec(SOURCE, "native source", "#DD8452", lambda c: c.shared),
 )
 ARMS = {a.name: a for a in TABLE}

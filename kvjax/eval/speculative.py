@@ -1,7 +1,8 @@
 """Speculative decoding timed side by side: the large model decoding natively, drafting by the small model from its own
 prefill (plain), drafting from a speculative KV transfer (the small model prefills once, its cache is mapped,
-optionally repaired, into the large model's, which verifies from it; kvjax.speculative), and, on request, the large
-model drafting for itself by prompt lookup (no small model; kvjax.speculative.LookupDrafter).
+optionally repaired, into the large model's, which verifies from it; kvjax.speculative), on request the same transfer
+with the prompt's last tokens read by the large model itself on top ("tail": kvjax.builders.NativeTail), and, on
+request, the large model drafting for itself by prompt lookup (no small model; kvjax.speculative.LookupDrafter).
 
 One request = the cache of all but the prompt's last token, then `new_tokens` generated tokens (the first included;
 EOS ignored, so every arm makes the same number). Each arm runs once per round in a rotating order; round 0 compiles
@@ -23,7 +24,7 @@ from kvjax.mapper.kvmap import KVMap
 from kvjax.split import native_generate
 from kvjax.models.model import Model
 
-NATIVE, PLAIN, TRANSFER, REPAIRED, LOOKUP = "native", "plain", "transfer", "repaired", "lookup"
+NATIVE, PLAIN, TRANSFER, REPAIRED, LOOKUP, TAIL = "native", "plain", "transfer", "repaired", "lookup", "tail"
 
 
 class _Prebuilt(CacheBuilder):
@@ -44,7 +45,7 @@ def _capacity(length: int, new_tokens: int, draft_len: int) -> int:
 
 
 def _run(arm: str, small: Model, large: Model, kvmap: KVMap, prompts: np.ndarray, new_tokens: int, draft_len: int,
-         repair: tuple[int, str]) -> dict:
+         repair: tuple[int, str], tail: int = 0) -> dict:
     """One request of one arm: {"seconds", "phases", "tokens" [B, N], "tau" (None for native)}."""
     from kvjax.speculative import speculative_generate, speculative_split_generate
     t0 = time.perf_counter()
@@ -62,9 +63,10 @@ def _run(arm: str, small: Model, large: Model, kvmap: KVMap, prompts: np.ndarray
                                                              return_stats=True))
         phases = dict(clock.phases)  # decode = the drafter's start (the small model's own prefill) + the verify loop
     else:
-        k, mode = repair if arm == REPAIRED else (0, "bottom")
+        k, mode = repair if arm in (REPAIRED, TAIL) else (0, "bottom")
         r = speculative_split_generate(small, large, kvmap, prompts, new_tokens, draft_len=draft_len, repair_layers=k,
-                                       repair_mode=mode, eos_token_ids=(), timings=True)
+                                       repair_mode=mode, tail_tokens=tail if arm == TAIL else 0, eos_token_ids=(),
+                                       timings=True)
         tokens, phases, stats = r.tokens, r.phases, r.stats
     tokens = np.asarray(jax.block_until_ready(tokens))
     seconds = time.perf_counter() - t0
@@ -81,15 +83,18 @@ def _agreement(tokens: np.ndarray, native: np.ndarray) -> tuple[float, float, fl
 
 def measure_speculative(small: Model, large: Model, kvmap: KVMap, tokens: np.ndarray, lengths, *,
                         draft_lens=(4,), new_tokens: int = 64, repeats: int = 3, batch_size: int = 1,
-                        repair: tuple[int, str] | None = (1, "bottom"), lookup: bool = False,
+                        repair: tuple[int, str] | None = (1, "bottom"), lookup: bool = False, tail: int = 0,
                         progress: bool = True) -> dict[int, dict]:
-    """Per prompt length, per arm ("native", then "plain@G", "transfer@G", "repaired@G" and with `lookup`
-    "lookup@G" for each draft length G):
+    """Per prompt length, per arm ("native", then "plain@G", "transfer@G", "repaired@G", with `tail` "tail@G" and
+    with `lookup` "lookup@G" for each draft length G):
     {"seconds": [per timed round], "phases": [{phase: s}], "tau": float | None, "exact", "prefix", "first"}, the
     last three comparing its output with the native arm's. `tokens`: a flat held-out token array; row r of a batch
-    is its r-th consecutive slice of each length. `repair`: (layers, mode) of the repaired arm, None to leave it out."""
+    is its r-th consecutive slice of each length. `repair`: (layers, mode) of the repaired arm, None to leave it out.
+    `tail` > 0: the tail arm, the transfer (repaired as the repaired arm, when there is one) with each prompt's last
+    `tail` tokens read by the large model itself."""
     tokens = np.asarray(tokens, np.int32).reshape(-1)
-    kinds = [PLAIN, TRANSFER] + ([REPAIRED] if repair and repair[0] > 0 else []) + ([LOOKUP] if lookup else [])
+    kinds = [PLAIN, TRANSFER] + ([REPAIRED] if repair and repair[0] > 0 else []) + ([TAIL] if tail > 0 else []) \
+        + ([LOOKUP] if lookup else [])
     arms = [(NATIVE, 0)] + [(k, g) for g in draft_lens for k in kinds]
     name = lambda arm, g: arm if arm == NATIVE else f"{arm}@{g}"  # noqa: E731
     out = {}
@@ -103,7 +108,7 @@ def measure_speculative(small: Model, large: Model, kvmap: KVMap, tokens: np.nda
         outputs = {}
         for r in range(repeats + 1):
             for arm, g in arms[r % len(arms):] + arms[: r % len(arms)]:
-                res = _run(arm, small, large, kvmap, prompts, new_tokens, g, repair or (0, "bottom"))
+                res = _run(arm, small, large, kvmap, prompts, new_tokens, g, repair or (0, "bottom"), tail)
                 row = rows[name(arm, g)]
                 outputs[name(arm, g)] = res["tokens"]  # greedy: the same every round
                 row["tau"] = res["tau"]

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.builders import CacheBuilder, Clock, Mapped, NativePrefill, PartialRecompute, SourcePrefill
+from kvjax.builders import CacheBuilder, Clock, Mapped, NativePrefill, NativeTail, PartialRecompute, SourcePrefill
 from kvjax.builders.partial import recompute_layers
 from kvjax.generation import Prepared, prepare
 from kvjax.mapper.kvmap import KVMap, check_models
@@ -156,36 +156,45 @@ def speculative_generate(verifier, drafter, prompts, max_new_tokens: int, *, dra
 
 
 def transfer_builder(small, large, kvmap: KVMap, repair_layers: int = 0, repair_mode: str = "bottom", *,
-                     impl: str = "xla", shared: SourcePrefill | None = None) -> CacheBuilder:
+                     tail_tokens: int = 0, impl: str = "xla", shared: SourcePrefill | None = None) -> CacheBuilder:
     """The builder whose cache the large model verifies from in speculative_split_generate: Mapped, or
-    PartialRecompute with `repair_layers` large-model layers recomputed (`repair_mode` "bottom" or "top"); `shared`:
-    the small model's prefill, when its cache also serves another purpose (the drafter's cache).
+    PartialRecompute with `repair_layers` large-model layers recomputed (`repair_mode` "bottom" or "top"); with
+    `tail_tokens`, the large model then reads each prompt's last that many tokens itself on top (NativeTail);
+    `shared`: the small model's prefill, when its cache also serves another purpose (the drafter's cache).
     kvjax.generate_from(transfer_builder(...), prompts, N) is the greedy output speculative_split_generate equals."""
     if repair_layers:
-        return PartialRecompute(small, large, kvmap, repair_layers, repair_mode, impl=impl, shared=shared)
-    return Mapped(small, large, kvmap, impl=impl, shared=shared)
+        base = PartialRecompute(small, large, kvmap, repair_layers, repair_mode, impl=impl, shared=shared)
+    else:
+        base = Mapped(small, large, kvmap, impl=impl, shared=shared)
+    return NativeTail(small, large, kvmap, tail_tokens, base=base) if tail_tokens else base
 
 
 def speculative_split_generate(small, large, kvmap: KVMap, prompts, max_new_tokens: int, *, draft_len: int = 4,
-                               repair_layers: int = 0, repair_mode: str = "bottom", temperature: float = 0.0,
+                               repair_layers: int = 0, repair_mode: str = "bottom", tail_tokens: int = 0,
+                               temperature: float = 0.0,
                                top_p: float = 1.0, key=None, eos_token_ids=None, pad_token_id: int | None = None,
                                timings: bool = False, impl: str = "xla") -> SpecResult:
     """Speculative KV transfer. The small model prefills each prompt (but its last token) ONCE; `kvmap` (fitted with
     the small model as source and the large one as target) maps that cache into the large model's coordinates, the
     large model optionally recomputes `repair_layers` of its layers over the prompt (`repair_mode` "bottom": layers
     0..k-1, "top": the last k; kvjax.builders.partial), then the small model drafts from its own cache and the large
-    model verifies from the mapped one (the verify loop of kvjax.speculative.loop).
+    model verifies from the mapped one (the verify loop of kvjax.speculative.loop). With `tail_tokens` the large
+    model also reads each prompt's last that many tokens itself, on top of the mapped (repaired) rest
+    (kvjax.builders.NativeTail).
 
     Returns SpecResult(tokens int32 [B, N], phases, stats). With `timings` the phases are seconds, each measured with
-    block_until_ready (so they do not overlap): prefill (small model), map, repair (0 without repair), decode (the
+    block_until_ready (so they do not overlap): prefill (small model), map, repair (0 without repair), tail (0
+    without one), decode (the
     speculative loop; includes compiling on a first call, so time a second call). Greedy output equals the large
     model's greedy decode from the mapped (repaired) cache: kvjax.generate_from(transfer_builder(small, large, kvmap,
-    repair_layers, repair_mode), prompts, N). Arguments otherwise as speculative_generate.
+    repair_layers, repair_mode, tail_tokens=tail_tokens), prompts, N). Arguments otherwise as speculative_generate.
     """
     small, large = as_model(small), as_model(large)
     check_models(kvmap, small.cfg, large.cfg)
     _check_draft_len(draft_len)
     recompute_layers(large.cfg.num_layers, int(repair_layers), repair_mode)  # the placement is checked up front
+    if tail_tokens < 0:
+        raise ValueError(f"tail_tokens={tail_tokens}: pass 0 (no native tail) or more")
     drafter = _as_drafter(small, draft_len, large.cfg.vocab_size)
     b = _prepare(prompts, max_new_tokens, draft_len, (large.cfg, small.cfg), temperature, top_p, key, eos_token_ids,
                  pad_token_id)
@@ -195,12 +204,14 @@ def speculative_split_generate(small, large, kvmap: KVMap, prompts, max_new_toke
     clock = Clock(enabled=timings)
     shared = SourcePrefill(small)  # one prefill of the small model: the map's input and the drafter's cache
     small_cache = shared(b.prefix, b.prefix_lengths, capacity=b.capacity, clock=clock)
-    builder = transfer_builder(small, large, kvmap, int(repair_layers), repair_mode, impl=impl, shared=shared)
+    builder = transfer_builder(small, large, kvmap, int(repair_layers), repair_mode, tail_tokens=int(tail_tokens),
+                               impl=impl, shared=shared)
     cache = builder(b.prefix, b.prefix_lengths, capacity=b.capacity, clock=clock)
     state = drafter.from_cache(small_cache)  # the drafter continues from the very prefill that was mapped
     out, counters = clock("decode", run_loop(loop_verifier(large), drafter, cache, state, b.last, b.key,
                                              int(max_new_tokens), b.sampling, b.eos, b.pad))
     phases = clock.phases
     phases = {"prefill": phases.get("source_prefill", 0.0), "map": phases.get("map", 0.0),
-              "repair": phases.get("recompute", 0.0), "decode": phases.get("decode", 0.0)} if timings else {}
+              "repair": phases.get("recompute", 0.0), "tail": phases.get("tail", 0.0),
+              "decode": phases.get("decode", 0.0)} if timings else {}
     return SpecResult(tokens=out, phases=phases, stats=stats_of(counters, draft_len))

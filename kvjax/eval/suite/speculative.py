@@ -3,8 +3,10 @@ side with the answerer's native decoding (kvjax.eval.speculative): plain draftin
 speculative KV transfer (the reader prefills once, its cache is mapped with the final map, optionally repaired, and the
 verifier checks drafts from the mapped cache; kvjax.speculative.speculative_split_generate). Per prompt length and
 draft length: acceptance length, decode tokens/s, end-to-end latency (cache + `new_tokens` tokens) and the transfer's
-agreement with the answerer's native greedy output; with `lookup`, also the answerer drafting for itself by prompt
-lookup (no reader: kvjax.speculative.LookupDrafter). For small reads, large answers; off by default. metrics.json
+agreement with the answerer's native greedy output; with `tail`, also the transfer (repaired, when the repaired arm
+runs) with the answerer reading each prompt's last RunConfig.arms.tail_tokens tokens itself on top
+(kvjax.builders.NativeTail); with `lookup`, also the answerer drafting for itself by prompt lookup (no reader:
+kvjax.speculative.LookupDrafter). For small reads, large answers; off by default. metrics.json
 `speculative`. The summary's best arm is the fastest whose output equals native greedy (plain, lookup); a transfer
 answers from another cache, so its latency is only ever quoted beside its agreement and its cache's quality."""
 
@@ -24,8 +26,10 @@ NATIVE = "native"
 # their latency is a speed-up of the same answer. transfer / repaired verify from the mapped cache: their latency buys
 # a different answer, so they are never ranked against native (kvjax.eval.speculative)
 SAME_CACHE = ("plain", "lookup")
-CACHE_ARM = {"transfer": None, "repaired": "partial"}  # the kvjax.eval.arms cache each reads (None: the final map)
-COLOURS = {"native": "#4C72B0", "plain": "#8172B3", "transfer": "#55A868", "repaired": "#C44E52", "lookup": "#DD8452"}
+# the kvjax.eval.arms cache each reads (None: the final map; the tail's: "partial_tail" with a repair, else "tail")
+CACHE_ARM = {"transfer": None, "repaired": "partial", "tail": "tail"}
+COLOURS = {"native": "#4C72B0", "plain": "#8172B3", "transfer": "#55A868", "repaired": "#C44E52", "lookup": "#DD8452",
+           "tail": "#E6A0C4"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,20 +42,25 @@ class SpeculativeEval:
     repair: bool = True  # also the transfer repaired by partial recomputation (RunConfig.arms settings)
     batch_size: int = 1
     lookup: bool = True  # also the answerer drafting for itself by prompt lookup (lookup@G; no reader involved)
+    # also tail@G: the transfer (repaired as repaired@G when `repair`) with the answerer reading each prompt's last
+    # RunConfig.arms.tail_tokens tokens itself on top (kvjax.builders.NativeTail)
+    tail: bool = False
 
 
 def run(ec: SpeculativeEval, ctx) -> dict:
     from kvjax.eval.speculative import measure_speculative
     repair = (ctx.cfg.arms.partial_k, ctx.cfg.arms.partial_mode) if ec.repair else None
+    tail = ctx.cfg.arms.tail_tokens if ec.tail else 0
     rows = measure_speculative(ctx.source, ctx.target, ctx.map(ctx.final), ctx.heldout.reshape(-1), ec.lengths,
                                draft_lens=ec.draft_lens, new_tokens=ec.new_tokens, repeats=ec.repeats,
-                               batch_size=ec.batch_size, repair=repair, lookup=ec.lookup)
+                               batch_size=ec.batch_size, repair=repair, lookup=ec.lookup, tail=tail)
     for length, arms in rows.items():
         log.info("speculative %5d: %s", length, {a: (round(float(np.median(r["seconds"])), 3), r["tau"],
                                                     round(r["prefix"], 3)) for a, r in arms.items()})
     return {"rows": {str(k): v for k, v in rows.items()}, "final": ctx.final, "new_tokens": ec.new_tokens,
             "batch_size": ec.batch_size, "repeats": ec.repeats,
-            "repair": None if repair is None else {"k": repair[0], "mode": repair[1]}}
+            "repair": None if repair is None else {"k": repair[0], "mode": repair[1]},
+            **({"tail_tokens": tail} if tail else {})}
 
 
 def _decode_seconds(phases: dict) -> float:
@@ -81,7 +90,7 @@ def metrics(ev: dict, ctx) -> dict:
             row[arm] = m
         out[length] = row
     return {"lengths": out, "final": ev["final"], "new_tokens": n, "batch_size": b, "repeats": ev["repeats"],
-            "repair": ev["repair"]}
+            "repair": ev["repair"], **({"tail_tokens": ev["tail_tokens"]} if "tail_tokens" in ev else {})}
 
 
 def _kind(arm: str) -> str:
@@ -100,6 +109,8 @@ def _cache_of(kind: str, sp: dict) -> str | None:
     kinds that read the answerer's own cache."""
     if kind not in CACHE_ARM:
         return None
+    if kind == "tail" and sp["repair"] and sp["repair"]["k"]:
+        return "partial_tail"
     return CACHE_ARM[kind] or sp["final"]
 
 
@@ -110,6 +121,10 @@ def _answers_from(kind: str, sp: dict, ctx) -> str:
     if kind == "repaired" and rep:
         return (f"answers from the {sp['final']}-mapped cache with {rep['mode']} {rep['k']} layer(s) recomputed, "
                 f"not {ctx.target}'s own")
+    if kind == "tail":
+        repaired = f" with {rep['mode']} {rep['k']} layer(s) recomputed" if rep and rep["k"] else ""
+        return (f"answers from the {sp['final']}-mapped cache{repaired} and the prompt's last {sp.get('tail_tokens')} "
+                f"tokens read by {ctx.target} itself, not {ctx.target}'s own cache")
     return f"verifies from {ctx.target}'s own cache, but its output differed from native greedy"
 
 
@@ -153,6 +168,8 @@ def report(sp: dict, ctx) -> list[str]:
            f"drafts G tokens per round from its own prefill; transfer@G = {ctx.source} prefills once, the "
            f"{sp['final']} map gives {ctx.target} its cache, {ctx.target} verifies from it"
            + (f"; repaired@G = the same with {rep['mode']} {rep['k']} {ctx.target} layer(s) recomputed" if rep else "")
+           + (f"; tail@G = the same{' repaired' if rep and rep['k'] else ''}, then {ctx.target} reads the prompt's "
+              f"last {sp['tail_tokens']} tokens itself" if sp.get("tail_tokens") else "")
            + (f"; lookup@G = {ctx.target} prefills natively and drafts for itself by prompt lookup (the G tokens "
               "that followed the latest earlier match of the context's last n-gram; no reader)"
               if any(_kind(a) == "lookup" for row in sp["lengths"].values() for a in row) else "")

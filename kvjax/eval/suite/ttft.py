@@ -17,10 +17,11 @@ from kvjax.eval.suite.evaluation import Chart, Evaluation, at_least_one
 
 log = logging.getLogger(__name__)
 # keys: the answerer's prefill, reader + map, + repair, + the answerer's own read of the prompt's last tokens
-NATIVE, MAPPED, PARTIAL, TAIL = "target", "mapped", "partial", "tail"
+NATIVE, MAPPED, PARTIAL, TAIL, PARTIAL_TAIL = "target", "mapped", "partial", "tail", "partial_tail"
 STYLE = {NATIVE: ("native {target} prefill", "#4C72B0"), MAPPED: ("{source} prefill + map", "#55A868"),
          PARTIAL: ("{source} prefill + map + repair", "#C44E52"),
-         TAIL: ("{source} prefill + map + native tail", "#8C8C8C")}
+         TAIL: ("{source} prefill + map + native tail", "#8C8C8C"),
+         PARTIAL_TAIL: ("{source} prefill + map + repair + native tail", "#E6A0C4")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,7 @@ class TTFTEval:
     repeats: int = 5  # timed rounds after a compile round (builders in rotating order); medians are reported
     repair: bool = True  # also time the repaired cache (partial recomputation, RunConfig.arms settings)
     tail: bool = False  # also time the map + native tail (kvjax.builders.NativeTail, RunConfig.arms.tail_tokens)
+    partial_tail: bool = False  # also time the repaired cache + native tail (the arms table's partial_tail)
     batch_size: int = 1  # requests together
 
 
@@ -43,12 +45,16 @@ def run(ec: TTFTEval, ctx) -> dict:
                                              ctx.cfg.arms.partial_mode)
     if ec.tail:
         builders[TAIL] = NativeTail(ctx.source, ctx.target, kvmap, ctx.cfg.arms.tail_tokens)
+    if ec.partial_tail:
+        builders[PARTIAL_TAIL] = NativeTail(ctx.source, ctx.target, kvmap, ctx.cfg.arms.tail_tokens,
+                                            base=PartialRecompute(ctx.source, ctx.target, kvmap,
+                                                                  ctx.cfg.arms.partial_k, ctx.cfg.arms.partial_mode))
     rows = measure_ttft(builders, ctx.heldout.reshape(-1), ec.lengths, repeats=ec.repeats, batch_size=ec.batch_size)
     for length, r in rows.items():
         log.info("ttft %5d: %s", length, {a: round(float(np.median(v)), 4) for a, v in r["rounds"].items()})
     return {"rows": {str(k): v for k, v in rows.items()}, "final": ctx.final, "batch_size": ec.batch_size,
             "repeats": ec.repeats, "repair": {"k": ctx.cfg.arms.partial_k, "mode": ctx.cfg.arms.partial_mode},
-            **({"tail_tokens": ctx.cfg.arms.tail_tokens} if ec.tail else {})}
+            **({"tail_tokens": ctx.cfg.arms.tail_tokens} if ec.tail or ec.partial_tail else {})}
 
 
 def metrics(ev: dict, ctx) -> dict:
@@ -76,7 +82,7 @@ def _labels(ctx) -> dict[str, tuple[str, str]]:
 
 def cache_arm(arm: str, tt: dict) -> str:
     """The kvjax.eval.arms cache a timed builder makes (mapped: the final map's; partial: its repair; tail: the map
-    with a native tail), whose answers the mc / native_kl evaluations score."""
+    with a native tail; partial_tail: the repair with one), whose answers the mc / native_kl evaluations score."""
     return tt["final"] if arm == MAPPED else arm
 
 
@@ -89,7 +95,8 @@ def summary(tt: dict, ctx) -> list[str]:
     labels = _labels(ctx)
     return [f"- Time to first token at {length_label(int(longest))}: {labels[a][0]} {s[a]:.2f}x the speed of "
             f"{ctx.target}'s own prefill, answering from the {cache_arm(a, tt)} cache, not {ctx.target}'s own "
-            f"(quality: {quality_cost(ctx.metrics, cache_arm(a, tt))})." for a in (MAPPED, PARTIAL, TAIL) if a in s]
+            f"(quality: {quality_cost(ctx.metrics, cache_arm(a, tt))})." for a in (MAPPED, PARTIAL, TAIL, PARTIAL_TAIL)
+            if a in s]
 
 
 def report(tt: dict, ctx) -> list[str]:
@@ -145,9 +152,10 @@ def chart(tt: dict, path: str, ctx) -> str:
 
 
 def _arm_settings(cfg) -> dict:
-    """The RunConfig.arms fields the timed builders read (the repair's; the tail's when it is timed)."""
+    """The RunConfig.arms fields the timed builders read (the repair's; the tail's when one is timed)."""
     out = {"partial_k": cfg.arms.partial_k, "partial_mode": cfg.arms.partial_mode}
-    return {**out, "tail_tokens": cfg.arms.tail_tokens} if cfg.eval.ttft.tail else out
+    tail = cfg.eval.ttft.tail or cfg.eval.ttft.partial_tail
+    return {**out, "tail_tokens": cfg.arms.tail_tokens} if tail else out
 
 
 def preflight(ec: TTFTEval, cfg) -> list[str]:
