@@ -174,3 +174,19 @@ def test_a_replay_draws_the_runs_widths_tiled_to_one_length():
     w = np.asarray(d.width)
     assert d.variable_length and w.shape == (16,) and sorted(np.bincount(w[:8], minlength=4).tolist()) == [0, 0, 3, 5]
     assert np.array_equal(w[8:], w[:8]) and not np.array_equal(w[:8], np.sort(w[:8]))
+
+
+def test_round_starts_probe():
+    """launch.research.round_starts: a row's rounds start where the previous one's accepted drafts and the verifier's
+    token end; a margin falls in its bucket; on a tiny random model every output position is counted once, every
+    round start at most once, every miss at a start (each drafter's output equal to greedy, checked inside)."""
+    from launch.research import round_starts as rs
+    starts, acc = rs.round_starts(np.asarray([2, 0, 3, -1, -1]))
+    assert starts.tolist() == [0, 3, 4] and acc.tolist() == [2, 0, 3]
+    t = rs.tabulate([(np.asarray([0.05, 0.3, 3.0, 9.0, 0.7]), starts, acc)])
+    assert t["positions"] == [1, 1, 1, 0, 1, 1] and t["starts"] == [1, 0, 1, 0, 0, 1] and t["misses"] == [0] * 5 + [1]
+    assert "0 - 0.1 | 20.0% | 33.3% | 0.0% |" in rs.report("x", t)
+    out = rs.main(["--smoke", "--blocks", "2", "--sets", "windows", "--kinds", "block", "lookup"])
+    for t in out["windows"].values():
+        assert sum(t["positions"]) == 2 * 12 and 0 < sum(t["starts"]) <= 24
+        assert all(m <= s for m, s in zip(t["misses"], t["starts"]))
