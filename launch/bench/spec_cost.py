@@ -503,6 +503,21 @@ def parse(argv):
     return args
 
 
+def setup(args):
+    """(the verifier, {set name: prompts}): the --smoke models and prompts, or the toy source and the --sets prompt
+    sets (--prompts each, of --prompt-len tokens)."""
+    if args.smoke:
+        return smoke_setup(args)
+    from kvjax.hf import load_hf, load_tokenizer
+    sets = {}
+    if "windows" in args.sets:
+        windows = np.load(os.path.join(args.eval_dir, "heldout_windows.npy"))
+        sets["windows"] = [w[: args.prompt_len].astype(int).tolist() for w in windows[: args.prompts]]
+    if "code" in args.sets:
+        sets["code"] = code_prompts(load_tokenizer(args.source), args.prompts, args.prompt_len)
+    return load_hf(args.source), sets
+
+
 def smoke_setup(args):
     import jax
 
@@ -535,18 +550,7 @@ def main(argv=None) -> dict:
                          "(the toy checkpoints ship in checkpoints/toy)")
     from kvjax import allocator
     applied = allocator.tune()  # as kvjax's programs run (kvjax.allocator); before XLA starts its threads
-    if args.smoke:
-        source, sets = smoke_setup(args)
-    else:
-        from kvjax.hf import load_hf, load_tokenizer
-        source = load_hf(args.source)
-        tok = load_tokenizer(args.source)
-        sets = {}
-        if "windows" in args.sets:
-            windows = np.load(os.path.join(args.eval_dir, "heldout_windows.npy"))
-            sets["windows"] = [w[: args.prompt_len].astype(int).tolist() for w in windows[: args.prompts]]
-        if "code" in args.sets:
-            sets["code"] = code_prompts(tok, args.prompts, args.prompt_len)
+    source, sets = setup(args)
     from launch.bench.spec_drafters import make_drafters
     drafters, parts, calls, builders = make_drafters(args, source)
     result = {"args": vars(args), "allocator": applied, "load": os.getloadavg(), "sets": {}}

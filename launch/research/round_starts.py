@@ -91,17 +91,7 @@ def main(argv=None) -> dict:
                 sys.exit(f"launch.research.round_starts: {path} is not a directory; run from the repository root "
                          "(the toy checkpoints ship in checkpoints/toy)")
     from kvjax.speculative.loop import stats_of
-    if args.smoke:
-        source, sets = spec_cost.smoke_setup(args)
-    else:
-        from kvjax.hf import load_hf, load_tokenizer
-        source = load_hf(args.source)
-        sets = {}
-        if "windows" in args.sets:
-            windows = np.load(os.path.join(args.eval_dir, "heldout_windows.npy"))
-            sets["windows"] = [w[: args.prompt_len].astype(int).tolist() for w in windows[: args.prompts]]
-        if "code" in args.sets:
-            sets["code"] = spec_cost.code_prompts(load_tokenizer(args.source), args.prompts, args.prompt_len)
+    source, sets = spec_cost.setup(args)
     drafters, _, _, builders = make_drafters(args, source)
     drafters = {k: d for k, d in drafters.items() if k not in builders}  # a transfer decodes from another cache
     out = {}
