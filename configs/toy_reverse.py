@@ -73,8 +73,8 @@ speculative KV transfer (tail@4) it is 0.96x native end to end at 4000 tokens (r
 verifier's answers are to its own, the fewer of the 2-layer drafter's tokens it accepts (1.20 a round against 1.55).
 
 Sizes: the forward toy job's calibration (128 x 512 tokens) and residual (100 steps of 8 x (256 + 64)), 64 native-KL
-windows, 200 items per multiple-choice set, 10 retrieval items, TTFT 5 timed rounds; about 7-10 minutes on 2 CPU
-cores (7:18 on 2026-12-06).
+windows, 200 items per multiple-choice set, 10 retrieval items, TTFT 5 timed rounds; about 9 minutes on 2 CPU cores
+(2026-12-06: 7:18 before the partial_tail arm, whose scoring and timing added 1:39 to the stages from mc on).
 """
 
 import dataclasses
