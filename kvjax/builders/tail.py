@@ -42,7 +42,8 @@ class NativeTail(CacheBuilder):
 
     `base`: the cache the tail is read on top of, when not the map's alone: another builder for the same target, e.g.
     `PartialRecompute(source, target, kvmap, k)`, whose bottom layers the target has already recomputed over the
-    whole prompt (the tail then replaces the last n positions in every layer)."""
+    whole prompt (the tail then replaces the last n positions in every layer); `impl` and `shared` are then the
+    base's own business, set where it is built."""
 
     def __init__(self, source, target, kvmap: KVMap, n: int, name: str | None = None, impl: str = "xla",
                  shared: SourcePrefill | None = None, base: CacheBuilder | None = None):
