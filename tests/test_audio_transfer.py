@@ -223,7 +223,7 @@ def test_metrics_report_and_gate_state_the_seeds_claims():
     from kvjax.eval.suite.evaluation import MetricsContext, ReportContext
     from kvjax.gate import GateConfig
     ev = record({"target_audio": 0.3, "mapped_audio": 0.5, "source_audio": 0.6, "text_map_audio": 0.4,
-                 "source_text": 0.7, "target_text": 0.45})
+                 "source_text": 0.7, "target_text": 0.45, "mapped_text": 0.6})
     m = audio.metrics(ev, MetricsContext(n_boot=2000, final="residual"))
     acc = m["accuracy"]
     assert m["mapped_minus_target_audio"] == pytest.approx(acc["mapped_audio"] - acc["target_audio"])
@@ -232,9 +232,14 @@ def test_metrics_report_and_gate_state_the_seeds_claims():
                                                / (acc["source_audio"] - acc["target_audio"]))
     assert m["source_margin_kept"] == pytest.approx((acc["source_audio"] - 0.25) / (acc["source_text"] - 0.25))
     assert m["speed"]["decode_ratio"] == pytest.approx(1.0)
+    # the same claims with no audio: the text map on the source reading the transcript against the answerer reading it
+    assert m["text_gap_recovered"] == pytest.approx((acc["mapped_text"] - acc["target_text"])
+                                                    / (acc["source_text"] - acc["target_text"]))
+    assert m["text_mapped_minus_target_ci95"][0] > 0
     ctx = ReportContext(metrics={"audio": m}, charts={}, final="residual", source="S", target="T")
     text = "\n".join(audio.report(m, ctx) + audio.summary(m, ctx))
     assert "of the gap recovered" in text and "p = " in text and "text map" in text
+    assert f"{100 * m['text_gap_recovered']:.1f}% of that gap recovered" in text
     assert "the audio map 4.900, the source listening 4.700, 33.3% of the way" in text  # (5.0 - 4.9) / (5.0 - 4.7)
     gate = GateConfig(min_audio_gain_ci_lo=0.0, min_audio_gap_recovered=0.5, min_audio_margin_kept=0.7,
                       min_audio_decode_ratio=0.97)
@@ -364,13 +369,14 @@ def test_ultravox8_1_runs_end_to_end_on_an_identity_pair(tmp_path):
     record = json.load(open(os.path.join(out, "eval", "audio.json")))
     lp = {a: np.asarray(r["logprobs"]) for a, r in record["arms"].items()}
     assert set(lp) == {"target_audio", "direct_audio", "text_map_audio", "mapped_audio", "source_audio",
-                       "target_text", "source_text", "null_source", "null_target"} and lp["source_audio"].shape == (6, 4)
+                       "target_text", "source_text", "mapped_text", "null_source", "null_target"} and lp["source_audio"].shape == (6, 4)
     np.testing.assert_allclose(lp["null_source"], lp["null_target"], atol=1e-5)
     np.testing.assert_allclose(lp["source_audio"], lp["target_audio"], atol=1e-5)  # one model, one adapter
     np.testing.assert_allclose(lp["direct_audio"], lp["target_audio"], atol=1e-5)  # a copy of its own cache
     np.testing.assert_allclose(lp["source_text"], lp["target_text"], atol=1e-5)
     for arm in ("text_map_audio", "mapped_audio"):  # the identity ridge + a near-zero residual
         np.testing.assert_allclose(lp[arm], lp["target_audio"], atol=0.05)
+    np.testing.assert_allclose(lp["mapped_text"], lp["target_text"], atol=0.05)  # the same, reading the transcript
     assert au["items"] == 6 and au["mapped_minus_target_audio_ci95"][0] <= 0 <= au["mapped_minus_target_audio_ci95"][1]
     assert au["map"]["clips"] == 4 and au["map"]["steps"] == 3
     assert au["speed"]["mapped_audio"]["decode_tok_s"] > 0 and "decode_ratio" in au["speed"]

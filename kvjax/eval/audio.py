@@ -40,6 +40,7 @@ ARMS = (
     ArmRow("source_audio", "source listens and answers", "#DD8452", "audio", "source"),
     ArmRow("target_text", "answerer reads the transcript", "#A6BDDB", "text", "target"),
     ArmRow("source_text", "source reads the transcript", "#FDBF6F", "text", "source"),
+    ArmRow("mapped_text", "text map, the source reading the transcript", "#B8DDB0", "text", "target"),
 )
 BY_NAME = {a.name: a for a in ARMS}
 

@@ -56,8 +56,10 @@ class AudioEval:
     speed_tokens: int = 128  # decode length of the side-by-side timing
     speed_rounds: int = 5  # interleaved rounds of the whole path (time to first token: medians)
     paired_decode: int = 21  # the two decodes timed alternately from caches prefilled once (decode speed: medians)
+    # mapped_text: the text map on the source READING the transcript, the answerer answering: how much of the
+    # source's lead a map carries on these items when no audio is involved (the ceiling of the audio arms' transfer)
     arms: tuple[str, ...] = ("target_audio", "direct_audio", "text_map_audio", "mapped_audio", "source_audio",
-                             "target_text", "source_text")
+                             "target_text", "source_text", "mapped_text")
 
 
 def load_adapter(path: str, model, placeholder: int | None):
@@ -175,6 +177,7 @@ def run(ec: AudioEval, ctx) -> dict:
         "source_audio": lambda: (listen, "audio"),
         "target_text": lambda: (NativePrefill(ctx.target, name="target_text"), "text"),
         "source_text": lambda: (NativePrefill(ctx.source, name="source_text"), "text"),
+        "mapped_text": lambda: (Mapped(ctx.source, ctx.target, text_map, name="mapped_text"), "text"),
     }
     builders = {a: makers[a]() for a in ec.arms}
     for who, model in (("source", ctx.source), ("target", ctx.target)):  # each answering model without the context
@@ -249,6 +252,12 @@ def metrics(ev: dict, ctx) -> dict:
     if "text_map_audio" in acc and "mapped_audio" in acc:
         ci = paired_bootstrap_ci(acc["mapped_audio"], acc["text_map_audio"], n=ctx.n_boot)
         out["audio_map_minus_text_map"], out["audio_map_minus_text_map_ci95"] = ci.mean, [ci.lo, ci.hi]
+    if {"mapped_text", "target_text", "source_text"} <= set(acc):  # the same claims with no audio: the map's ceiling
+        d = paired_bootstrap_ci(acc["mapped_text"], acc["target_text"], n=ctx.n_boot)
+        lead = paired_bootstrap_ci(acc["source_text"], acc["target_text"], n=ctx.n_boot)
+        out["text_mapped_minus_target"], out["text_mapped_minus_target_ci95"] = d.mean, [d.lo, d.hi]
+        out["text_source_lead"], out["text_source_lead_ci95"] = lead.mean, [lead.lo, lead.hi]
+        out["text_gap_recovered"] = float(d.mean / lead.mean) if lead.lo > 0 else None
     for who in ("source", "target"):  # does the model hear? its spoken margin over chance / its transcript margin
         sa, st = acc.get(f"{who}_audio"), acc.get(f"{who}_text")
         if sa is not None and st is not None and st.mean() > CHANCE:
@@ -316,6 +325,14 @@ def report(au: dict, ctx) -> list[str]:
         lo, hi = au["audio_map_minus_text_map_ci95"]
         out += [f"Does the text map alone transfer an audio cache? The audio map - the text map on the same cache: "
                 f"{pct(au['audio_map_minus_text_map'])} [{pct(lo)}, {pct(hi)}].", ""]
+    if "text_mapped_minus_target" in au:
+        lo, hi = au["text_mapped_minus_target_ci95"]
+        llo, lhi = au["text_source_lead_ci95"]
+        rec = au.get("text_gap_recovered")
+        out += [f"The same claims with no audio (the map's ceiling on these items): the text map on the source reading "
+                f"the transcript - the answerer reading it: {pct(au['text_mapped_minus_target'])} [{pct(lo)}, "
+                f"{pct(hi)}], against the source's lead on the transcript {pct(au['text_source_lead'])} [{pct(llo)}, "
+                f"{pct(lhi)}]" + (f": {pct(rec)} of that gap recovered." if rec is not None else "."), ""]
     for who, name in (("source", ctx.source), ("target", ctx.target)):
         if f"{who}_margin_kept" in au:
             out.append(f"- {name} hears: its spoken margin over chance is {pct(au[f'{who}_margin_kept'])} of its "
@@ -387,8 +404,8 @@ def preflight(ec: AudioEval, cfg) -> list[str]:
                        f"set --config.eval.audio.map_valid={held} or less (or train the map here: map_from='')")
     if ec.map_teacher not in ("listening", "transcript"):
         out.append(f"eval.audio.map_teacher: {ec.map_teacher!r} is not one of 'listening', 'transcript'")
-    unknown = [a for a in ec.arms if a not in {"target_audio", "direct_audio", "text_map_audio", "mapped_audio",
-                                              "source_audio", "target_text", "source_text"}]
+    from kvjax.eval.audio import BY_NAME
+    unknown = [a for a in ec.arms if a not in BY_NAME]
     if unknown:
         out.append(f"eval.audio.arms: unknown {unknown}")
     return out
