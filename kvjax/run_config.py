@@ -37,8 +37,10 @@ class ModelConfig:
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     # text the map is calibrated and its residual trained on; each entry is "stdlib:train" / "stdlib:heldout" (this
-    # machine's Python standard library, split by `manifest`), a local .txt file (one document), a .jsonl file (one
-    # document per record, field `text_field`) or a .npy array of token ids
+    # machine's Python standard library, split by `manifest`), "pydoc:..." (the documentation the toy models read
+    # besides code, Debian's python3.11-doc), "corpus:..." (both, mixed: all the toy models read; kvjax.corpus), a
+    # local .txt file (one document), a .jsonl file (one document per record, field `text_field`) or a .npy array of
+    # token ids
     train_text: tuple[str, ...] = ("stdlib:train",)
     # held-out text: cut into the evaluation windows when `heldout_windows` is empty, and the haystacks of generated
     # retrieval items

@@ -212,3 +212,24 @@ def test_mc_context_command(capsys):
     assert len(rows) == 2 and "| full |" in rows[0] and "| last 1 |" in rows[1]
     with pytest.raises(SystemExit):
         main(["--models", "nonsense"])
+
+
+def test_spoken_ceiling_command(tmp_path, capsys):
+    """launch.research.spoken_ceiling: one model as reader and answerer through the identity map scores the same on
+    every column, so there is no lead; a run without a map is refused with the fix."""
+    import json
+
+    from kvjax.mapper.injection import injection_map
+    from launch.research import spoken_ceiling
+    cfg, _ = kvjax.load_hf(os.path.join(TOY, "target"))
+    kvjax.save_map(tmp_path / "map", injection_map(cfg, cfg))
+    model = {"path": os.path.join(TOY, "target"), "dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps({"source": model, "target": model}))
+    assert spoken_ceiling.main(["--run", str(tmp_path), "--items", "8", "--open", "eos", "newline",
+                                "--hellaswag", "16", "--limit", "8"]) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
+    assert len(rows) == 3, rows
+    for r in rows:
+        assert r[1] == r[2] == r[3] and r[4].strip().startswith("+0.0%") and r[6].strip() == "no lead", r
+    assert spoken_ceiling.main(["--run", str(tmp_path / "none")]) == 2
+    assert "run the main job first" in capsys.readouterr().err
