@@ -7,7 +7,7 @@ import pytest
 
 import kvjax
 from kvjax.builders import (Clock, Mapped, NativePrefill, NativeTail, PartialRecompute, Pipelined, SourcePrefill,
-                            recompute, split_tail)
+                            recompute, repaired, split_tail)
 from kvjax.builders.partial import recompute_layers
 from kvjax.mapper.kvmap import apply_map
 from maptools import VOCAB, tiny_model, tiny_pair
@@ -202,6 +202,14 @@ def test_native_tail_on_a_partially_recomputed_cache(pair, kvmap):
                       partial(tokens, lengths, capacity=64))
     with pytest.raises(ValueError, match="makes another model's cache"):
         NativeTail(source, target, kvmap, 5, base=NativePrefill(source))
+    # kvjax.builders.repaired composes them, the name on the outermost builder; neither repair: the mapped cache
+    both = repaired(source, target, kvmap, 1, "bottom", 5, name="both")
+    assert both.name == "both" and isinstance(both.mapped, PartialRecompute) and both.mapped.layers == partial.layers
+    assert_same_cache(both(tokens, lengths, capacity=64), got)
+    only = [repaired(source, target, kvmap, name="m"), repaired(source, target, kvmap, 1),
+            repaired(source, target, kvmap, tail_tokens=5)]
+    assert [type(b).__name__ for b in only] == ["Mapped", "PartialRecompute", "NativeTail"] and only[0].name == "m"
+    assert isinstance(only[2].mapped, Mapped)
 
 
 def test_builder_input_errors(pair):

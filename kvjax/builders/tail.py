@@ -20,6 +20,7 @@ import numpy as np
 
 from kvjax.builders.base import CacheBuilder, Clock
 from kvjax.builders.mapped import Mapped, SourcePrefill
+from kvjax.builders.partial import PartialRecompute
 from kvjax.cache import KVCache
 from kvjax.mapper.kvmap import KVMap
 from kvjax.models.decoder import prefill_jit
@@ -65,3 +66,17 @@ class NativeTail(CacheBuilder):
         _, cache, _, _ = prefill_jit(params, cfg, jnp.asarray(tail), jnp.asarray(tail_len),
                                      mapped.replace(lengths=jnp.asarray(head)), fresh=False, logits=False)
         return clock("tail", cache.replace(origin=f"tail{self.n}:{mapped.origin}"))
+
+
+def repaired(source, target, kvmap: KVMap, layers: int = 0, mode: str = "bottom", tail_tokens: int = 0,
+             name: str | None = None, impl: str = "xla", shared: SourcePrefill | None = None) -> CacheBuilder:
+    """The map's cache with both repairs the answerer can make itself, each optional: `layers` of its layers
+    recomputed over the whole prompt (PartialRecompute, `mode` "bottom" or "top"), then its last `tail_tokens`
+    positions read natively on top (NativeTail). Neither: the mapped cache (Mapped). The one place the two compose,
+    for the evaluation arms, the TTFT evaluation and speculative KV transfer alike."""
+    own = None if tail_tokens else name  # the outermost builder carries the name
+    if layers:
+        base = PartialRecompute(source, target, kvmap, layers, mode, name=own, impl=impl, shared=shared)
+    else:
+        base = Mapped(source, target, kvmap, name=own or "mapped", impl=impl, shared=shared)
+    return NativeTail(source, target, kvmap, tail_tokens, name=name, base=base) if tail_tokens else base

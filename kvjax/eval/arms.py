@@ -13,8 +13,7 @@
             the placement from RunConfig.arms)
   tail      the final map's cache with each prompt's last tokens read by the target itself (kvjax.builders.
             NativeTail; how many from RunConfig.arms.tail_tokens)
-  partial_tail  both: the partial arm's cache with the tail arm's native tail on top (NativeTail(base=
-            PartialRecompute(...)))
+  partial_tail  both: the partial arm's cache with the tail arm's native tail on top (kvjax.builders.repaired)
   source    the source reads and answers (native large model)
 
 Each row names the arm (its key in configs, eval records and metrics.json), its legend label and chart colour, how
@@ -37,7 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from kvjax.builders import CacheBuilder, Mapped, NativePrefill, NativeTail, PartialRecompute, SourcePrefill
+from kvjax.builders import (CacheBuilder, Mapped, NativePrefill, NativeTail, PartialRecompute, SourcePrefill,
+                            repaired)
 from kvjax.cache import KVCache, cache_jit
 from kvjax.eval.arm_settings import ArmSettings
 from kvjax.eval.likelihood import bucket, continuation_logprobs, fit_capacity
@@ -97,9 +97,8 @@ TABLE = (
             lambda c: NativeTail(c.source, c.target, c.map(c.final), c.settings.tail_tokens, name=TAIL,
                                  shared=c.shared), reads_settings=("tail_tokens",)),
     ArmSpec(PARTIAL_TAIL, "partial recompute + native tail", "#E6A0C4",
-            lambda c: NativeTail(c.source, c.target, c.map(c.final), c.settings.tail_tokens, name=PARTIAL_TAIL,
-                                 base=PartialRecompute(c.source, c.target, c.map(c.final), c.settings.partial_k,
-                                                       c.settings.partial_mode, shared=c.shared)),
+            lambda c: repaired(c.source, c.target, c.map(c.final), c.settings.partial_k, c.settings.partial_mode,
+                               c.settings.tail_tokens, name=PARTIAL_TAIL, shared=c.shared),
             reads_settings=("partial_k", "partial_mode", "tail_tokens")),
     ArmSpec(SOURCE, "native source", "#DD8452", lambda c: c.shared),
 )

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.builders import CacheBuilder, Clock, Mapped, NativePrefill, NativeTail, PartialRecompute, SourcePrefill
+from kvjax.builders import CacheBuilder, Clock, NativePrefill, SourcePrefill, repaired
 from kvjax.builders.partial import recompute_layers
 from kvjax.generation import Prepared, prepare
 from kvjax.mapper.kvmap import KVMap, check_models
@@ -162,11 +162,7 @@ def transfer_builder(small, large, kvmap: KVMap, repair_layers: int = 0, repair_
     `tail_tokens`, the large model then reads each prompt's last that many tokens itself on top (NativeTail);
     `shared`: the small model's prefill, when its cache also serves another purpose (the drafter's cache).
     kvjax.generate_from(transfer_builder(...), prompts, N) is the greedy output speculative_split_generate equals."""
-    if repair_layers:
-        base = PartialRecompute(small, large, kvmap, repair_layers, repair_mode, impl=impl, shared=shared)
-    else:
-        base = Mapped(small, large, kvmap, impl=impl, shared=shared)
-    return NativeTail(small, large, kvmap, tail_tokens, base=base) if tail_tokens else base
+    return repaired(small, large, kvmap, repair_layers, repair_mode, tail_tokens, impl=impl, shared=shared)
 
 
 def speculative_split_generate(small, large, kvmap: KVMap, prompts, max_new_tokens: int, *, draft_len: int = 4,

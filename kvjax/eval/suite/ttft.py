@@ -36,7 +36,7 @@ class TTFTEval:
 
 
 def run(ec: TTFTEval, ctx) -> dict:
-    from kvjax.builders import Mapped, NativePrefill, NativeTail, PartialRecompute
+    from kvjax.builders import Mapped, NativePrefill, NativeTail, PartialRecompute, repaired
     from kvjax.eval.ttft import measure_ttft
     kvmap = ctx.map(ctx.final)
     builders = {NATIVE: NativePrefill(ctx.target), MAPPED: Mapped(ctx.source, ctx.target, kvmap)}
@@ -46,9 +46,8 @@ def run(ec: TTFTEval, ctx) -> dict:
     if ec.tail:
         builders[TAIL] = NativeTail(ctx.source, ctx.target, kvmap, ctx.cfg.arms.tail_tokens)
     if ec.partial_tail:
-        builders[PARTIAL_TAIL] = NativeTail(ctx.source, ctx.target, kvmap, ctx.cfg.arms.tail_tokens,
-                                            base=PartialRecompute(ctx.source, ctx.target, kvmap,
-                                                                  ctx.cfg.arms.partial_k, ctx.cfg.arms.partial_mode))
+        builders[PARTIAL_TAIL] = repaired(ctx.source, ctx.target, kvmap, ctx.cfg.arms.partial_k,
+                                          ctx.cfg.arms.partial_mode, ctx.cfg.arms.tail_tokens)
     rows = measure_ttft(builders, ctx.heldout.reshape(-1), ec.lengths, repeats=ec.repeats, batch_size=ec.batch_size)
     for length, r in rows.items():
         log.info("ttft %5d: %s", length, {a: round(float(np.median(v)), 4) for a, v in r["rounds"].items()})
