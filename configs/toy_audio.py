@@ -12,7 +12,8 @@ clips, shipped in checkpoints/toy/audio/map; docs/audio.md has the command; `--c
 one in the run instead, on 152 shipped clips of checkpoints/toy/audio/map_train), measures it on 32 held-out clips
 and scores the sealed spoken multiple-choice test through every arm: the answerer on the mapped audio cache, the
 same with the text map alone, direct injection, the answerer's own audio path, the source listening, each model on
-the transcript.
+the transcript, and the text map on the source reading the transcript (`mapped_text`: how much of the source's lead
+any map carries on these items, none on the toy: docs/audio.md).
 The gate holds the seed's claims: the mapped cache beats the answerer's own audio path (paired 95% interval above
 zero), recovers >= 50% of the gap to the listening source, the source hears (>= 70% of its transcript margin over
 chance kept) and mapped decoding runs at >= 0.97x the answerer's own speed, side by side.
