@@ -148,7 +148,7 @@ def audio_map_for(ec: AudioEval, ctx, src_alm, tgt_alm, prompts, tok):
 
 
 def run(ec: AudioEval, ctx) -> dict:
-    from kvjax.builders import Clock, Mapped, NativePrefill
+    from kvjax.builders import Clock, Mapped, NativePrefill, SourcePrefill
     from kvjax.builders.audio import AudioPrefill
     from kvjax.eval import audio as A
     from kvjax.generation import alternating_decode_seconds, generate_from
@@ -166,6 +166,7 @@ def run(ec: AudioEval, ctx) -> dict:
     # ---- the sealed test through every arm
     listen = AudioPrefill(src_alm, name="source_audio")
     own = AudioPrefill(tgt_alm, name="target_audio")
+    read = SourcePrefill(ctx.source, name="source_text")  # the source reads each batch's transcripts once for both
     makers = {
         "target_audio": lambda: (own, "audio"),
         "direct_audio": lambda: (Mapped(ctx.source, ctx.target, injection_map(ctx.source[0], ctx.target[0]),
@@ -176,8 +177,8 @@ def run(ec: AudioEval, ctx) -> dict:
                                  "audio"),
         "source_audio": lambda: (listen, "audio"),
         "target_text": lambda: (NativePrefill(ctx.target, name="target_text"), "text"),
-        "source_text": lambda: (NativePrefill(ctx.source, name="source_text"), "text"),
-        "mapped_text": lambda: (Mapped(ctx.source, ctx.target, text_map, name="mapped_text"), "text"),
+        "source_text": lambda: (read, "text"),
+        "mapped_text": lambda: (Mapped(ctx.source, ctx.target, text_map, name="mapped_text", shared=read), "text"),
     }
     builders = {a: makers[a]() for a in ec.arms}
     for who, model in (("source", ctx.source), ("target", ctx.target)):  # each answering model without the context
