@@ -91,7 +91,7 @@ def main(argv=None) -> int:
         correct = {k: A.correct(res[k]["logprobs"], res[n]["logprobs"], res["labels"]) for k, n in null.items()}
         print(row(f"spoken transcripts, opened by {opener!r}", correct, args.boot), flush=True)
     if args.hellaswag:
-        mc = load_mc(os.path.join("checkpoints/toy/eval/hellaswag.jsonl"), limit=args.limit)
+        mc = load_mc("checkpoints/toy/eval/hellaswag.jsonl", limit=args.limit)
         arms = make_arms(("target", "source", "residual"), reader, answerer, {"residual": kvmap})
         for n in args.hellaswag:
             view = mc if n == 0 else [dataclasses.replace(it, context=tok.decode(
