@@ -4,6 +4,7 @@ token-identical to greedy kvjax.generate (ragged batches, b = 4 and 16, EOS), an
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -204,6 +205,13 @@ def test_toy_drafter_records_its_recipe_without_paths():
         "--steps", "5", "--sampled-frac", "0.5"]
 
 
+def test_toy_drafter_grows_but_never_shrinks_a_trained_drafter(tmp_path):
+    from launch.toy.drafter import main
+    with pytest.raises(SystemExit, match="has 2 layers .* pass --layers of at least 2"):
+        main(["--init-from", "checkpoints/toy/drafter", "--layers", "1", "--work", str(tmp_path), "--data-only"])
+    assert not any(tmp_path.iterdir())  # refused before anything is written
+
+
 def test_training_continues_from_a_trained_drafter(pair, tmp_path):
     """`init`: training starts from the given drafter (its vocabulary aside), not from the verifier's layers. At the
     first step the warm-up's learning rate is 0, so one step returns exactly where it started."""
@@ -220,3 +228,36 @@ def test_training_continues_from_a_trained_drafter(pair, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, out, dm.with_vocab(dp, None))
     fresh = train_drafter(verifier, dcfg, tc, data, feats, None, str(tmp_path / "fresh"))
     assert not np.array_equal(fresh.fc, dp.fc)  # without `init`: a new drafter
+
+
+def test_growing_a_drafter_keeps_its_drafts_and_trains_the_new_layers(pair, tmp_path):
+    """`grow`: the new layers on top start as the identity, so the grown drafter's logits are the small one's; their
+    residual writes still get gradients (training moves them); shrinking is refused. Stored in bfloat16 it is half
+    the size and loads back as float32."""
+    (cfg, params), dcfg, dp = pair
+    big = dataclasses.replace(dcfg, layer=dataclasses.replace(dcfg.layer, num_layers=3))
+    grown = dm.grow(dp, big, params)
+    assert len(grown.layers) == 3
+    np.testing.assert_array_equal(grown.layers[0].q, dp.layers[0].q)
+    np.testing.assert_array_equal(grown.layers[2].q, params.layers[-1].q)  # a copy of the verifier's top layer
+    tokens = jax.random.randint(jax.random.key(5), (2, 40), 0, VOCAB)
+    feats = dm.target_features(params, cfg, tokens, dcfg.feature_layers)
+    anchors, sizes = jnp.array([[10, 20], [15, 30]]), jnp.array([[16, 4], [4, 16]])
+    head = dm.draft_head(params, None)
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def logits(d, c):
+        return dm.train_logits(d, c, params, feats, tokens, anchors, sizes, 16, head)
+
+    np.testing.assert_allclose(logits(grown, big), logits(dp, dcfg), atol=1e-5)
+    grads = jax.grad(lambda d: jnp.sum(jax.nn.log_softmax(logits(d, big))[..., 3]))(grown)
+    assert float(jnp.abs(grads.layers[2].o).max()) > 0 and float(jnp.abs(grads.layers[1].down).max()) > 0
+    with pytest.raises(ValueError, match="cannot grow a 3-layer drafter to 1"):
+        dm.grow(grown, dcfg, params)
+    save_drafter(str(tmp_path / "f32"), big, grown)
+    save_drafter(str(tmp_path / "bf16"), big, grown, dtype="bfloat16")
+    size = {k: (tmp_path / k / "drafter.safetensors").stat().st_size for k in ("f32", "bf16")}
+    assert size["bf16"] < 0.55 * size["f32"]
+    _, back = kvjax.drafter.load_drafter(str(tmp_path / "bf16"), cfg)
+    assert back.fc.dtype == jnp.float32
+    np.testing.assert_allclose(back.fc, grown.fc, rtol=1e-2, atol=1e-3)

@@ -95,6 +95,34 @@ def init_drafter(dcfg: DrafterConfig, key: jax.Array, std: float = 0.02, target_
     return params
 
 
+# Fields through which a layer writes to the residual stream (attention's output projection, the MLP's down
+# projection, and their biases where a family has them): zeroed, they make the layer the identity.
+_WRITES = ("o", "o_bias", "down", "down_bias")
+
+
+def grow(params: DrafterParams, dcfg: DrafterConfig, target_params) -> DrafterParams:
+    """A trained drafter `params` with fewer layers as a drafter of `dcfg.num_layers` layers that computes exactly
+    what it computed (Net2Net's function-preserving growth): the new layers go on top, each a copy of one of the
+    verifier's last layers (so it already reads this hidden space) with its residual writes zeroed, so it adds
+    nothing until training moves them. Training the grown drafter then starts from the smaller one's acceptance
+    instead of from scratch. The draft vocabulary is kept."""
+    have, want = len(params.layers), dcfg.num_layers
+    if want < have:
+        raise ValueError(f"cannot grow a {have}-layer drafter to {want} layers; pass --layers >= {have}")
+    if want - have > len(target_params.layers):
+        raise ValueError(f"growing by {want - have} layers needs as many verifier layers to copy; the verifier has "
+                         f"{len(target_params.layers)}")
+    new = []
+    for lp in target_params.layers[len(target_params.layers) - (want - have):]:
+        names = [f.name for f in dataclasses.fields(lp)]
+        if "o" not in names or "down" not in names:
+            raise ValueError(f"growing a drafter needs layers with `o` and `down` projections; "
+                             f"{type(lp).__name__} has {names}")
+        new.append(lp.replace(**{n: jnp.zeros_like(getattr(lp, n)) for n in _WRITES
+                                 if n in names and getattr(lp, n) is not None}))
+    return params.replace(layers=tuple(params.layers) + tuple(new))
+
+
 # ---- verifier features ---------------------------------------------------------------------------------------------
 
 def target_features(tparams, tcfg, tokens: jax.Array, feature_layers: tuple[int, ...]) -> jax.Array:

@@ -21,6 +21,7 @@ prompt sets are unseen.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -32,7 +33,7 @@ import numpy as np
 
 from kvjax.drafter.config import drafter_config
 from kvjax.drafter.io import DrafterError, load_drafter, load_manifest, save_drafter
-from kvjax.drafter.model import with_vocab
+from kvjax.drafter.model import grow, with_vocab
 from kvjax.drafter.train import (DrafterTrainConfig, draft_vocabulary, make_features, make_sequences,
                                  train_drafter)
 from kvjax.hf import load_hf, load_tokenizer
@@ -117,7 +118,11 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0,
                    help="draws the prompts, the sampled continuations and the training batches")
     p.add_argument("--init-from", metavar="DRAFTER",
-                   help="continue from this trained drafter (its config and draft vocabulary; a fresh schedule)")
+                   help="continue from this trained drafter (its config and draft vocabulary; a fresh schedule); "
+                        "with more --layers than it has, it is grown first (new layers on top, starting as the "
+                        "identity: kvjax.drafter.model.grow)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the exported weights' dtype (bfloat16: half the size; they load back as float32)")
     p.add_argument("--stop-at", type=int, help="stop (checkpointed) after this step; rerun to continue")
     p.add_argument("--data-only", action="store_true", help="build the cached data stages and stop")
     p.add_argument("--smoke", action="store_true", help="tiny sizes in --work/smoke, nothing exported")
@@ -140,9 +145,15 @@ def main(argv=None) -> None:
             init_notes = load_manifest(a.init_from).get("notes", {})
         except DrafterError as e:
             sys.exit(f"error: --init-from: {e}")
-        if init_cfg != dcfg:
-            sys.exit(f"error: --init-from {a.init_from} has {init_cfg.layer.num_hidden_layers} layers and block sizes "
-                     f"{list(init_cfg.block_sizes)}; pass the same --layers and --block-sizes")
+        grown = dataclasses.replace(init_cfg, layer=dcfg.layer)
+        if grown != dcfg or init_cfg.num_layers > dcfg.num_layers:
+            sys.exit(f"error: --init-from {a.init_from} has {init_cfg.num_layers} layers and block sizes "
+                     f"{list(init_cfg.block_sizes)}; pass --layers of at least {init_cfg.num_layers} and the same "
+                     "--block-sizes")
+        if init_cfg.num_layers < dcfg.num_layers:
+            init = grow(init, dcfg, model.params)
+            log.info("grew %s from %d to %d layers (the new ones start as the identity)", a.init_from,
+                     init_cfg.num_layers, dcfg.num_layers)
     os.makedirs(work, exist_ok=True)
     check_recipe(work, {"sequences": a.sequences, "prompt_len": list(a.prompt_len), "gen_len": a.gen_len,
                         "sampled_frac": a.sampled_frac, "temperature": a.temperature if a.sampled_frac else None,
@@ -183,10 +194,11 @@ def main(argv=None) -> None:
                                                                                else sys.argv[1:])),
              "sequences": a.sequences, "prompt_len": list(a.prompt_len), "gen_len": a.gen_len,
              "sampled_frac": a.sampled_frac, "temperature": a.temperature if a.sampled_frac else None,
-             "steps": a.steps, "seed": a.seed, "final": last}
+             "steps": a.steps, "seed": a.seed, "layers": a.layers, "dtype": a.dtype, "final": last}
     if init_notes is not None:
         notes["continues"] = init_notes  # the recipe chain: what this run started from
-    save_drafter(a.out, dcfg, with_vocab(params, vocab), notes=notes)
+    save_drafter(a.out, dcfg, with_vocab(params, vocab), notes=notes,
+                 dtype=None if a.dtype == "float32" else a.dtype)
     for chart in ("loss.png", "tau.png"):
         shutil.copyfile(os.path.join(work, "train", chart), os.path.join(a.out, chart))
     log.info("exported to %s (%.1f MB) in %.0fs", a.out,
