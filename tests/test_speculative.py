@@ -313,9 +313,60 @@ def test_combined_drafter_is_exact_and_takes_lookup_where_the_text_repeats(model
     assert lookup_rounds > 0 and int(stats.drafter["model_rounds"]) == int(np.sum(stats.widths)) - lookup_rounds
 
 
+def test_combined_drafter_lets_a_sure_block_drafter_overrule_a_copy(models):
+    """`sure`: a copy is followed only up to where the model drafter contradicts it with probability >= sure (here a
+    block drafter made certain of token 5 everywhere, which the copies never hold, so no copy is taken); the output is
+    still the verifier's greedy decode; sure = 0 copies as before; a threshold outside [0, 1) or a drafter without
+    confidences is refused. The block drafter's confidences are those of its own drafts."""
+    from kvjax.speculative import combined
+    big, _, _ = models
+    block = _block(big, 4)
+    state = block.start(jnp.asarray([[3, 4, 5, 6]]), jnp.asarray([4]), 64,
+                        jnp.ones((1, 4, block.dcfg.feature_size), jnp.float32))
+    tokens, _, _, (top, conf) = block.propose_with_confidence(state, jnp.asarray([2]), jax.random.key(0), Sampling(0.0))
+    np.testing.assert_array_equal(top, tokens)
+    assert top.shape == conf.shape == (1, 4) and float(conf.min()) > 0 and float(conf.max()) <= 1
+
+    @struct.dataclass
+    class Certain:  # the block drafter, claiming certainty of token 5 at every first position
+        inner: object
+        draft_len: int = struct.field(pytree_node=False, default=4)
+        feature_layers: tuple = struct.field(pytree_node=False, default=())
+
+        def start(self, *a):
+            return self.inner.start(*a)
+
+        def commit(self, *a):
+            return self.inner.commit(*a)
+
+        def propose(self, *a):
+            return self.inner.propose(*a)
+
+        def propose_with_confidence(self, st, last, key, sampling):
+            d, q, st, _ = self.inner.propose_with_confidence(st, last, key, sampling)
+            return d, q, st, (jnp.full(d.shape, 5, jnp.int32), jnp.ones(d.shape))
+
+    certain = Certain(block, draft_len=4, feature_layers=block.feature_layers)
+    rng = np.random.RandomState(12)
+    phrase = [p if p != 5 else 6 for p in rng.randint(1, VOCAB, 6).tolist()]  # no copy starts with 5
+    want = native(big, [phrase * 4], 16, eos_token_ids=())
+    stats = {}
+    for sure in (0.0, 0.5):
+        got, stats[sure] = speculative_generate(big, combined(certain, VOCAB, sure=sure), [phrase * 4], 16,
+                                                eos_token_ids=(), return_stats=True)
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"sure {sure}")
+    assert int(stats[0.0].drafter["lookup_rows"][0]) > 0
+    assert int(stats[0.5].drafter["lookup_rows"][0]) == 0  # every copy overruled
+    assert int(stats[0.5].drafter["model_rounds"]) == int(np.sum(stats[0.5].widths))
+    with pytest.raises(ValueError, match=r"sure must be in \[0, 1\)"):
+        combined(block, VOCAB, sure=1.0)
+    with pytest.raises(TypeError, match="propose_with_confidence"):
+        combined(LookupDrafter(VOCAB, draft_len=4), VOCAB, sure=0.5)
+
+
 def test_combined_drafter_sampling_follows_the_verifiers_distribution():
-    """The copy (one-hot q) where the context repeats, the block drafter's q where it does not: either way the first
-    two tokens are distributed as the verifier's."""
+    """The copy (one-hot q) where the context repeats, the block drafter's q where it does not or where it overrules
+    the copy (`sure`): either way the first two tokens are distributed as the verifier's."""
     from kvjax.speculative import combined
     cfg = kvjax.Qwen3Config(vocab_size=12, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
                             num_kv_heads=1, head_dim=16, tie_word_embeddings=True, eos_token_ids=(), pad_token_id=0)
@@ -326,13 +377,19 @@ def test_combined_drafter_sampling_follows_the_verifiers_distribution():
         return np.asarray(sampling_probs(forward_nocache(verifier.params, cfg, jnp.asarray([toks]))[0, -1], s),
                           np.float64)
 
-    drafter = combined(_block(verifier, 2), 12, min_match=2)
-    for prompt in ([3, 7, 1, 9, 3, 7, 1, 9, 3, 7], [3, 7, 1, 9, 5, 2]):  # "3 7" recurs: copy; nothing recurs: block
+    # "3 7" recurs: copy; nothing recurs: block; with sure = 0.01 the random block drafter overrules the copy (spliced
+    # rows draw some positions from the copy and the rest from the block drafter's q)
+    for sure, prompt in ((0.0, [3, 7, 1, 9, 3, 7, 1, 9, 3, 7]), (0.0, [3, 7, 1, 9, 5, 2]),
+                         (0.01, [3, 7, 1, 9, 3, 7, 1, 9, 3, 7])):
+        drafter = combined(_block(verifier, 2), 12, min_match=2, sure=sure)
         out, stats = speculative_generate(verifier, drafter, [prompt] * rows, 2, temperature=s.temperature,
                                           top_p=s.top_p, key=jax.random.key(44), return_stats=True)
         out = np.asarray(out)
         copied = int(stats.drafter["lookup_rows"].sum())
-        assert (copied >= rows) if prompt[-1] == 7 else (int(stats.drafter["model_rounds"]) >= 1)
+        if sure:  # overruled except where the drafter's own first choice is the copy's
+            assert copied < rows // 2
+        else:
+            assert (copied >= rows) if prompt[-1] == 7 else (int(stats.drafter["model_rounds"]) >= 1)
         counts = np.bincount(out[:, 0], minlength=12)
         assert _chi2_pvalue(counts, dist(prompt)) > 1e-3
         x1 = int(np.argmax(counts))

@@ -57,17 +57,26 @@ class BlockDrafter:
         return BlockState(_extend_jit(self.params, self.dcfg, cache, features, jnp.asarray(lengths, jnp.int32)))
 
     def propose(self, state: BlockState, last, key, sampling: Sampling):
+        return self.propose_with_confidence(state, last, key, sampling)[:3]
+
+    def propose_with_confidence(self, state: BlockState, last, key, sampling: Sampling):
+        """`propose`, and at each draft position the drafter's most likely token and its probability ([B, b] each,
+        from the drafter's logits alone, never from a draw: kvjax.speculative.combined decides on them and stays
+        exact)."""
         verifier = _Embedding(self.embed)
         greedy = sampling.temperature == 0.0
         tokens, logits = draft(self.params, self.dcfg, verifier, state.cache, last, self.draft_len, self.head,
                                refine=self.refine if greedy else 0)
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        top = jnp.argmax(probs, axis=-1).astype(jnp.int32)
+        sure = (top if self.params.vocab_ids is None else self.params.vocab_ids[top], jnp.max(probs, axis=-1))
         if greedy:
-            return tokens, None, state
+            return tokens, None, state, sure
         full = logits if self.params.vocab_ids is None else (
             jnp.full(logits.shape[:-1] + (self.embed.shape[0],), -jnp.inf, logits.dtype)
             .at[..., self.params.vocab_ids].set(logits))  # tokens outside the draft vocabulary: q = 0
         q = sampling_probs(full, sampling)
-        return draw(q, key), q, state
+        return draw(q, key), q, state, sure
 
     def commit(self, state: BlockState, tokens, n_new, features=None) -> BlockState:
         # finished rows (n_new == 0) write past their lengths only: dead entries, so their state is unchanged

@@ -9,7 +9,13 @@ n-gram is at least `min_match` tokens long, and the model drafter's draft otherw
 the model drafter does not run at all that round (its forward is skipped, not masked), so a round of repeated text
 costs what a lookup round costs.
 
-Exactness. The choice depends only on the context (the matched n-gram length), never on what either drafter draws,
+With `sure` > 0 the model drafter also runs in rounds that copy, and splices: a copying row keeps lookup's tokens up
+to the first position where the model drafter's most likely token differs from the copy with probability >= `sure`
+(or where the copy ends), and takes the model drafter's tokens from there on. A copy of a short repeat then no longer
+displaces what a good model drafter is sure of; the model drafter runs every round.
+
+Exactness. The choice depends only on the context (the matched n-gram length, and with `sure` the copy and the model
+drafter's distributions, functions of the context too), never on what either drafter draws,
 so each row's drafts are drawn from the distribution q handed to the verify loop: lookup's one-hot for its rows, the
 model drafter's for the others; the loop's rejection rule then keeps the verifier's distribution, and greedy output
 is the verifier's own greedy decode (tests/test_speculative.py checks both).
@@ -49,6 +55,7 @@ class CombinedDrafter:
     model: object  # a drafter object whose propose leaves its state unchanged (e.g. kvjax.drafter.BlockDrafter)
     lookup: LookupDrafter
     min_match: int = struct.field(pytree_node=False, default=2)
+    sure: float = struct.field(pytree_node=False, default=0.0)  # the model drafter overrules a copy at this confidence
     variable_length: bool = struct.field(pytree_node=False, default=True)
 
     @property
@@ -68,9 +75,6 @@ class CombinedDrafter:
     def propose(self, state: CombinedState, last, key, sampling):
         b, g, vocab = last.shape[0], self.draft_len, self.lookup.vocab_size
         greedy = sampling.temperature == 0.0
-        l_drafts, n, l_state = self.lookup.match(state.lookup, last)
-        use_lookup = n >= self.min_match  # [B]: depends on the context only (see the module docstring)
-        everyone_copies = jnp.all(use_lookup)
 
         def run(_):  # the model drafter's drafts (and q when sampling); its state is unchanged by propose
             drafts, q, _ = self.model.propose(state.model, last, key, sampling)
@@ -79,13 +83,24 @@ class CombinedDrafter:
         def skip(_):  # every row copies: the model drafter's forward is not run this round
             return (jnp.zeros((b, g), jnp.int32),) + (() if greedy else (jnp.zeros((b, g, vocab), jnp.float32),))
 
-        model = jax.lax.cond(everyone_copies, skip, run, None)
-        drafts = jnp.where(use_lookup[:, None], l_drafts, model[0])
+        l_drafts, n, l_state = self.lookup.match(state.lookup, last)
+        use_lookup = n >= self.min_match  # [B]: depends on the context only (see the module docstring)
+        take = jnp.broadcast_to(use_lookup[:, None], (b, g))  # [B, g]: positions drafted by the copy
+        if self.sure > 0:  # the model drafter runs every round; a copy is followed until it contradicts a sure token
+            drafts, q, _, (top, conf) = self.model.propose_with_confidence(state.model, last, key, sampling)
+            off = (l_drafts < 0) | ((top != l_drafts) & (conf >= self.sure))
+            take = take & (jnp.cumsum(off, axis=1) == 0)
+            everyone_copies = jnp.zeros((), bool)
+            model = (drafts.astype(jnp.int32),) + (() if greedy else (q,))
+        else:
+            everyone_copies = jnp.all(use_lookup)
+            model = jax.lax.cond(everyone_copies, skip, run, None)
+        drafts = jnp.where(take, l_drafts, model[0])
         q = None
         if not greedy:  # lookup's q is one-hot (zeros where it drafted nothing, -1)
-            q = jnp.where(use_lookup[:, None, None], jax.nn.one_hot(l_drafts, vocab, dtype=jnp.float32), model[1])
+            q = jnp.where(take[..., None], jax.nn.one_hot(l_drafts, vocab, dtype=jnp.float32), model[1])
         state = state.replace(lookup=l_state, model_rounds=state.model_rounds + (~everyone_copies).astype(jnp.int32),
-                              lookup_rows=state.lookup_rows + use_lookup.astype(jnp.int32))
+                              lookup_rows=state.lookup_rows + take[:, 0].astype(jnp.int32))
         return drafts, q, state
 
     def counters(self, state: CombinedState) -> dict:
@@ -97,9 +112,11 @@ class CombinedDrafter:
                              lookup=self.lookup.commit(state.lookup, tokens, n_new))
 
 
-def combined(model_drafter, vocab_size: int, *, min_match: int = 2, max_ngram: int = 3) -> CombinedDrafter:
+def combined(model_drafter, vocab_size: int, *, min_match: int = 2, max_ngram: int = 3,
+             sure: float = 0.0) -> CombinedDrafter:
     """A CombinedDrafter of `model_drafter` (e.g. kvjax.drafter.load_block_drafter(...)) and prompt lookup at the same
-    draft length; `min_match`: the shortest recurring n-gram whose copy is preferred (1..max_ngram)."""
+    draft length; `min_match`: the shortest recurring n-gram whose copy is preferred (1..max_ngram); `sure` (0: off):
+    the model drafter's probability at which its token overrules a copy's (from there on the model drafter drafts)."""
     if isinstance(model_drafter, ModelDrafter):
         raise ValueError("a plain draft model (ModelDrafter) keeps its own drafts in its cache, so it cannot share "
                          "rounds with prompt lookup; combine a drafter whose state follows the verifier (the block "
@@ -110,6 +127,11 @@ def combined(model_drafter, vocab_size: int, *, min_match: int = 2, max_ngram: i
                         f"{type(model_drafter).__name__} lacks {', '.join(missing)}")
     if not 1 <= int(min_match) <= int(max_ngram):
         raise ValueError(f"min_match must be in 1..max_ngram={max_ngram}, got {min_match}")
+    if not 0.0 <= float(sure) < 1.0:
+        raise ValueError(f"sure must be in [0, 1) (0: lookup's copy whenever the context repeats), got {sure}")
+    if sure and not hasattr(model_drafter, "propose_with_confidence"):
+        raise TypeError(f"sure > 0 needs the model drafter's confidences (propose_with_confidence, as the "
+                        f"block drafter has); {type(model_drafter).__name__} lacks it: pass sure=0")
     lookup = LookupDrafter(vocab_size=int(vocab_size), draft_len=int(model_drafter.draft_len),
                            max_ngram=int(max_ngram), min_ngram=1)
-    return CombinedDrafter(model=model_drafter, lookup=lookup, min_match=int(min_match))
+    return CombinedDrafter(model=model_drafter, lookup=lookup, min_match=int(min_match), sure=float(sure))
