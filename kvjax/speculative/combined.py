@@ -15,10 +15,10 @@ to the first position where the model drafter's most likely token differs from t
 displaces what a good model drafter is sure of; the model drafter runs every round.
 
 Exactness. The choice depends only on the context (the matched n-gram length, and with `sure` the copy and the model
-drafter's distributions, functions of the context too), never on what either drafter draws,
-so each row's drafts are drawn from the distribution q handed to the verify loop: lookup's one-hot for its rows, the
-model drafter's for the others; the loop's rejection rule then keeps the verifier's distribution, and greedy output
-is the verifier's own greedy decode (tests/test_speculative.py checks both).
+drafter's distributions, functions of the context too), never on what either drafter draws, so each drafted position
+is drawn from the distribution q handed to the verify loop there: lookup's one-hot where the copy is taken, the model
+drafter's elsewhere; the loop's rejection rule then keeps the verifier's distribution, and greedy output is the
+verifier's own greedy decode (tests/test_speculative.py checks both, spliced rows included).
 
 The model drafter must draft from a state that follows the verifier, not its own drafts: its `propose` leaves its
 state unchanged and its `commit` reads the round's emitted tokens and the verifier's features (the block drafter
