@@ -55,7 +55,7 @@ class CombinedDrafter:
     model: object  # a drafter object whose propose leaves its state unchanged (e.g. kvjax.drafter.BlockDrafter)
     lookup: LookupDrafter
     min_match: int = struct.field(pytree_node=False, default=2)
-    sure: float = struct.field(pytree_node=False, default=0.0)  # the model drafter overrules a copy at this confidence
+    sure: float = struct.field(pytree_node=False, default=0.0)  # > 0: splice (see the module docstring)
     variable_length: bool = struct.field(pytree_node=False, default=True)
 
     @property

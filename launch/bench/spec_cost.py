@@ -478,8 +478,9 @@ def parse(argv):
     p.add_argument("--transfer-repair", type=int, nargs="+", default=[0],
                    help="verifier layers recomputed over the prompt (bottom) before a transfer decodes, one arm each")
     p.add_argument("--min-match", type=int, default=2, help="combined: the shortest recurring n-gram lookup copies")
-    p.add_argument("--sure", type=float, default=0.0, help="combined: the block drafter's first-token probability at "
-                   "which its draft overrules a copy that disagrees (0: off)")
+    p.add_argument("--sure", type=float, default=0.0, help="combined: splice; a copy is followed until it ends or the "
+                   "block drafter contradicts it with at least this probability, the drafter's tokens from there "
+                   "(0: off)")
     p.add_argument("--refine", type=int, default=0, help="the block drafter's refinement passes per greedy draft "
                    "(kvjax.drafter.model.draft: the confident prefix fed back, the rest drafted again)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats (0: exactness and tau only)")
