@@ -288,8 +288,9 @@ def _block(verifier, draft_len, seed=1):
 
 
 def test_combined_drafter_is_exact_and_takes_lookup_where_the_text_repeats(models):
-    """Greedy: ragged rows, EOS: the verifier's own greedy decode. Rows whose context repeats take lookup's copy (and
-    it is accepted); rounds in which every row copies do not run the block drafter at all."""
+    """Greedy: ragged rows, EOS: the verifier's own greedy decode, spliced (the block drafter after a copy's end) or
+    not. Rows whose context repeats take lookup's copy (and it is accepted); rounds in which every row's block is a
+    copy do not run the block drafter at all; splicing runs it where a copy ends inside the block."""
     from kvjax.speculative import combined
     big, _, _ = models
     rng = np.random.RandomState(12)
@@ -298,26 +299,46 @@ def test_combined_drafter_is_exact_and_takes_lookup_where_the_text_repeats(model
     free = native(big, ps, 21, eos_token_ids=())
     eos = int(free[3, 9])
     want = native(big, ps, 21, eos_token_ids=(eos,), pad_token_id=0)
-    for g, min_match in ((4, 2), (6, 3)):
-        drafter = combined(_block(big, g), VOCAB, min_match=min_match)
+    for g, min_match, splice in ((4, 2, False), (6, 3, False), (4, 2, True), (6, 3, True)):
+        drafter = combined(_block(big, g), VOCAB, min_match=min_match, splice=splice)
         got, stats = speculative_generate(big, drafter, ps, 21, eos_token_ids=(eos,), pad_token_id=0,
                                           return_stats=True)
-        np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"draft_len {g}")
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"draft_len {g}, splice {splice}")
         rounds = int(np.sum(stats.widths))
         assert 0 < stats.drafter["lookup_rows"][0] and stats.accepted[0] > 0  # the repeated phrase is copied
         assert 0 < stats.drafter["model_rounds"] <= rounds
-    # one row that repeats: most of its rounds copy, and those rounds skip the block drafter (model_rounds < rounds)
-    drafter = combined(_block(big, 4), VOCAB, min_match=2)
-    _, stats = speculative_generate(big, drafter, [phrase * 4], 24, eos_token_ids=(), return_stats=True)
-    lookup_rounds = int(stats.drafter["lookup_rows"][0])
-    assert lookup_rounds > 0 and int(stats.drafter["model_rounds"]) == int(np.sum(stats.widths)) - lookup_rounds
+    # one row that repeats: most of its rounds copy, and those rounds skip the block drafter (model_rounds < rounds);
+    # spliced, a copy that fills the block skips it too, one that ends inside it does not
+    _, plain = speculative_generate(big, combined(_block(big, 4), VOCAB, splice=False), [phrase * 4], 24,
+                                    eos_token_ids=(), return_stats=True)
+    lookup_rounds = int(plain.drafter["lookup_rows"][0])
+    assert lookup_rounds > 0 and int(plain.drafter["model_rounds"]) == int(np.sum(plain.widths)) - lookup_rounds
+    # one round by hand: row 0's copy ("p0..p5 p0..p5" + pending p0) fills the block, row 1's ("a b c a" + pending
+    # "b": "c a b") ends inside it
+    a, b, c = phrase[:3]
+    tokens, lengths = jnp.asarray([phrase * 2, [a, b, c, a] + [0] * 8]), jnp.asarray([12, 4])
+    for rows, copy_ends in (([0], False), ([0, 1], True)):
+        for splice in (False, True):
+            drafter = combined(_block(big, 4), VOCAB, splice=splice)
+            pick = jnp.asarray(rows)
+            state = drafter.start(tokens[pick], lengths[pick], 32,
+                                  jnp.ones((len(rows), 12, drafter.model.dcfg.feature_size), jnp.float32))
+            last = jnp.asarray([phrase[0], b])[pick]
+            drafts, _, state = drafter.propose(state, last, jax.random.key(0), Sampling(0.0))
+            drafts = np.asarray(drafts)
+            if copy_ends:
+                np.testing.assert_array_equal(drafts[1, :3], [c, a, b])
+                assert (drafts[1, 3] >= 0) == splice  # spliced: the block drafter's token after the copy's end
+            assert np.all(np.asarray(state.lookup_rows) == 1)  # every row copies
+            assert int(state.model_rounds) == int(splice and copy_ends)  # a round of full copies skips it
 
 
 def test_combined_drafter_lets_a_sure_block_drafter_overrule_a_copy(models):
-    """`sure`: a copy is followed only up to where the model drafter contradicts it with probability >= sure (here a
-    block drafter made certain of token 5 everywhere, which the copies never hold, so no copy is taken); the output is
-    still the verifier's greedy decode; sure = 0 copies as before; a threshold outside [0, 1) or a drafter without
-    confidences is refused. The block drafter's confidences are those of its own drafts."""
+    """`overrule`: a copy is followed only up to where the model drafter contradicts it with probability >= overrule
+    (here a block drafter made certain of token 5 everywhere, which the copies never hold, so no copy is taken); the
+    output is still the verifier's greedy decode; overrule = 1 never cuts a copy, even for a certain drafter; a
+    threshold outside (0, 1], overrule without splicing, or a drafter without confidences is refused. The block
+    drafter's confidences are those of its own drafts."""
     from kvjax.speculative import combined
     big, _, _ = models
     block = _block(big, 4)
@@ -351,22 +372,25 @@ def test_combined_drafter_lets_a_sure_block_drafter_overrule_a_copy(models):
     phrase = [p if p != 5 else 6 for p in rng.randint(1, VOCAB, 6).tolist()]  # no copy starts with 5
     want = native(big, [phrase * 4], 16, eos_token_ids=())
     stats = {}
-    for sure in (0.0, 0.5):
-        got, stats[sure] = speculative_generate(big, combined(certain, VOCAB, sure=sure), [phrase * 4], 16,
-                                                eos_token_ids=(), return_stats=True)
-        np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"sure {sure}")
-    assert int(stats[0.0].drafter["lookup_rows"][0]) > 0
+    for overrule in (0.5, 1.0):
+        got, stats[overrule] = speculative_generate(big, combined(certain, VOCAB, overrule=overrule), [phrase * 4],
+                                                    16, eos_token_ids=(), return_stats=True)
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"overrule {overrule}")
+    assert int(stats[1.0].drafter["lookup_rows"][0]) > 0
     assert int(stats[0.5].drafter["lookup_rows"][0]) == 0  # every copy overruled
     assert int(stats[0.5].drafter["model_rounds"]) == int(np.sum(stats[0.5].widths))
-    with pytest.raises(ValueError, match=r"sure must be in \[0, 1\)"):
-        combined(block, VOCAB, sure=1.0)
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match=r"overrule must be in \(0, 1\]"):
+            combined(block, VOCAB, overrule=bad)
+    with pytest.raises(ValueError, match="needs splice=True"):
+        combined(block, VOCAB, splice=False, overrule=0.5)
     with pytest.raises(TypeError, match="propose_with_confidence"):
-        combined(LookupDrafter(VOCAB, draft_len=4), VOCAB, sure=0.5)
+        combined(LookupDrafter(VOCAB, draft_len=4), VOCAB, overrule=0.5)
 
 
 def test_combined_drafter_sampling_follows_the_verifiers_distribution():
     """The copy (one-hot q) where the context repeats, the block drafter's q where it does not or where it overrules
-    the copy (`sure`): either way the first two tokens are distributed as the verifier's."""
+    the copy (`overrule`): either way the first two tokens are distributed as the verifier's."""
     from kvjax.speculative import combined
     cfg = kvjax.Qwen3Config(vocab_size=12, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
                             num_kv_heads=1, head_dim=16, tie_word_embeddings=True, eos_token_ids=(), pad_token_id=0)
@@ -377,16 +401,16 @@ def test_combined_drafter_sampling_follows_the_verifiers_distribution():
         return np.asarray(sampling_probs(forward_nocache(verifier.params, cfg, jnp.asarray([toks]))[0, -1], s),
                           np.float64)
 
-    # "3 7" recurs: copy; nothing recurs: block; with sure = 0.01 the random block drafter overrules the copy (spliced
-    # rows draw some positions from the copy and the rest from the block drafter's q)
-    for sure, prompt in ((0.0, [3, 7, 1, 9, 3, 7, 1, 9, 3, 7]), (0.0, [3, 7, 1, 9, 5, 2]),
-                         (0.01, [3, 7, 1, 9, 3, 7, 1, 9, 3, 7])):
-        drafter = combined(_block(verifier, 2), 12, min_match=2, sure=sure)
+    # "3 7" recurs: copy; nothing recurs: block; with overrule = 0.01 the random block drafter cuts the copy short
+    # (spliced rows draw some positions from the copy and the rest from the block drafter's q)
+    for overrule, prompt in ((1.0, [3, 7, 1, 9, 3, 7, 1, 9, 3, 7]), (1.0, [3, 7, 1, 9, 5, 2]),
+                             (0.01, [3, 7, 1, 9, 3, 7, 1, 9, 3, 7])):
+        drafter = combined(_block(verifier, 2), 12, min_match=2, overrule=overrule)
         out, stats = speculative_generate(verifier, drafter, [prompt] * rows, 2, temperature=s.temperature,
                                           top_p=s.top_p, key=jax.random.key(44), return_stats=True)
         out = np.asarray(out)
         copied = int(stats.drafter["lookup_rows"].sum())
-        if sure:  # overruled except where the drafter's own first choice is the copy's
+        if overrule < 1:  # overruled except where the drafter's own first choice is the copy's
             assert copied < rows // 2
         else:
             assert (copied >= rows) if prompt[-1] == 7 else (int(stats.drafter["model_rounds"]) >= 1)

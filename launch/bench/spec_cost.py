@@ -8,18 +8,19 @@ measured on the same runs, side by side in one process.
         --transfer runs/toy_reverse/map --transfer-repair 0 4    # the pair's small models and speculative KV transfer
     python -m launch.bench.spec_cost --smoke                                  # tiny random models (the tests)
 
-Verifier: the toy source. Drafters: prompt lookup (`lookup-b`), the block drafter (`block-b`, checkpoints/toy/drafter)
-and the two combined (`combined-b`: lookup's draft where the context's last n-gram of >= --min-match tokens recurs,
-the block drafter's elsewhere; kvjax.speculative.combined), at each --blocks b; and each --models small model drafting
-one token per forward from its own cache (`NAME-b`, NAME its directory's name; kvjax.speculative.ModelDrafter: the
-pair's small model as drafter); and with --transfer MAP, speculative KV transfer (`transferK-b`): the small model of
---models that MAP was fitted from drafts, and the verifier checks from the cache MAP translated from the small model's
-prefill (K: --transfer-repair, the verifier's bottom layers recomputed; kvjax.speculative.transfer_builder). Its
-rounds are the small model drafter's rounds, so it is priced by the same parts and only its tau differs; it is
-compared token for token with the verifier's greedy decode from that same cache (kvjax.generate_from), which is what
-it equals, and timed against plain decoding from the native cache (the same shapes: the same cost). Prompt sets, none
-seen in any training: `windows` (the first --prompt-len tokens of checkpoints/toy/eval/heldout_windows.npy rows, the
-corpus's held-out split) and `code` (numpy's own Python sources, from outside the toy corpus, tokenized with the toy
+Verifier: the toy source. Drafters: prompt lookup (`lookup-b`), the block drafter (`block-b`,
+checkpoints/toy/drafter) and the two combined (`combined-b`: lookup's draft where the context's last n-gram of >=
+--min-match tokens recurs, the block drafter's elsewhere and, --splice (the default), after a copy's end;
+kvjax.speculative.combined), at each --blocks b; and each --models small model drafting one token per forward from
+its own cache (`NAME-b`, NAME its directory's name; kvjax.speculative.ModelDrafter: the pair's small model as
+drafter); and with --transfer MAP, speculative KV transfer (`transferK-b`): the small model of --models that MAP was
+fitted from drafts, and the verifier checks from the cache MAP translated from the small model's prefill (K:
+--transfer-repair, the verifier's bottom layers recomputed; kvjax.speculative.transfer_builder). Its rounds are the
+small model drafter's rounds, so it is priced by the same parts and only its tau differs; it is compared token for
+token with the verifier's greedy decode from that same cache (kvjax.generate_from), which is what it equals, and
+timed against plain decoding from the native cache (the same shapes: the same cost). Prompt sets, none seen in any
+training: `windows` (the first --prompt-len tokens of checkpoints/toy/eval/heldout_windows.npy rows, the corpus's
+held-out split) and `code` (numpy's own Python sources, from outside the toy corpus, tokenized with the toy
 tokenizer: --prompt-len tokens from the start of each file, files in sorted order).
 
 Per prompt every drafter decodes --new tokens greedily (EOS off) and is compared token for token with kvjax.generate;
@@ -478,9 +479,11 @@ def parse(argv):
     p.add_argument("--transfer-repair", type=int, nargs="+", default=[0],
                    help="verifier layers recomputed over the prompt (bottom) before a transfer decodes, one arm each")
     p.add_argument("--min-match", type=int, default=2, help="combined: the shortest recurring n-gram lookup copies")
-    p.add_argument("--sure", type=float, default=0.0, help="combined: splice; a copy is followed until it ends or the "
-                   "block drafter contradicts it with at least this probability, the drafter's tokens from there "
-                   "(0: off)")
+    p.add_argument("--splice", action=argparse.BooleanOptionalAction, default=True,
+                   help="combined: the block drafter drafts the positions after a copy's end (--no-splice: the copy "
+                   "alone, and rounds where every row copies skip the block drafter)")
+    p.add_argument("--overrule", type=float, default=1.0, help="combined, spliced: the block drafter's probability at "
+                   "which its token cuts a copy short (1: never)")
     p.add_argument("--refine", type=int, default=0, help="the block drafter's refinement passes per greedy draft "
                    "(kvjax.drafter.model.draft: the confident prefix fed back, the rest drafted again)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats (0: exactness and tau only)")

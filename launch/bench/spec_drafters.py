@@ -94,7 +94,8 @@ def make_drafters(args, source):
             drafters[f"block-{b}"] = blocks[b]
             calls[f"block-{b}"] = lambda st, b=b: {f"block-{b}": st.widths.sum()}
         if "combined" in args.kinds:
-            drafters[f"combined-{b}"] = combined(blocks[b], vocab, min_match=args.min_match, sure=args.sure)
+            drafters[f"combined-{b}"] = combined(blocks[b], vocab, min_match=args.min_match, splice=args.splice,
+                                                 overrule=args.overrule)
             calls[f"combined-{b}"] = lambda st, b=b: {f"lookup-{b}": st.widths.sum(),
                                                       f"block-{b}": int(st.drafter["model_rounds"])}
         for label, model in models.items():
