@@ -107,12 +107,16 @@ def test_benchmark_smoke(tmp_path):
         assert r["error_replay"] == pytest.approx(r["measured_speedup"] / r["predicted_speedup_replay"] - 1, rel=1e-9)
         if not variable:  # a fixed-length drafter's rounds are the reference round: the same prediction
             assert r["predicted_speedup_replay"] == pytest.approx(r["predicted_speedup"], rel=1e-12)
-        scale = costs["verify_scale"]["2"]  # a wide round dearer than the parts measured: a slower prediction
+        # a wide round (and a model drafter's forward) dearer than the parts measured: a slower prediction
+        scale = costs["verify_scale"]["2"] + [v for k in r["calls"] for v in costs["draft_scale"].get(k, [])]
         if min(scale) > 1:
             assert r["predicted_speedup"] < r["predicted_speedup_parts"]
         elif max(scale) < 1:
             assert r["predicted_speedup"] > r["predicted_speedup_parts"]
     assert len(costs["verify_scale"]["2"]) == 2 and min(costs["verify_scale"]["2"]) > 0  # one per prompt
+    # one per fixed-length drafting part and prompt (lookup's part costs ~0 and is not rescaled)
+    assert set(costs["draft_scale"]) == {"block-2", "small-2"}
+    assert all(len(v) == 2 and min(v) > 0 for v in costs["draft_scale"].values())
     assert res["drafters"]["combined-2"]["calls"]["lookup-2"] == res["drafters"]["combined-2"]["rounds"]
     for name in ("transfer0-2", "transfer1-2"):  # priced by the small model's drafting part
         assert res["drafters"][name]["calls"] == {"small-2": res["drafters"][name]["rounds"]}

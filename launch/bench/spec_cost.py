@@ -226,9 +226,13 @@ def run_set(args, source, prompts, drafters, parts, calls, builders=None) -> dic
     between the parts' phase and the prompt's. It does not cancel a change in the RATIO of a wide verify round to a
     plain step (on this shared 2-core VM it moved the windows set's predictions 8-17% on 2026-12-04), so every
     prompt also times, beside its drafters, the full-width null round at each draft length b, and the verify costs
-    of that b are scaled by its cost in plain steps now over the parts' (`verify_scale`, one per prompt). Both
+    of that b are scaled by its cost in plain steps now over the parts' (`verify_scale`, one per prompt). A model
+    drafter's forward is wide work too (a block of b + 1 tokens, or b steps of a small model), which drifts like the
+    verify round: each fixed-length drafting part's Ignored round (its drafting plus the full-width verify) is timed
+    beside the prompt as well, and that part's drafting cost is scaled by the Ignored round's cost in plain steps now
+    over the parts' (`draft_scale`, one per part and prompt; lookup's parts cost ~0 and are not rescaled). Both
     predictions are kept: `predicted_speedup` (rescaled) and `predicted_speedup_parts` (the parts alone)."""
-    from kvjax.speculative.cost import NullDrafter, predict_seconds
+    from kvjax.speculative.cost import Ignored, NullDrafter, predict_seconds
     from kvjax.speculative.loop import stats_of
     builders = builders or {}
     max_b = max(args.blocks)
@@ -248,6 +252,9 @@ def run_set(args, source, prompts, drafters, parts, calls, builders=None) -> dic
     # steps the parts also measured; its ratio rescales that prompt's verify costs (see run_set's docstring)
     refs = {b: NullDrafter(vocab, draft_len=b, width=b + 1) for b in sorted({d.draft_len for d in drafters.values()})}
     scales = {b: [] for b in refs}
+    # a reference per fixed-length drafting part: its Ignored round, whose cost in plain steps the parts measured too
+    # (the full-width null round plus the part's addition); its ratio rescales that prompt's cost of the part
+    drefs, draft_scales = None, {}  # made with the first prompt's calls (the parts its drafters use)
     t0 = time.time()
     for i, prompt in enumerate(prompts):
         runs = Runs(source, prompt, args.new, max_b)
@@ -271,6 +278,13 @@ def run_set(args, source, prompts, drafters, parts, calls, builders=None) -> dic
         if args.repeats:
             runs.plain()  # compiled (the drafters' loops are, above)
             ref_rounds = {b: int(np.sum(stats_of(runs.spec(d)[1], b).widths)) for b, d in refs.items()}  # compiles
+            if drefs is None:
+                used = {k for name in drafters for k in calls[name](stats[name])}
+                drefs = {name: Ignored(p, vocab) for name, p in parts.items()
+                         if name in used and not getattr(p, "variable_length", False)}
+                draft_scales = {name: [] for name in drefs}
+            dref_rounds = {name: int(np.sum(stats_of(runs.spec(d)[1], d.draft_len).widths))
+                           for name, d in drefs.items()}  # compiles
             replays = {name: replay(vocab, d.draft_len, stats[name].widths, args.new, seed=i)
                        for name, d in drafters.items() if path_of(d) == "variable"}
             replay_rounds = {name: int(np.sum(stats_of(runs.spec(d)[1], d.draft_len).widths))
@@ -278,12 +292,18 @@ def run_set(args, source, prompts, drafters, parts, calls, builders=None) -> dic
             fns = {"plain": runs.plain, **{name: (lambda d=d, b=builders.get(name): runs.spec(d, b)[0])
                                            for name, d in drafters.items()},
                    **{("ref", b): (lambda d=d: runs.spec(d)[0]) for b, d in refs.items()},
+                   **{("dref", name): (lambda d=d: runs.spec(d)[0]) for name, d in drefs.items()},
                    **{("replay", name): (lambda d=d: runs.spec(d)[0]) for name, d in replays.items()}}
             secs = {k: statistics.median(v) for k, v in timed(fns, args.repeats).items()}
             step = secs["plain"] / (args.new - 1)  # this prompt's plain step, timed beside its drafters
             scale = {b: secs[("ref", b)] / ref_rounds[b] / step / steps["verify"]["fixed"][b][b + 1] for b in refs}
             for b, k in scale.items():
                 scales[b].append(k)
+            draft_now = dict(steps["draft"])
+            for name, d in drefs.items():
+                then = steps["verify"]["fixed"][d.draft_len][d.draft_len + 1] + steps["draft"][name]
+                draft_scales[name].append(secs[("dref", name)] / dref_rounds[name] / step / then)
+                draft_now[name] = steps["draft"][name] * draft_scales[name][-1]
             for name, d in drafters.items():
                 r = per[name]
                 r["t_spec"] += secs[name]
@@ -295,14 +315,13 @@ def run_set(args, source, prompts, drafters, parts, calls, builders=None) -> dic
                 n_calls = calls[name](stats[name])
                 r["t_pred_parts"] += step * predict_seconds(stats[name].widths, verify, n_calls, steps["draft"])
                 verify = {t: c * scale[d.draft_len] for t, c in verify.items()}
-                r["t_pred"] += step * predict_seconds(stats[name].widths, verify, n_calls, steps["draft"])
+                r["t_pred"] += step * predict_seconds(stats[name].widths, verify, n_calls, draft_now)
                 if name in replays:  # its own widths, replayed by a null drafter beside it: one price for its rounds
                     rounds = int(np.sum(stats[name].widths))
                     c_round = secs[("replay", name)] / replay_rounds[name] / step
-                    r["t_pred_replay"] += step * (rounds * c_round + sum(n * steps["draft"][k]
-                                                                         for k, n in n_calls.items()))
+                    r["t_pred_replay"] += step * (rounds * c_round + sum(n * draft_now[k] for k, n in n_calls.items()))
                 else:  # a fixed-length drafter's rounds are all the reference round
-                    r["t_pred_replay"] += step * predict_seconds(stats[name].widths, verify, n_calls, steps["draft"])
+                    r["t_pred_replay"] += step * predict_seconds(stats[name].widths, verify, n_calls, draft_now)
         print(f"  [{time.time() - t0:.0f}s] prompt {i + 1}/{len(prompts)}", flush=True)
     out = {"costs": None, "drafters": {}}
     if costs:
@@ -313,7 +332,8 @@ def run_set(args, source, prompts, drafters, parts, calls, builders=None) -> dic
                                      for path, per_g in costs["verify"].items()},
                         "c_draft": {k: v / s for k, v in costs["draft"].items()},
                         "c_draft_raw": {k: v / s for k, v in costs["draft_raw"].items()},
-                        "verify_scale": {str(b): v for b, v in scales.items()}}
+                        "verify_scale": {str(b): v for b, v in scales.items()},
+                        "draft_scale": draft_scales}
     for name, r in per.items():
         row = {"identical": r["identical"], "prompts": r["prompts"],
                "tau": (r["accepted"] + r["rounds"]) / max(r["rounds"], 1), "rounds": r["rounds"],
@@ -377,6 +397,10 @@ def table(result: dict) -> str:
             lines.append("verify scale per draft length (reference round now / parts; median, range over prompts): "
                          + " ".join(f"{b}:{np.median(v):.3f} [{min(v):.3f}, {max(v):.3f}]"
                                     for b, v in res["costs"]["verify_scale"].items() if v))
+            if res["costs"].get("draft_scale"):
+                lines.append("draft scale per part (its Ignored round now / parts; median, range over prompts): "
+                             + " ".join(f"{k}:{np.median(v):.3f} [{min(v):.3f}, {max(v):.3f}]"
+                                        for k, v in res["costs"]["draft_scale"].items() if v))
             lines.append("c_draft per part (raw paired difference): " + " ".join(
                 f"{k}:{v:.2f} ({res['costs']['c_draft_raw'][k]:+.2f})" for k, v in res["costs"]["c_draft"].items()))
             for path, per_g in res["costs"]["c_verify"].items():
