@@ -102,7 +102,8 @@ def main() -> None:
     held = jax.jit(lambda delta, base, teacher: per_position(delta, base, teacher)[:, fit:].mean())
 
     if args.samples:
-        sampled_oracle(args, w, sparams, scfg, tparams, tcfg, bases, teacher, opt)
+        sampled_oracle(w, source, target, bases, teacher, opt, prefix=P, cont=C, samples=args.samples,
+                       steps=args.steps, seed=args.seed, log=lambda m: print(m, flush=True))
         return
 
     for name, base in bases:
@@ -124,17 +125,21 @@ def main() -> None:
                   f"({100 * (1 - after / held_first):.1f}% lower)", flush=True)
 
 
-def sampled_oracle(args, w, sparams, scfg, tparams, tcfg, bases, teacher, opt) -> None:
-    """--samples: fit each window's cache on N source-sampled continuations, score it on the real continuation."""
-    P, C, N = args.prefix, args.cont, args.samples
-    W = w.shape[0]
+def sampled_oracle(w, source, target, bases, teacher, opt, *, prefix: int, cont: int, samples: int, steps: int,
+                   seed: int = 0, log=print) -> dict[str, dict]:
+    """--samples: fit each window's cache on `samples` source-sampled continuations, score it on the real one.
+
+    `w` [W, prefix + cont] held-out windows; `bases`: (name, cache of each window's first prefix - 1 tokens with room
+    for the continuation); `teacher`: the source's logits over the real continuation. Returns, per base, the real
+    continuation's KL at the start and its best (with the step) among every 10th, and the fitted KL per step."""
+    (scfg, sparams), (tcfg, tparams) = source, target
+    P, C, N = prefix, cont, samples
     prefixes = jnp.repeat(w[:, :P], N, axis=0)  # [W*N, P], window-major
-    cont = kvjax.generate(sparams, scfg, prefixes, C, temperature=1.0, key=jax.random.key(args.seed),
-                          eos_token_ids=())
-    seqs = jnp.concatenate([prefixes, cont], axis=1)  # [W*N, P + C]
+    sampled = kvjax.generate(sparams, scfg, prefixes, C, temperature=1.0, key=jax.random.key(seed), eos_token_ids=())
+    seqs = jnp.concatenate([prefixes, sampled], axis=1)  # [W*N, P + C]
     s_teacher = forward_nocache(sparams, scfg, seqs[:, :-1])[:, P - 1:]
     s_inputs = seqs[:, P - 1:-1]
-    print(f"{W} windows x {N} sampled continuations of {C} tokens (temperature 1, seed {args.seed})", flush=True)
+    log(f"{w.shape[0]} windows x {N} sampled continuations of {C} tokens (temperature 1, seed {seed})")
 
     def rows(base, delta, n):  # the window's cache (plus its delta) for each of its n rows
         k, v = (jnp.repeat(a + d, n, axis=1) for a, d in ((base.k, delta[0]), (base.v, delta[1])))
@@ -152,27 +157,24 @@ def sampled_oracle(args, w, sparams, scfg, tparams, tcfg, bases, teacher, opt) -
 
     held_jit = jax.jit(lambda delta, base, t, x: kl(t, forward(tparams, tcfg, x, rows(base, delta, 1))[0]).mean())
     real_inputs = w[:, P - 1:-1]
-
-    def held(delta, base):
-        return held_jit(delta, base, teacher, real_inputs)
-
+    out = {}
     for name, base in bases:
         delta = (jnp.zeros_like(base.k), jnp.zeros_like(base.v))
         state = opt.init(delta)
-        start = best = float(held(delta, base))
-        best_step, first = 0, None
-        print(f"{name}: step    0 real continuation {start:.4f}", flush=True)
-        for i in range(1, args.steps + 1):
+        start = best = h = float(held_jit(delta, base, teacher, real_inputs))
+        best_step, fitted = 0, []
+        log(f"{name}: step    0 real continuation {start:.4f}")
+        for i in range(1, steps + 1):
             delta, state, value = step(delta, state, base, s_teacher, s_inputs)
-            first = float(value) if first is None else first
-            if i % 10 == 0 or i == args.steps:
-                h = float(held(delta, base))
+            fitted.append(float(value))  # the sampled continuations' KL before step i's update
+            if i % 10 == 0 or i == steps:
+                h = float(held_jit(delta, base, teacher, real_inputs))
                 best, best_step = (h, i) if h < best else (best, best_step)
-                print(f"{name}: step {i:4d} sampled KL {float(value):.4f}, real continuation {h:.4f}", flush=True)
-        print(f"{name}: sampled continuations' KL {first:.4f} -> {float(value):.4f}; real continuation (never fitted) "
-              f"{start:.4f} -> {h:.4f}, best {best:.4f} at step {best_step} ({100 * (1 - best / start):.1f}% lower)",
-              flush=True)
-
+                log(f"{name}: step {i:4d} sampled KL {fitted[-1]:.4f}, real continuation {h:.4f}")
+        log(f"{name}: sampled continuations' KL {fitted[0]:.4f} -> {fitted[-1]:.4f}; real continuation (never fitted) "
+            f"{start:.4f} -> {h:.4f}, best {best:.4f} at step {best_step} ({100 * (1 - best / start):.1f}% lower)")
+        out[name] = {"start": start, "best": best, "best_step": best_step, "fitted": fitted}
+    return out
 
 if __name__ == "__main__":
     main()
