@@ -176,5 +176,6 @@ def sampled_oracle(w, source, target, bases, teacher, opt, *, prefix: int, cont:
         out[name] = {"start": start, "best": best, "best_step": best_step, "fitted": fitted}
     return out
 
+
 if __name__ == "__main__":
     main()
