@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from kvjax import aot
 from kvjax.sharding import shard
 
 LAYOUT = "LBHTD"  # the stacked view: [layers, batch, kv_heads, time, head_dim]; each layer's buffer is BHTD
@@ -215,7 +216,7 @@ class cache_jit:  # noqa: N801 (used as jax.jit is)
     own attributes (`lower`, ...) are the jitted function's."""
 
     def __init__(self, fn: Callable, **jit_kwargs):
-        self.jitted = jax.jit(fn, **jit_kwargs)
+        self.jitted = aot.jit(fn, **jit_kwargs)
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):

@@ -32,6 +32,9 @@ class ModelConfig:
     env: str = ""  # environment variable that supplies the directory when `path` is empty
     name: str = ""  # display name in the report, e.g. "Qwen3-32B" (default: the directory name)
     dtype: str = "float32"  # parameter and cache dtype: float32 (CPU) or bfloat16 (accelerators)
+    # a directory holding the model's config.json alone (e.g. configs/models/Qwen3-32B): its shapes, for a
+    # compile-only plan (kvjax.plan) on a machine without the checkpoint; the checkpoint's own config.json wins
+    shapes: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

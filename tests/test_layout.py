@@ -20,7 +20,7 @@ FLOORS = {
     # 0 base: the vocabulary every floor uses; knows no kvjax type. Logical-axis rules and meshes, processes,
     # token windows, safetensors files, text sources, dataclass <-> flags, the host allocator, orbax checkpoints
     "kvjax.sharding": 0, "kvjax.distributed": 0, "kvjax.windows": 0, "kvjax.tensorfile": 0, "kvjax.corpus": 0,
-    "kvjax.config_flags": 0, "kvjax.allocator": 0, "kvjax.checkpointing": 0,
+    "kvjax.config_flags": 0, "kvjax.allocator": 0, "kvjax.checkpointing": 0, "kvjax.aot": 0,
     # 1 models: the families (config, params, rope, forward, the one prefill program, decode), the KVCache pytree
     # they read and write, HF checkpoints <-> params
     "kvjax.models": 1, "kvjax.cache": 1, "kvjax.hf": 1,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kvjax import aot
 from kvjax.builders.base import CacheBuilder, Clock
 from kvjax.builders.mapped import Mapped, SourcePrefill
 from kvjax.cache import KVCache
@@ -73,7 +74,7 @@ def recompute(params, cfg, tokens: jax.Array, lengths: jax.Array, mapped: KVCach
                           origin=f"partial{list(layers)}:{mapped.origin}")
 
 
-recompute_jit = jax.jit(recompute, static_argnames=("cfg", "layers"), donate_argnames=("mapped",))
+recompute_jit = aot.jit(recompute, static_argnames=("cfg", "layers"), donate_argnames=("mapped",))
 
 
 class PartialRecompute(CacheBuilder):

@@ -16,10 +16,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kvjax import aot
 from kvjax.models.decoder import causal_attention, embed, finish, head_angles, qkv
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@functools.partial(aot.jit, static_argnames=("cfg",))
 def native_attention(params, cfg, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The target's queries q [L, B, T, Hq, hd] and attention outputs [L, B, T, Hq, hd] of its own forward pass over
     tokens int [B, T] (from position 0)."""
@@ -35,7 +36,7 @@ def native_attention(params, cfg, tokens: jax.Array) -> tuple[jax.Array, jax.Arr
     return jnp.stack(qs), jnp.stack(outs)
 
 
-@jax.jit
+@aot.jit
 def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Causal attention outputs [L, B, T, Hq, hd] of queries q [L, B, T, Hq, hd] over a cache's k / v
     [L, B, Hkv, C >= T, hd] (keys after RoPE, as the cache holds them)."""

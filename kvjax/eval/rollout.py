@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import aot
 from kvjax.builders import CacheBuilder, Mapped, SourcePrefill
 from kvjax.cache import KVCache
 from kvjax.mapper.kl import kl
@@ -22,7 +23,7 @@ from kvjax.mapper.kvmap import KVMap
 from kvjax.models.decoder import forward
 
 
-@functools.partial(jax.jit, static_argnames=("target_cfg", "source_cfg", "n"))
+@functools.partial(aot.jit, static_argnames=("target_cfg", "source_cfg", "n"))
 def rollout_kl(target_params, source_params, target_cfg, source_cfg, cache: KVCache, source_cache: KVCache,
                last: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
     """(KL [B, n] per step, the greedy tokens [B, n]): the target reads `last` [B] (each prefix's last token) after

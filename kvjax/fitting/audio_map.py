@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from kvjax import aot
 from kvjax.mapper.kl import kl
 from kvjax.mapper.kvmap import KVMap, apply_map
 from kvjax.models.audio import AudioLM, prompt_embeddings_jit
@@ -118,7 +119,7 @@ def student_kl(kvmap: KVMap, target: Model, cache, teacher: jax.Array, text: jax
     return kl(teacher, _student_logits(kvmap, target, cache, text)).mean()
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg",))
+@functools.partial(aot.jit, static_argnames=("tcfg",))
 def _kl_jit(kvmap, tcfg, tparams, cache, teacher, text):
     return student_kl(kvmap, (tcfg, tparams), cache, teacher, text)
 
@@ -137,7 +138,7 @@ def train_audio_map(kvmap: KVMap, target: Model, pool: AudioPool, steps: int, lr
                                         train_ridge=train_ridge), kvmap)
     state = opt.init(kvmap)
 
-    @jax.jit
+    @aot.jit
     def step(kvmap, state, tparams, cache, teacher, text):  # the answerer's config is closed over (static)
         loss, g = jax.value_and_grad(student_kl)(kvmap, (target[0], tparams), cache, teacher, text)
         upd, state = opt.update(g, state, kvmap)
@@ -152,7 +153,7 @@ def train_audio_map(kvmap: KVMap, target: Model, pool: AudioPool, steps: int, lr
     return kvmap, losses
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg",))
+@functools.partial(aot.jit, static_argnames=("tcfg",))
 def _nll_jit(kvmap, tcfg, tparams, cache, text):
     return _nll(_student_logits(kvmap, (tcfg, tparams), cache, text), text)
 

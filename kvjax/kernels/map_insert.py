@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax.experimental import pallas as pl
 
+from kvjax import aot
 from kvjax.kernels.features import cache_layout, content_features
 from kvjax.models.rope import as_rope
 
@@ -323,7 +324,7 @@ def map_insert_call(src_k, src_v, tgt_k, tgt_v, kpack: PackedMap, vpack: PackedM
 
 _STATIC = ("pairing", "tgt_layers", "length", "src_rope", "tgt_rope", "src_offset", "dst_offset", "block_t",
            "backend", "interpret")
-_map_insert_jit = jax.jit(map_insert_call, donate_argnames=("tgt_k", "tgt_v"), static_argnames=_STATIC)
+_map_insert_jit = aot.jit(map_insert_call, donate_argnames=("tgt_k", "tgt_v"), static_argnames=_STATIC)
 
 
 def map_insert(src_k, src_v, tgt_k, tgt_v, kpack: PackedMap, vpack: PackedMap, *, pairing, tgt_layers,

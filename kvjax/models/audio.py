@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kvjax import aot
 from kvjax.hf import CheckpointError, load_hf, open_weights, resolve
 from kvjax.models.decoder import embed, prefill_jit, rms_norm
 from kvjax.models.family import family_for_model_type
@@ -290,7 +291,7 @@ def prompt_embeddings_forward(alm: AudioLM, tokens: jax.Array, audio_mask: jax.A
     return merge_audio(alm.lm.params, tokens, audio_mask, audio, audio_token_count(frames, alm.stack_factor))
 
 
-prompt_embeddings_jit = jax.jit(prompt_embeddings_forward)
+prompt_embeddings_jit = aot.jit(prompt_embeddings_forward)
 
 
 def _prompt_inputs(alm: AudioLM, tokens, input_features, frames, audio_mask, lengths, what: str):

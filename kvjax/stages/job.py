@@ -11,7 +11,7 @@ import time
 import jax
 from tqdm import tqdm
 
-from kvjax import distributed
+from kvjax import aot, distributed
 from kvjax.config_flags import ConfigFlagError, LaunchFlags, to_dict
 from kvjax.corpus import CorpusError
 from kvjax.hf import CheckpointError
@@ -104,7 +104,8 @@ class Job(Context):
                          f" on {'all' if collective else 'the'} {self.mesh().size} devices of "
                          f"{'every process' if collective else 'process 0'}")
                 t0, c0 = time.perf_counter(), time.process_time()
-                with jax.set_mesh(self.mesh()), distributed.Watchdog(self.step_timeout if collective else 0):
+                with jax.set_mesh(self.mesh()), distributed.Watchdog(self.step_timeout if collective else 0), \
+                        aot.section(name):
                     getattr(self, f"stage_{name}", self.stage_eval)(stage)
                 self.seconds[name] = time.perf_counter() - t0
                 cpu = time.process_time() - c0
