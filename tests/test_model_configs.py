@@ -165,3 +165,15 @@ def test_audio_configs_says_what_is_missing(tmp_path):
     shutil.copytree(model_dir(WHISPER), tmp_path / WHISPER)
     shutil.copytree(model_dir("Llama-3.1-8B-Instruct"), tmp_path / "Llama-3.1-8B-Instruct")
     assert audio_configs(by_id) == inlined
+
+    # paths given win over inlined configs (as in load_ultravox)
+    with open(os.path.join(model_dir("Llama-3.2-1B-Instruct"), "config.json")) as f:
+        small_lm = json.load(f)
+    both = _released(tmp_path, "both", text_config=small_lm, text_model_id=None)
+    assert audio_configs(both).lm.num_layers == 16
+    pruned = tmp_path / "pruned-whisper"
+    pruned.mkdir()
+    with open(os.path.join(model_dir(WHISPER), "config.json")) as f:
+        (pruned / "config.json").write_text(json.dumps({**json.load(f), "encoder_layers": 4}))
+    c = audio_configs(both, text_path=model_dir("Llama-3.1-8B-Instruct"), audio_path=pruned)
+    assert (c.lm.num_layers, c.encoder.num_layers, c.projector.text_dim) == (32, 4, 4096)
