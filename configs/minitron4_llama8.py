@@ -37,8 +37,10 @@ from kvjax.run_config import (DataConfig, DistancesEval, EvalConfig, KLEval, Map
 def get_config() -> RunConfig:
     return RunConfig(
         name="minitron4_llama8",
-        source=ModelConfig(env="KVJAX_SOURCE", name="Llama-3.1-Minitron-4B-Width", dtype="bfloat16"),
-        target=ModelConfig(env="KVJAX_TARGET", name="Llama-3.1-8B", dtype="bfloat16"),
+        source=ModelConfig(env="KVJAX_SOURCE", name="Llama-3.1-Minitron-4B-Width", dtype="bfloat16",
+                           shapes="configs/models/Llama-3.1-Minitron-4B-Width-Base"),
+        target=ModelConfig(env="KVJAX_TARGET", name="Llama-3.1-8B", dtype="bfloat16",
+                           shapes="configs/models/Llama-3.1-8B"),
         output_dir="runs/minitron4_llama8",
         data=DataConfig(train_text=("stdlib:train",), heldout_text=("stdlib:heldout",), heldout_window_len=2049,
                         max_train_tokens=4_000_000, max_heldout_tokens=1_000_000),

@@ -34,8 +34,8 @@ def get_config():
     return dataclasses.replace(
         cfg,
         name="qwen30a3_sibling",
-        source=dataclasses.replace(cfg.source, name="Qwen3-30B-A3B"),
-        target=dataclasses.replace(cfg.target, name="Qwen3-32B"),
+        source=dataclasses.replace(cfg.source, name="Qwen3-30B-A3B", shapes="configs/models/Qwen3-30B-A3B"),
+        target=dataclasses.replace(cfg.target, name="Qwen3-32B", shapes="configs/models/Qwen3-32B"),
         output_dir="runs/qwen30a3_sibling",
         map=dataclasses.replace(cfg.map, pairing="depth"),
     )

@@ -19,8 +19,10 @@ from kvjax.run_config import (DataConfig, DistancesEval, EvalConfig, KLEval, Map
 def get_config() -> RunConfig:
     return RunConfig(
         name="qwen32_8",
-        source=ModelConfig(env="KVJAX_SOURCE", name="Qwen3-32B", dtype="bfloat16"),
-        target=ModelConfig(env="KVJAX_TARGET", name="Qwen3-8B", dtype="bfloat16"),
+        source=ModelConfig(env="KVJAX_SOURCE", name="Qwen3-32B", dtype="bfloat16",
+                           shapes="configs/models/Qwen3-32B"),
+        target=ModelConfig(env="KVJAX_TARGET", name="Qwen3-8B", dtype="bfloat16",
+                           shapes="configs/models/Qwen3-8B"),
         output_dir="runs/qwen32_8",
         data=DataConfig(train_text=("stdlib:train",), heldout_text=("stdlib:heldout",), heldout_window_len=2049,
                         max_train_tokens=4_000_000, max_heldout_tokens=1_000_000),

@@ -13,4 +13,5 @@ from configs.ultravox8_1 import audio_pair
 
 
 def get_config():
-    return audio_pair("ultravox70_8", "Llama-3.3-70B-Instruct (Ultravox v0.5)", "Llama-3.1-8B-Instruct")
+    return audio_pair("ultravox70_8", "Llama-3.3-70B-Instruct (Ultravox v0.5)", "Llama-3.1-8B-Instruct",
+                      "configs/models/ultravox-v0_5-llama-3_3-70b", "configs/models/ultravox-v0_5-llama-3_1-8b")

@@ -25,14 +25,22 @@ _SECTION: list[str] = []
 
 class Recorder:
     """The programs called while it was active: `calls[(section, program name)]` counts the calls (section: the
-    innermost `section()` label, "" outside any)."""
+    innermost `section()` label, "" outside any). With `memory`, also `live[section]`: the most bytes of live arrays
+    one device held right after a program returned (its outputs and everything kept beside them; what a run holds,
+    for checking a plan against it). Reading every live array after each call is slow: for tests."""
 
-    def __init__(self):
+    def __init__(self, memory: bool = False):
         self.calls: dict[tuple[str, str], int] = {}
+        self.memory = memory
+        self.live: dict[str, int] = {}
 
     def add(self, name: str) -> None:
         key = (_SECTION[-1] if _SECTION else "", name)
         self.calls[key] = self.calls.get(key, 0) + 1
+
+    def measure(self) -> None:
+        section = _SECTION[-1] if _SECTION else ""
+        self.live[section] = max(self.live.get(section, 0), live_bytes_per_device())
 
     @property
     def names(self) -> set[str]:
@@ -55,10 +63,17 @@ class Jitted:
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
-        if _RECORDERS:
+        if not _RECORDERS:
+            return self.jitted(*args, **kwargs)
+        for r in _RECORDERS:
+            r.add(self.name)
+        out = self.jitted(*args, **kwargs)
+        if any(r.memory for r in _RECORDERS):
+            jax.block_until_ready(out)
             for r in _RECORDERS:
-                r.add(self.name)
-        return self.jitted(*args, **kwargs)
+                if r.memory:
+                    r.measure()
+        return out
 
     def __getattr__(self, attr):
         return getattr(self.jitted, attr)
@@ -82,10 +97,25 @@ def jit(fn: Callable | None = None, **options):
     return Jitted(fn, **options)
 
 
+def live_bytes_per_device() -> int:
+    """The most bytes of live jax arrays any one device holds now (each array's shard on it; two arrays over one
+    buffer, as a placement that moves nothing makes, counted once)."""
+    per: dict = {}
+    for a in jax.live_arrays():
+        for shard in a.addressable_shards:
+            data = shard.data
+            try:
+                buffer = data.unsafe_buffer_pointer()
+            except Exception:  # a backend without raw pointers: count the array itself
+                buffer = id(data)
+            per.setdefault(shard.device, {})[buffer] = data.nbytes
+    return max((sum(b.values()) for b in per.values()), default=0)
+
+
 @contextlib.contextmanager
-def recording() -> Iterator[Recorder]:
-    """Record every kvjax program called inside the block (in this process)."""
-    recorder = Recorder()
+def recording(memory: bool = False) -> Iterator[Recorder]:
+    """Record every kvjax program called inside the block (in this process); `memory`: see Recorder."""
+    recorder = Recorder(memory)
     _RECORDERS.append(recorder)
     try:
         yield recorder

@@ -148,6 +148,7 @@ def run(cfg: RunConfig, redo: tuple[str, ...], flags: LaunchFlags, allocator: st
     from kvjax.stages import job as stages
     try:
         job = stages.start(cfg, redo, flags)
+        check_fits(cfg)
     except stages.BAD_INPUT as e:
         return _error(e, 2)
     setup_logging(cfg.output_dir, job.process_index)
@@ -164,6 +165,17 @@ def run(cfg: RunConfig, redo: tuple[str, ...], flags: LaunchFlags, allocator: st
           f"{'PASS' if summary['gate']['passed'] else 'FAIL'}  ({summary['seconds']:.1f}s, "
           f"{len(summary['ran'])} stages run, {len(summary['reused'])} reused)")
     return 0
+
+
+def check_fits(cfg: RunConfig) -> None:
+    """Before any weights are read: the stages' programs on these devices, by their shapes (kvjax.plan.check), against
+    the devices' memory (--config.mesh.device_memory_gb, else what the device reports; CPU devices report none)."""
+    from kvjax.plan.check import check_job
+    from kvjax.plan.hardware import PlanError
+    try:
+        check_job(cfg, memory_bytes=cfg.mesh.device_memory_gb * 1e9 or None)
+    except PlanError as e:
+        raise LaunchError(str(e)) from None
 
 
 def __getattr__(name: str):

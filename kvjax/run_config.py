@@ -91,6 +91,9 @@ EvalConfig = eval_config_type()
 class MeshConfig:
     data: int = 1  # batch-parallel mesh axis
     model: int = 0  # head/FFN-parallel mesh axis; 0 = every device not used by `data`
+    # memory per device the job may use, GB; 0: what the device reports (TPU, GPU). A CPU device reports none, so
+    # the fit check before loading weights (kvjax.plan.check) runs on CPU only when this is set
+    device_memory_gb: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,6 +41,7 @@ FLOORS = {
     # 9 job: `python -m kvjax.launch` (its config, flags, preflight, stages) and the package's public API (kvjax)
     "kvjax.launch": 9, "kvjax.run_config": 9, "kvjax.preflight": 9, "kvjax.stages": 9,
     "kvjax.serve": 9,  # `python -m kvjax.serve`: the OpenAI-compatible server over a run's map
+    "kvjax.plan": 9,  # `python -m kvjax.plan`: every program of the job and the server compiled ahead of time
     "kvjax.audio": 9,  # the audio front end's public names (a facade over kvjax.models.whisper / .audio)
 }
 # floors whose units are peers: a unit there imports no other unit of its floor (only lower floors)

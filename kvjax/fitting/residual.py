@@ -411,7 +411,7 @@ def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarra
     identity = None if workdir is None else run_identity(kvmap, rc)  # before any placement on a mesh
     opt = make_optimizer(rc, kvmap)
     window = rc.prefix_len + rc.cont_len
-    (scfg, sparams), (tcfg, tparams) = source, target
+    (_, sparams), (_, tparams) = source, target
     pool = copies = None
     pooled = [n for n in ("pool_windows", "copy_windows") if getattr(rc, n)]
     if pooled and (rc.rollout or jax.process_count() > 1):

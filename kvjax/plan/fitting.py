@@ -46,11 +46,11 @@ def stats_program(b: Builder, pairing, rows: int, length: int, name: str, sharde
         fn = calibrate._window_stats
         args, kwargs = (sparams, tparams, scfg, tcfg, pairs, tokens, mask, refs), {}
     n = rows * length
-    flops = (costs.forward_flops(scfg, rows, length, (length + 1) / 2, 0)
-             + costs.forward_flops(tcfg, rows, length, (length + 1) / 2, 0)
-             + sum(2 * costs.stats_flops(fx, fy, n) for fx, fy in feature_sizes(scfg, tcfg, pairing)))
-    it = b.itemsize()
-    moved = (costs.weight_bytes(scfg, it, n, False) + costs.weight_bytes(tcfg, it, n, False)) / b.devices \
+    flops = (b.fwd("source", rows, length, (length + 1) / 2, 0)
+             + b.fwd("target", rows, length, (length + 1) / 2, 0)
+             + b.per_row(rows) * sum(2 * costs.stats_flops(fx, fy, n) for fx, fy in feature_sizes(scfg, tcfg,
+                                                                                                   pairing)))
+    moved = (b.wbytes("source", n, False) + b.wbytes("target", n, False)) \
         + sum(2 * 4 * (fx * fx + fx * fy + fy * fy) for fx, fy in feature_sizes(scfg, tcfg, pairing))
     return b.program(f"{name} statistics {rows} x {length} ({len(pairs)} target layers)", fn, args, kwargs, flops,
                      moved, ("source", "target"))
@@ -75,7 +75,6 @@ def residual(b: Builder, cfg, kvmap) -> list[Program]:
     unless it pools, as train_residual does), with the optimizer state; the pools' program when it pools."""
     from kvjax.fitting.residual import make_optimizer, training_step, with_attention, with_context
     rc = cfg.residual
-    (scfg, _), (tcfg, _) = b.source, b.target
     pooled = bool(rc.pool_windows or rc.copy_windows)
     m = kvmap
     if rc.context:
@@ -93,6 +92,11 @@ def residual(b: Builder, cfg, kvmap) -> list[Program]:
         opt_state = shapes.abstract(abstract_state, jax.tree.map(lambda _: replicated, abstract_state))
     else:
         opt_state = shapes.abstract(abstract_state, shardings[1])
+    out = []
+    if shardings is not None:  # train_residual places the optimizer state with a compiled init on the mesh
+        from kvjax import aot
+        init = aot.jit(opt.init, out_shardings=shardings[1])
+        out.append(b.program("optimizer state init", init, (m,), {}, 0.0, 3 * costs.map_weight_bytes(m), ()))
     window = rc.prefix_len + rc.cont_len
     batch = (pool_batch(b, rc.batch_size, rc.prefix_len, rc.cont_len) if rc.pool_windows else
              shapes.batch_sharded((rc.batch_size, window), jnp.int32, b.mesh))
@@ -102,19 +106,17 @@ def residual(b: Builder, cfg, kvmap) -> list[Program]:
     rows = rc.batch_size + (rc.copy_batch if rc.copy_windows else 0)
     # the teacher's forward over prefix + continuation (none when pooled: read from the pool), the map forward and
     # backward over the prefix, the target forward and backward over the continuation reading the mapped prefix
-    src = 0.0 if rc.pool_windows else costs.forward_flops(scfg, rc.batch_size, window, (window + 1) / 2,
+    src = 0.0 if rc.pool_windows else b.fwd("source", rc.batch_size, window, (window + 1) / 2,
                                                           rc.cont_len)
-    flops = src + 3 * costs.map_flops(m, rows, rc.prefix_len) + 3 * costs.forward_flops(
-        tcfg, rows, rc.cont_len, rc.prefix_len + rc.cont_len / 2, rc.cont_len)
-    it = b.itemsize()
-    moved = (2 * costs.weight_bytes(tcfg, it, rows * rc.cont_len)
-             + (0 if rc.pool_windows else costs.weight_bytes(scfg, it, rc.batch_size * window))) / b.devices \
+    flops = (src + 3 * costs.map_flops(m, rows, rc.prefix_len) * b.per_row(rows)
+             + 3 * b.fwd("target", rows, rc.cont_len, rc.prefix_len + rc.cont_len / 2, rc.cont_len))
+    moved = (2 * b.wbytes("target", rows * rc.cont_len)
+             + (0 if rc.pool_windows else b.wbytes("source", rc.batch_size * window))) \
         + 4 * costs.map_weight_bytes(m)
-    out = [b.program(f"residual training step {rc.batch_size} x {window}"
+    out += [b.program(f"residual training step {rc.batch_size} x {window}"
                      + (f" + {rc.copy_batch} copy windows" if rc.copy_windows else "")
                      + (" (pooled)" if rc.pool_windows else ""), step, tuple(args), {}, flops, moved,
-                     ("source", "target"), extra_weights=3 * shapes.nbytes_per_device(m),
-                     note="the map and its Adam moments beside the models")]
+                     ("source", "target"), note="the map and its Adam moments beside the models")]
     if rc.pool_windows:
         out.append(pool_program(b, rc.prefix_len, rc.cont_len, rc.teacher, "teacher pool"))
     if rc.copy_windows:
@@ -135,8 +137,8 @@ def pool_program(b: Builder, prefix: int, cont: int, teacher: str, name: str) ->
     (scfg, sparams), (tcfg, tparams) = b.source, b.target
     rows, window = 8, prefix + cont
     args = (sparams, tparams, scfg, tcfg, shapes.replicated((rows, window), jnp.int32, b.mesh))
-    flops = costs.forward_flops(scfg, rows, window - 1, window / 2, 0)
-    moved = costs.weight_bytes(scfg, b.itemsize(), rows * window, False) / b.devices
+    flops = b.fwd("source", rows, window - 1, window / 2, 0)
+    moved = b.wbytes("source", rows * window, False)
     return b.program(f"{name} {rows} x {window}", _pool_batch, args, dict(prefix=prefix, teacher=teacher), flops,
                      moved, ("source", "target"))
 

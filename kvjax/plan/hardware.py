@@ -58,6 +58,10 @@ class Slice:
     def platform(self) -> str:
         return "cpu" if self.chip is None else "tpu"
 
+    def describe_short(self) -> str:
+        kind = self.devices[0].device_kind if self.devices else "?"
+        return f"each of {len(self.devices)} {kind} devices"
+
     def describe(self) -> str:
         if self.chip is None:
             return f"{self.name}: {len(self.devices)} CPU devices, {self.hbm_bytes / 1e9:.1f} GB each (as given)"
@@ -129,6 +133,16 @@ def cpu_slice(n: int, memory_gb: float) -> Slice:
         raise PlanError(f"cpu:{n} needs {n} CPU devices and this process has {len(devices)}; set "
                         f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before starting")
     return Slice(f"cpu:{n}", tuple(devices[:n]), n, memory_gb * 1e9, 20e9, 1e12, None)
+
+
+MARGIN_NOTE = "weights and inputs only: XLA's temporaries come on top"
+
+
+def device_slice(devices, memory_bytes: float) -> Slice:
+    """The devices at hand (a running job's), each offering `memory_bytes`; FLOP/s and bandwidth unknown."""
+    devices = tuple(devices)
+    kind = devices[0].device_kind if devices else "?"
+    return Slice(f"{len(devices)} x {kind}", devices, len(devices), memory_bytes, 0.0, 0.0, None)
 
 
 def get_slice(name: str, cpu_memory_gb: float = 16.0) -> Slice:

@@ -34,6 +34,9 @@ class Program:
     holds: tuple[str, ...] = ()  # the models whose weights are arguments ("source", "target", "encoder", ...)
     weight_bytes: int = 0  # per device: those weights (the plan counts each model once per stage)
     note: str = ""
+    # per device: what the stage keeps alive beside this program's own buffers while it runs (e.g. the source's
+    # cache a shared prefill keeps while each map reads it, the references an evaluation compares every arm with)
+    kept_bytes: int = 0
 
     @property
     def program(self) -> str:
@@ -73,8 +76,9 @@ class Compiled:
 
     @property
     def working_bytes(self) -> int:
-        """The program's memory beside the weights it reads (outputs, temporaries, caches and other inputs)."""
-        return self.peak_bytes - self.program.weight_bytes
+        """The program's memory beside the weights it reads (outputs, temporaries, caches and other inputs), and
+        what the stage keeps alive beside it."""
+        return self.peak_bytes - self.program.weight_bytes + self.program.kept_bytes
 
     def roofline_seconds(self, sl: Slice) -> float:
         """The least time one call can take on the slice: its FLOPs at the chip's peak or its bytes at the HBM

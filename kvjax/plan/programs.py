@@ -29,7 +29,9 @@ class Builder:
     target: Model
     mesh: jax.sharding.Mesh
     dtype: str  # the caches' dtype (the job's: the source's parameter dtype)
+    sources: dict = dataclasses.field(default_factory=dict)  # role -> where its shapes were read
     stage: str = ""
+    mesh_memory: float = 0.0  # the memory per device of the slice (the server's capacity table reads it)
 
     @property
     def devices(self) -> int:
@@ -67,11 +69,33 @@ class Builder:
         return shapes.nbytes_per_device(c) / max(shapes.nbytes(c), 1)
 
     def program(self, name: str, fn, args: tuple, kwargs: dict, flops: float, hbm_bytes: float,
-                holds: tuple[str, ...], extra_weights: int = 0, note: str = "") -> Program:
-        """A Program of this stage: `flops` (total over the slice) divided per device; `hbm_bytes` per device."""
+                holds: tuple[str, ...], extra_weights: int = 0, note: str = "", kept: int = 0) -> Program:
+        """A Program of this stage; `flops` and `hbm_bytes` per device; `kept`: bytes per device the stage keeps
+        alive beside it (Program.kept_bytes)."""
         weight_bytes = sum(self.weights(w) for w in holds if w in ("source", "target")) + extra_weights
-        return Program(self.stage, name, fn, args, kwargs, self.mesh, flops / self.devices, hbm_bytes, holds,
-                       weight_bytes, note)
+        return Program(self.stage, name, fn, args, kwargs, self.mesh, flops, hbm_bytes, holds, weight_bytes, note,
+                       kept)
+
+    def keeping(self, program: Program, *trees) -> Program:
+        """`program` with the per-device bytes of `trees` (abstract arrays the stage holds meanwhile) kept beside it."""
+        program.kept_bytes += sum(shapes.nbytes_per_device(t) for t in trees)
+        return program
+
+    @property
+    def data(self) -> int:
+        return self.mesh.shape["data"]
+
+    def fwd(self, who: str, rows: int, tokens: int, context: float, logit_tokens: int) -> float:
+        """Per-device FLOPs of a forward pass of `who` (kvjax.plan.costs.device_forward_flops)."""
+        return costs.device_forward_flops(self.model(who), rows, tokens, context, logit_tokens, self.data)
+
+    def wbytes(self, who: str, tokens: int | None = None, logits: bool = True) -> float:
+        """Per-device weight bytes a call of `who` reads."""
+        return costs.device_weight_bytes(self.model(who), self.itemsize(), tokens, logits)
+
+    def per_row(self, rows: int) -> float:
+        """The share of `rows` one device computes (the data axis splits rows it divides)."""
+        return 1.0 / self.data if rows % self.data == 0 else 1.0
 
     # ---- the decoder's programs --------------------------------------------------------------------------------
 
@@ -88,10 +112,10 @@ class Builder:
             args += (self.cache(who, rows, capacity),)
         else:
             kwargs.update(capacity=capacity, dtype=jnp.dtype(self.dtype))
-        flops = costs.forward_flops(m.cfg, rows, length, context + (length + 1) / 2, 1 if logits and last_only
-                                    else (length if logits else 0))
+        flops = self.fwd(who, rows, length, context + (length + 1) / 2, 1 if logits and last_only
+                         else (length if logits else 0))
         share = self.kv_share(who, rows)
-        moved = (costs.weight_bytes(m.cfg, self.itemsize(), rows * length, logits) / self.devices
+        moved = (self.wbytes(who, rows * length, logits)
                  + share * costs.kv_bytes(m.cfg, rows, context + length, self.itemsize()))
         return self.program(f"{who} {what} {rows} x {length}" + (f" after {context}" if context else ""),
                             prefill_jit, args, kwargs, flops, moved, (who,))
@@ -101,8 +125,8 @@ class Builder:
         m = self.model(who)
         context = capacity if context is None else context
         args = (m.params, m.cfg, self.rows(rows), self.cache(who, rows, capacity))
-        flops = costs.forward_flops(m.cfg, rows, 1, context, 1)
-        moved = (costs.weight_bytes(m.cfg, self.itemsize(), rows) / self.devices
+        flops = self.fwd(who, rows, 1, context, 1)
+        moved = (self.wbytes(who, rows)
                  + self.kv_share(who, rows) * costs.kv_bytes(m.cfg, rows, context + 1, self.itemsize()))
         return self.program(f"{who} decode step {rows} x {capacity}", decode_jit, args, {}, flops, moved, (who,))
 
@@ -121,8 +145,8 @@ class Builder:
                  * _paired_share(kvmap, self.source.cfg)
                  + self.kv_share("target", rows) * costs.kv_bytes(self.target.cfg, rows, capacity, it)
                  + costs.map_weight_bytes(kvmap))
-        return self.program(f"{name} {rows} x {length}" + (f" (Pallas)" if impl == "pallas" else ""), map_jit, args,
-                            kwargs, costs.map_flops(kvmap, rows, length), moved, (), shapes.nbytes_per_device(kvmap))
+        return self.program(f"{name} {rows} x {length}" + (" (Pallas)" if impl == "pallas" else ""), map_jit, args,
+                            kwargs, costs.map_flops(kvmap, rows, length) * self.per_row(rows), moved, ())
 
     def map_span(self, kvmap, rows: int, width: int, capacity: int) -> Program:
         """span_jit: the positions a row's source cache gained (a prompt read in pieces) mapped into its target
@@ -134,15 +158,15 @@ class Builder:
                  + self.kv_share("target", rows) * costs.kv_bytes(self.target.cfg, rows, width, it)
                  + costs.map_weight_bytes(kvmap))
         return self.program(f"map span {rows} x {width}", span_jit, args, dict(width=width),
-                            costs.map_flops(kvmap, rows, width), moved, (), shapes.nbytes_per_device(kvmap))
+                            costs.map_flops(kvmap, rows, width) * self.per_row(rows), moved, ())
 
     def recompute(self, layers: tuple[int, ...], rows: int, length: int, capacity: int) -> Program:
         """recompute_jit (kvjax.builders.partial): the target's own layers `layers` recomputed over a mapped cache."""
         m = self.target
         args = (m.params, m.cfg, self.tokens(rows, length), self.rows(rows), self.cache("target", rows, capacity))
-        frac = len(layers) / m.cfg.num_layers
-        flops = costs.forward_flops(m.cfg, rows, length, (length + 1) / 2, 0)
-        moved = costs.weight_bytes(m.cfg, self.itemsize(), rows * length, False) / self.devices
+        frac = (max(layers) + 1) / m.cfg.num_layers  # the pass runs every layer up to the top recomputed one
+        flops = frac * self.fwd("target", rows, length, (length + 1) / 2, 0)
+        moved = frac * self.wbytes("target", rows * length, False)
         return self.program(f"target recompute {len(layers)} layers {rows} x {length}", recompute_jit, args,
                             dict(layers=tuple(layers)), flops, moved, ("target",))
 

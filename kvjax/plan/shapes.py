@@ -28,10 +28,19 @@ def model_config(mc, role: str):
     path = mc.path or (os.environ.get(mc.env, "") if mc.env else "")
     for where in (path, mc.shapes):
         if where and os.path.isfile(os.path.join(where, "config.json")):
+            if where == mc.shapes and _model_type(where) == "ultravox":  # an audio LM's shapes: its text model's
+                from kvjax.models.audio import audio_configs
+                return audio_configs(where).lm, where
             return load_config(os.path.join(where, "config.json")), where
     name = mc.name or role
     raise PlanError(f"no shapes for the {role} ({name}): pass --config.{role}.shapes=DIR (a directory with the "
                     f"model's config.json, e.g. configs/models/{name.split(' ')[0]}) or --config.{role}.path=CHECKPOINT")
+
+
+def _model_type(where: str) -> str | None:
+    import json
+    with open(os.path.join(where, "config.json")) as f:
+        return json.load(f).get("model_type")
 
 
 def abstract(tree, shardings):
@@ -102,22 +111,34 @@ def nbytes_per_device(tree) -> int:
     """Bytes one device holds of an abstract tree (its shard of each leaf; replicated leaves whole)."""
     total = 0
     for x in jax.tree.leaves(tree):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):  # a static argument (a config, a flag)
+            continue
         shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
         n = 1
         for d in shape:
             n *= d
-        total += n * jnp.dtype(x.dtype).itemsize
+        total += n * _itemsize(x.dtype)
     return total
+
+
+def _itemsize(dtype) -> int:
+    """Bytes per element; a PRNG key's (`key<fry>`) are its two uint32s."""
+    try:
+        return jnp.dtype(dtype).itemsize
+    except TypeError:
+        return 8
 
 
 def nbytes(tree) -> int:
     """Bytes of an abstract tree, all of it."""
     total = 0
     for x in jax.tree.leaves(tree):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            continue
         n = 1
         for d in x.shape:
             n *= d
-        total += n * jnp.dtype(x.dtype).itemsize
+        total += n * _itemsize(x.dtype)
     return total
 
 

@@ -1,0 +1,118 @@
+"""Compile-only plans: every program the main job and the server run, compiled ahead of time for a TPU slice (or
+CPU devices) from this machine, with no weights and no accelerator; fitted against the slice's HBM and priced at
+its peak FLOP/s and bandwidth.
+
+    python -m kvjax.plan --config=qwen32_8 --topology=v5e:2x4           # the job, one slice
+    python -m kvjax.plan --config=qwen32_8 --topology=v5e,v6e,v5p        # the smallest slice of each generation
+    python -m kvjax.plan --config=qwen32_8 --serve --topology=v5e:2x4    # the server: slots x context that fit
+
+Pieces: kvjax.plan.hardware (chips and slices), .shapes (abstract models, caches, maps), .programs (one builder per
+library program), .fitting / .evals / .job (the job's stages), .serve (the server), .report (tables, JSON, chart),
+.check (the fit check the job and the server run before reading weights).
+"""
+
+from __future__ import annotations
+
+import time
+
+from kvjax.plan.hardware import PlanError, Slice, compile_only_environment, get_slice, ladder  # noqa: F401  (the API)
+from kvjax.plan.report import Plan, StagePlan
+
+
+def compile_all(stages: dict, held: dict, compile: bool = True) -> list[StagePlan]:
+    """Compile every stage's programs (one compile per distinct program: a later stage calling the same program
+    at the same shapes reuses it) into StagePlans. `held`: stage -> {model: weight bytes per device}. Without
+    `compile`, the programs are lowered only (no memory or cost analysis; a quick check that they build)."""
+    from kvjax.plan.program import Compiled, compile_program
+    from tqdm import tqdm
+    done: dict = {}
+    out = []
+    total = sum(len(ps) for ps in stages.values())
+    with tqdm(total=total, desc="compile", unit="program", leave=False) as bar:
+        for name, progs in stages.items():
+            compiled = []
+            for p in progs:
+                key = p.key()
+                if key in done:
+                    first = done[key]
+                    c = Compiled(p, **{f: getattr(first, f) for f in (
+                        "argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "code_bytes", "xla_flops",
+                        "xla_bytes", "error")}, reused=True)
+                elif compile:
+                    c = done[key] = compile_program(p)
+                else:
+                    c = done[key] = Compiled(p)
+                compiled.append(c)
+                bar.set_postfix_str(p.name[:40])
+                bar.update()
+            out.append(StagePlan(name, held.get(name, {}), compiled))
+    return out
+
+
+def plan_job(cfg, slice_name: str, compile: bool = True, only: tuple[str, ...] = (),
+             cpu_memory_gb: float = 16.0, sampled: bool = False) -> Plan:
+    """The main job of `cfg` (a RunConfig) on a slice: every stage's programs compiled, fitted and priced.
+    `sampled`: compile each program at reduced depths and extrapolate its memory and XLA counts to the models' own
+    depth (`extrapolate`: a program's buffers are per-layer buffers times the layers plus the rest, and unrolled
+    layers make compile time grow with depth: a 32B pair's full programs take hours to compile on a small machine)."""
+    from kvjax.plan import job
+    t0 = time.perf_counter()
+    sl = get_slice(slice_name, cpu_memory_gb)
+    b, stages = job.stage_programs(cfg, sl, only)
+    weights = {"source": b.weights("source"), "target": b.weights("target")}
+    held = {name: (weights if progs else {}) for name, progs in stages.items()}
+    if sampled and compile:
+        real = job.depths(cfg)
+        points = sample_depths(real, cfg)
+        plans = extrapolate(stages, held, [job.stage_programs(cfg, sl, only, d)[1] for d in points], points, real)
+    else:
+        plans = compile_all(stages, held, compile)
+    plan = Plan(cfg.name, "job", sl, plans, b.sources, dict(b.mesh.shape), time.perf_counter() - t0)
+    plan.notes["compiled_at"] = "sampled depths" if sampled and compile else "full depth"
+    return plan
+
+
+FIELDS = ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "code_bytes", "xla_flops", "xla_bytes")
+
+
+def sample_depths(real: tuple[int, int], cfg=None) -> list[tuple[int, int]]:
+    """Three (source, target) depths that pin a + b_s L_s + b_t L_t: (a, a), (a + 2, a), (a, a + 2), with a the
+    fewest layers the config's pairing needs (2, or K of a topK pairing)."""
+    a = 2
+    if cfg is not None and cfg.map.pairing.startswith("top"):
+        a = max(a, int(cfg.map.pairing[3:]))
+    return [(min(a, real[0]), min(a, real[1])), (min(a + 2, real[0]), min(a, real[1])),
+            (min(a, real[0]), min(a + 2, real[1]))]
+
+
+def extrapolate(stages: dict, held: dict, sampled: list[dict], points: list[tuple[int, int]],
+                real: tuple[int, int]) -> list[StagePlan]:
+    """StagePlans of the full-depth `stages` whose compiled figures are fitted, program by program, on the same
+    programs compiled at the depths of `sampled` (three dicts as `stages`, from sample_depths): each field is
+    c + b_s L_s + b_t L_t, solved from the three compiles and evaluated at the real depths `real`."""
+    import numpy as np
+    from kvjax.plan.program import Compiled
+    runs = [compile_all(s, held, True) for s in sampled]
+    x = np.array([[1.0, ds, dt] for ds, dt in points])
+    target = np.array([1.0, real[0], real[1]])
+    out = []
+    for i, (name, progs) in enumerate(stages.items()):
+        compiled = []
+        for j, p in enumerate(progs):
+            got = [run[i].programs[j] for run in runs]
+            errors = [c.error for c in got if c.error]
+            if errors:
+                compiled.append(Compiled(p, error=errors[0]))
+                continue
+            fit = {}
+            for f in FIELDS:
+                y = np.array([getattr(c, f) for c in got], np.float64)
+                coef = np.linalg.lstsq(x, y, rcond=None)[0]
+                fit[f] = max(0.0, float(target @ coef))
+            c = Compiled(p, **{f: (int(v) if f.endswith("bytes") and f != "xla_bytes" else v) for f, v in fit.items()})
+            c.lower_seconds = sum(g.lower_seconds for g in got)
+            c.compile_seconds = sum(g.compile_seconds for g in got)
+            c.reused = all(g.reused for g in got)
+            compiled.append(c)
+        out.append(StagePlan(name, held.get(name, {}), compiled))
+    return out
