@@ -4,7 +4,7 @@
     python -m kvjax.launch --config=qwen32_8 --config.source.path=/ckpt/Qwen3-32B --config.target.path=/ckpt/Qwen3-8B
 
 Data: calibration, residual training, held-out windows and needle haystacks come from FineWeb-Edu (sample-10BT,
-FINEWEB_EDU), as in the seed: streamed from the Hugging Face hub, only the tokens asked for (data.max_train_tokens,
+FINEWEB_EDU), general prose: streamed from the Hugging Face hub, only the tokens asked for (data.max_train_tokens,
 data.max_heldout_tokens), its documents split into calibration and held-out ones by a hash of their text
 (kvjax.corpus), tokenized once and cached in the run directory. Without network, pass a local copy the same way
 (--config.data.train_text=hf:/path/to/copy --config.data.heldout_text=hf:/path/to/copy) or, for a smoke run,
@@ -18,7 +18,7 @@ from kvjax.run_config import (DataConfig, DistancesEval, EvalConfig, KLEval, Map
                               RetrievalEval, RunConfig, ThroughputEval)
 
 
-FINEWEB_EDU = "hf:HuggingFaceFW/fineweb-edu:sample-10BT:train"  # the real configs' text (the seed's)
+FINEWEB_EDU = "hf:HuggingFaceFW/fineweb-edu:sample-10BT:train"  # the real configs' text: general educational prose
 
 
 def get_config() -> RunConfig:
