@@ -202,9 +202,12 @@ class Split:
         base = self.cache_file(source, text_field)
         if not (os.path.isfile(base + ".json") and os.path.isfile(base + ".npz")):
             return None
-        with open(base + ".json") as f:
-            record = json.load(f)
-        return record if record["exhausted"] or record["tokens"] >= max_tokens else None
+        try:
+            with open(base + ".json") as f:
+                record = json.load(f)
+            return record if record["exhausted"] or record["tokens"] >= max_tokens else None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # not a record this module wrote: read the dataset again (and rewrite it)
 
 
 def _open(ds: Dataset):

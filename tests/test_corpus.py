@@ -166,6 +166,9 @@ def test_the_stream_stops_at_the_tokens_asked_for_and_a_rerun_reads_the_cache(co
     np.testing.assert_array_equal(read_tokens([where["saved"]], Chars(), 0, budget, batch=1, split=split), tokens)
     with pytest.raises(CorpusError, match="read again"):  # more than the cache holds: read again
         read_tokens([where["saved"]], Chars(), 0, budget + 100, batch=1, split=split)
+    with open(split.cache_file(where["jsonl"], "text") + ".json", "w") as f:
+        f.write("{half a record")  # not a record it wrote: no cache
+    assert split.cached(where["jsonl"], "text", budget) is None
     with pytest.raises(CorpusError, match="read again"):  # another tokenizer: its own cache
         read_tokens([where["saved"]], Chars(), 0, budget, split=dataclasses.replace(split, tokenizer_id="other"))
 

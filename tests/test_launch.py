@@ -586,7 +586,9 @@ def test_qwen32_8_path_end_to_end_writes_the_report(qwen_run, pair):
 def test_qwen32_8_calibrates_on_a_local_copy_of_fineweb_edu_offline(pair, tmp_path, monkeypatch):
     """The real config's text is FineWeb-Edu; a local copy in its format (made here) stands in for the hub's,
     offline: the calibrate stage takes the copy's calibration documents for the training text and its held-out ones
-    for the held-out windows, caches their tokens in the run directory, and a rerun reads the cache, not the copy."""
+    for the held-out windows, caches their tokens in the run directory, and a rerun reads the cache, not the copy.
+    Read under the config's hub name (the copy standing in for the hub's stream), it gives the same tokens, and the
+    run's cache lets the offline checks pass."""
     from kvjax import corpus
     from kvjax.windows import consecutive
     for k, v in {**OFFLINE, "KVJAX_SOURCE": pair[0], "KVJAX_TARGET": pair[1]}.items():
@@ -614,12 +616,35 @@ def test_qwen32_8_calibrates_on_a_local_copy_of_fineweb_edu_offline(pair, tmp_pa
     np.testing.assert_array_equal(heldout, consecutive(tokens(True, 3000), 80))
     cached = sorted(f for f in os.listdir(out / corpus.CACHE) if f.endswith(".json"))
     assert [f.split("-")[0] for f in cached] == ["heldout", "train"]
+    real_open = corpus._open
     monkeypatch.setattr(corpus, "_open", lambda ds: pytest.fail(f"{ds.source} was read again"))
     shutil.rmtree(out / "data")
     with jax.set_mesh(job.mesh()):
         job.stage_calibrate(job.stages["calibrate"])  # --redo=calibrate: the cached tokens
     np.testing.assert_array_equal(np.load(out / "data" / "train_tokens.npy"), train)
     np.testing.assert_array_equal(np.load(out / "data" / "heldout.npy"), heldout)
+
+    # the config's own hub name, its stream stood in for by the copy while "online": the same tokens; then, offline,
+    # the fast checks pass on the run's cache alone, and refuse once it is gone
+    copy, real_probe = corpus.dataset(cfg.data.train_text[0]), corpus.hub_unreachable
+    monkeypatch.setattr(corpus, "_open", lambda ds: real_open(copy))
+    monkeypatch.setattr(corpus, "hub_unreachable", lambda timeout=1.5: None)
+    hub_out = tmp_path / "hub_run"
+    cfg, _, _ = launch.parse(["--config=qwen32_8", f"--config.output_dir={hub_out}", "--config.source.dtype=float32",
+                              "--config.target.dtype=float32", *SMALL, *write_mc_sets(str(tmp_path))])
+    assert cfg.data.train_text == cfg.data.heldout_text == ("hf:HuggingFaceFW/fineweb-edu:sample-10BT:train",)
+    job = launch.Job(cfg)
+    job.check()
+    os.makedirs(hub_out)
+    with jax.set_mesh(job.mesh()):
+        job.stage_calibrate(job.stages["calibrate"])
+    np.testing.assert_array_equal(np.load(hub_out / "data" / "train_tokens.npy"), train)
+    monkeypatch.setattr(corpus, "hub_unreachable", real_probe)
+    monkeypatch.setattr(corpus, "_open", lambda ds: pytest.fail("the hub was read"))
+    preflight.check_fast(cfg)  # HF_HUB_OFFLINE=1: the cache serves
+    shutil.rmtree(hub_out / corpus.CACHE)
+    with pytest.raises(preflight.LaunchError, match="HF_HUB_OFFLINE=1 is set"):
+        preflight.check_fast(cfg)
 
 
 def test_second_run_reuses_every_stage(qwen_run):
