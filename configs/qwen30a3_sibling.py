@@ -19,9 +19,9 @@ source layer per target layer keeps the map's inputs at 4 KV heads x 128 = 512 f
 calibration choose instead.
 
 The cache and the map are those of dense models (the MoE's attention is dense); only the MoE's MLPs differ, and they
-run routed at decode (kvjax.models.qwen3_moe). Offline defaults as configs/qwen32_8.py: calibration on the Python
-standard library's train split, held-out windows from its held-out split, MC sets from the hub (point
-eval.mc.hellaswag / eval.mc.piqa at local JSONL copies without network).
+run routed at decode (kvjax.models.qwen3_moe). Data as configs/qwen32_8.py: FineWeb-Edu (sample-10BT)
+streamed from the hub for calibration, training and held-out windows, MC sets from the hub; without network, local
+copies (docs/real_pairs.md).
 """
 
 import dataclasses
