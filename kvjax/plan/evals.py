@@ -326,7 +326,7 @@ def speculative(b: Builder, ec, cfg, maps: _Maps, final: str) -> list[Program]:
     lookup (the answerer's prefill, the loop)."""
     from kvjax.eval.speculative import _capacity
     from kvjax.speculative.draft import ModelDrafter
-    from kvjax.speculative.lookup import LookupDrafter
+    from kvjax.speculative.lookup import LookupDrafter, LookupState
     rows, n = ec.batch_size, ec.new_tokens
     out = []
     for length in ec.lengths:
@@ -349,7 +349,9 @@ def speculative(b: Builder, ec, cfg, maps: _Maps, final: str) -> list[Program]:
             out.append(run_loop(b, drafter, state, rows, cap, n, "transfer", *draft))
             if ec.lookup:
                 lookup = LookupDrafter(vocab_size=b.target.cfg.vocab_size, draft_len=g)
-                lstate = _abstract(b, jax.eval_shape(lookup.start, b.tokens(rows, t), b.rows(rows), cap))
+                # LookupDrafter.start's state: each row's history (prompt, then what is accepted) and its length
+                lstate = LookupState(history=shapes.replicated((rows, cap + g + 1), jnp.int32, b.mesh),
+                                     length=shapes.replicated((rows,), jnp.int32, b.mesh))
                 out += [b.prefill("target", rows, t, cap), run_loop(b, lookup, lstate, rows, cap, n, "lookup")]
     return out
 
