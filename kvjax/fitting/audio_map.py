@@ -124,6 +124,26 @@ def _kl_jit(kvmap, tcfg, tparams, cache, teacher, text):
     return student_kl(kvmap, (tcfg, tparams), cache, teacher, text)
 
 
+def audio_optimizer(kvmap: KVMap, steps: int, lr: float, train_ridge: bool = False):
+    """The text residual's optimizer (only its TRAINABLE leaves move; with `train_ridge` the ridge too, at the text
+    residual's ridge_lr scale), with a 5% warmup."""
+    from kvjax.fitting.residual import make_optimizer
+    from kvjax.fitting.residual_config import ResidualConfig
+    return make_optimizer(ResidualConfig(steps=steps, lr=lr, warmup_steps=max(1, steps // 20), grad_clip=1.0,
+                                         train_ridge=train_ridge), kvmap)
+
+
+def training_step(opt, tcfg):
+    """The compiled step train_audio_map runs: (map, optimizer state, answerer params, pool cache, teacher logits,
+    text) -> (map, state, loss); the answerer's config is closed over (static)."""
+    @aot.jit
+    def step(kvmap, state, tparams, cache, teacher, text):
+        loss, g = jax.value_and_grad(student_kl)(kvmap, (tcfg, tparams), cache, teacher, text)
+        upd, state = opt.update(g, state, kvmap)
+        return optax.apply_updates(kvmap, upd), state, loss
+    return step
+
+
 def train_audio_map(kvmap: KVMap, target: Model, pool: AudioPool, steps: int, lr: float, seed: int = 0,
                     progress: bool = True, train_ridge: bool = False) -> tuple[KVMap, list[float]]:
     """Continue training `kvmap`'s residual (the ridge and every other leaf frozen; with `train_ridge` the ridge's
@@ -131,18 +151,9 @@ def train_audio_map(kvmap: KVMap, target: Model, pool: AudioPool, steps: int, lr
     step in a seeded order; returns (the map, the loss per step)."""
     from tqdm import tqdm
 
-    from kvjax.fitting.residual import make_optimizer
-    from kvjax.fitting.residual_config import ResidualConfig
-    # the text residual's optimizer (only its TRAINABLE leaves move), with a 5% warmup
-    opt = make_optimizer(ResidualConfig(steps=steps, lr=lr, warmup_steps=max(1, steps // 20), grad_clip=1.0,
-                                        train_ridge=train_ridge), kvmap)
+    opt = audio_optimizer(kvmap, steps, lr, train_ridge)
     state = opt.init(kvmap)
-
-    @aot.jit
-    def step(kvmap, state, tparams, cache, teacher, text):  # the answerer's config is closed over (static)
-        loss, g = jax.value_and_grad(student_kl)(kvmap, (target[0], tparams), cache, teacher, text)
-        upd, state = opt.update(g, state, kvmap)
-        return optax.apply_updates(kvmap, upd), state, loss
+    step = training_step(opt, target[0])
 
     order = np.random.default_rng(seed).permutation(np.resize(np.arange(len(pool.caches)), steps))
     losses = []

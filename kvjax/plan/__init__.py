@@ -73,6 +73,8 @@ def plan_job(cfg, slice_name: str, compile: bool = True, only: tuple[str, ...] =
 
 
 FIELDS = ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "code_bytes", "xla_flops", "xla_bytes")
+# (programs whose memory is fitted on sampled depths: the arguments, outputs and aliases are per-layer buffers times
+# the layers plus the rest, exactly; the temporaries follow XLA's buffer reuse, so the fit never goes below a sample)
 
 
 def sample_depths(real: tuple[int, int], cfg=None) -> list[tuple[int, int]]:
@@ -92,14 +94,30 @@ def extrapolate(stages: dict, held: dict, sampled: list[dict], points: list[tupl
     c + b_s L_s + b_t L_t, solved from the three compiles and evaluated at the real depths `real`."""
     import numpy as np
     from kvjax.plan.program import Compiled
-    runs = [compile_all(s, held, True) for s in sampled]
+    from kvjax.plan.program import compile_program
+    models = ("source", "target")
+    # a program that runs neither model (the map, an insert, a comparison) compiles in seconds at full depth: only
+    # the models' forwards are sampled
+    runs = [compile_all({k: [p for p in ps if set(p.holds) & set(models)] for k, ps in s.items()}, held, True)
+            for s in sampled]
     x = np.array([[1.0, ds, dt] for ds, dt in points])
     target = np.array([1.0, real[0], real[1]])
     out = []
+    full: dict = {}
     for i, (name, progs) in enumerate(stages.items()):
         compiled = []
-        for j, p in enumerate(progs):
-            got = [run[i].programs[j] for run in runs]
+        k = 0
+        for p in progs:
+            if not set(p.holds) & set(models):
+                key = p.key()
+                if key not in full:
+                    full[key] = compile_program(p)
+                c = full[key]
+                compiled.append(Compiled(p, **{f: getattr(c, f) for f in FIELDS + ("error", "lower_seconds",
+                                                                                    "compile_seconds")}))
+                continue
+            got = [run[i].programs[k] for run in runs]
+            k += 1
             errors = [c.error for c in got if c.error]
             if errors:
                 compiled.append(Compiled(p, error=errors[0]))
@@ -109,6 +127,8 @@ def extrapolate(stages: dict, held: dict, sampled: list[dict], points: list[tupl
                 y = np.array([getattr(c, f) for c in got], np.float64)
                 coef = np.linalg.lstsq(x, y, rcond=None)[0]
                 fit[f] = max(0.0, float(target @ coef))
+                if f == "temp_bytes":  # scratch need not grow with depth (XLA reuses it): never below a sample's
+                    fit[f] = max(fit[f], float(y.max()))
             c = Compiled(p, **{f: (int(v) if f.endswith("bytes") and f != "xla_bytes" else v) for f, v in fit.items()})
             c.lower_seconds = sum(g.lower_seconds for g in got)
             c.compile_seconds = sum(g.compile_seconds for g in got)

@@ -356,6 +356,117 @@ def speculative(b: Builder, ec, cfg, maps: _Maps, final: str) -> list[Program]:
     return out
 
 
+AUDIO_CLIP = 3000  # mel frames of a spoken prompt: the Whisper encoder's whole window (30 s), the longest one clip
+AUDIO_ENDING = 64  # tokens of a spoken item's ending, bucketed
+
+
+def audio_lm(b: Builder, who: str, shapes_dir: str, dtype):
+    """An abstract AudioLM around the abstract `who` model: the adapter's encoder and projector from its Ultravox
+    config.json (kvjax.models.audio.audio_configs), replicated on the mesh as the adapter loads them."""
+    from kvjax.models.audio import AudioLM, audio_configs, init_projector
+    from kvjax.models.whisper import init_encoder
+    c = audio_configs(shapes_dir, text_path=b.sources.get(who)) if b.sources.get(who) != shapes_dir else \
+        audio_configs(shapes_dir)
+    key = jax.random.key(0)
+    enc = jax.eval_shape(lambda: init_encoder(c.encoder, key, dtype))
+    proj = jax.eval_shape(lambda: init_projector(c.projector, key, dtype))
+    rep = shapes.replicated((), jnp.float32, b.mesh).sharding
+    place = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), t)  # noqa: E731
+    return AudioLM(encoder=place(enc), projector=place(proj), lm=b.model(who),
+                   audio_token_index=c.audio_token_index if c.audio_token_index is not None else 0)
+
+
+def _listen(b: Builder, who: str, alm, rows: int, length: int, capacity: int, what: str) -> list[Program]:
+    """AudioPrefill's programs (kvjax.models.audio.prefill_audio): the prompt's embeddings (encoder, projector,
+    merge: prompt_embeddings_jit, one clip a row), then the model's prefill over them (prefill_jit with embeds)."""
+    from kvjax.models.audio import prompt_embeddings_jit
+    from kvjax.models.decoder import prefill_jit
+    enc = alm.encoder.cfg
+    feats = shapes.replicated((rows, enc.num_mel_bins, AUDIO_CLIP), jnp.float32, b.mesh)
+    d = alm.lm.cfg.hidden_size
+    tokens, mask = b.tokens(rows, length), shapes.replicated((rows, length), jnp.bool_, b.mesh)
+    enc_flops = 2.0 * rows * (AUDIO_CLIP // 2) * sum(
+        x.size for x in jax.tree.leaves(alm.encoder.params) if len(x.shape) >= 2) / b.data
+    embeds = shapes.replicated((rows, length, d), b.dtype, b.mesh)
+    m = b.model(who)
+    prefill = b.prefill(who, rows, length, capacity)
+    return [b.program(f"{what} encoder and projector {rows} clips of {AUDIO_CLIP} frames", prompt_embeddings_jit,
+                      (alm, tokens, mask, feats, b.rows(rows)), {}, enc_flops,
+                      shapes.nbytes_per_device((alm.encoder.params, alm.projector.params)) + b.wbytes(who, 1, False),
+                      (who,)),
+            b.program(f"{what} prefill over audio embeddings {rows} x {length}", prefill_jit,
+                      (m.params, m.cfg, None, b.rows(rows)),
+                      dict(capacity=capacity, dtype=jnp.dtype(b.dtype), logits=False, last_only=True,
+                           feature_layers=(), embeds=embeds), prefill.flops, prefill.hbm_bytes, (who,))]
+
+
+def audio(b: Builder, ec, cfg, maps: _Maps, final: str) -> list[Program]:
+    """The audio evaluation (kvjax.eval.suite.audio): the audio map trained on the source's listening (the pool's
+    programs, the training step, its held-out KL and NLL) unless a saved one is given, every arm scored on the spoken
+    items (each builder, then the endings' log-probs), and the spoken speed runs (one prompt, generate_from).
+    Clips at the encoder's whole window; the adapters' shapes from the models' Ultravox config.json (the config's
+    `shapes`)."""
+    from kvjax.eval.likelihood import _continuation_logprobs
+    from kvjax.fitting import audio_map as am
+    from kvjax.models.audio import audio_token_count
+    src_alm = audio_lm(b, "source", cfg.source.shapes or ec.source_adapter, b.dtype)
+    tgt_alm = audio_lm(b, "target", cfg.target.shapes or ec.target_adapter, b.dtype)
+    prompt = 1 + int(audio_token_count(AUDIO_CLIP, 8)) + 1  # open, the clip's tokens, the line break
+    p = bucket(prompt)
+    rows = ec.batch_size
+    out = []
+    kvmap = maps(final)
+    # the pools (the source listening to map_train's clips: its caches and teacher logits over the text after each
+    # prompt), the map's held-out KL and NLL on them, and unless a saved map is given, its training step
+    c = ec.map_cont
+    pool = 16  # audio_pool's batch
+    out += _listen(b, "source", src_alm, pool, prompt + c, prompt + c, "audio-map pool: source")
+    v = b.source.cfg.vocab_size
+    cache = b.cache("source", pool, prompt + c)
+    teacher = shapes.replicated((pool, c, v), jnp.float32, b.mesh)
+    text = b.tokens(pool, c + 1)
+    student = b.fwd("target", pool, c, prompt, c) + costs.map_flops(kvmap, pool, prompt)
+    moved = b.wbytes("target", pool * c) + costs.map_weight_bytes(kvmap)
+    if not ec.map_from:
+        opt = am.audio_optimizer(kvmap, ec.map_steps, ec.map_lr, ec.map_train_ridge)
+        state = jax.eval_shape(opt.init, kvmap)
+        rep = shapes.replicated((), jnp.float32, b.mesh).sharding
+        state = shapes.abstract(state, jax.tree.map(lambda _: rep, state))
+        out.append(b.program(f"audio-map training step {pool} x {c}", am.training_step(opt, b.target.cfg),
+                             (kvmap, state, b.target.params, cache, teacher, text), {}, 3 * student, 2 * moved,
+                             ("target",)))
+    out += [b.program(f"audio-map KL {pool} x {c}", am._kl_jit, (kvmap, b.target.cfg, b.target.params, cache,
+                                                                  teacher, text), {}, student, moved, ("target",)),
+            b.program(f"audio-map NLL {pool} x {c}", am._nll_jit, (kvmap, b.target.cfg, b.target.params, cache,
+                                                                    text), {}, student, moved, ("target",))]
+    out += _listen(b, "target", tgt_alm, pool, prompt + c, prompt + c, "audio-map pool: target")
+    for arm in ec.arms:  # each arm's cache of a batch of spoken prompts
+        if arm in ("source_audio", "direct_audio", "text_map_audio", "mapped_audio"):
+            out += _listen(b, "source", src_alm, rows, p, p, "source listens")
+            if arm != "source_audio":
+                out.append(b.apply_map(maps("direct") if arm == "direct_audio" else kvmap, rows, p, p,
+                                       name=f"{arm} map"))
+        elif arm == "target_audio":
+            out += _listen(b, "target", tgt_alm, rows, p, p, "target listens")
+        else:  # the transcripts' text arms
+            out += arm_programs(b, {"target_text": "target", "source_text": "source", "mapped_text": final}[arm],
+                                maps, final, cfg, rows, p, p)
+    k = 4  # the spoken items' endings
+    for who in ("source", "target"):
+        m = b.model(who)
+        n, cap = rows * k, bucket(p + 1 + AUDIO_ENDING)
+        out.append(b.program(f"{who} ending log-probs {n} x {1 + AUDIO_ENDING}", _continuation_logprobs,
+                             (m.params, m.cfg, b.cache(who, n, cap), b.tokens(n, 1 + AUDIO_ENDING), b.rows(n)), {},
+                             b.fwd(who, n, 1 + AUDIO_ENDING, p, 1 + AUDIO_ENDING),
+                             b.wbytes(who, n * AUDIO_ENDING), (who,)))
+    cap = aligned(prompt + ec.speed_tokens)  # the speed runs: one spoken prompt, generate_from
+    out += _listen(b, "source", src_alm, 1, prompt - 1, cap, "speed: source listens")
+    out.append(b.apply_map(kvmap, 1, prompt - 1, cap, name="speed: audio map"))
+    out += _listen(b, "target", tgt_alm, 1, prompt - 1, cap, "speed: target listens")
+    out += _generate_programs(b, "target", 1, cap, ec.speed_tokens, prompt)
+    return out
+
+
 PLANS = {
     "distances": distances,
     "kl": kl,
@@ -366,4 +477,5 @@ PLANS = {
     "native_kl": native_kl,
     "ttft": ttft,
     "speculative": speculative,
+    "audio": audio,
 }
