@@ -19,25 +19,39 @@ from kvjax.plan.hardware import PlanError, Slice, compile_only_environment, get_
 from kvjax.plan.report import Plan, StagePlan
 
 
-def compile_all(stages: dict, held: dict, compile: bool = True) -> list[StagePlan]:
+COMPILED = ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "code_bytes", "xla_flops", "xla_bytes",
+            "error", "lower_seconds", "compile_seconds")
+
+
+def compile_all(stages: dict, held: dict, compile: bool = True, jobs: int = 1, rebuild=None) -> list[StagePlan]:
     """Compile every stage's programs (one compile per distinct program: a later stage calling the same program
     at the same shapes reuses it) into StagePlans. `held`: stage -> {model: weight bytes per device}. Without
-    `compile`, the programs are lowered only (no memory or cost analysis; a quick check that they build)."""
+    `compile`, the programs are lowered only (no memory or cost analysis; a quick check that they build).
+
+    `jobs` > 1 compiles the distinct programs in that many worker processes, each rebuilding the same programs with
+    `rebuild` (a picklable (function, args) whose call returns `stages` again: the programs themselves, holding
+    device handles, do not travel); XLA compiles one program on one core, so this is what more cores buy."""
     from kvjax.plan.program import Compiled, compile_program
     from tqdm import tqdm
+    first: dict = {}  # key -> (stage index, program index) of its first occurrence
+    for i, progs in enumerate(stages.values()):
+        for j, p in enumerate(progs):
+            first.setdefault(p.key(), (i, j))
+    results: dict = {}
+    if compile and jobs > 1 and rebuild is not None and len(first) > 1:
+        results = _compile_in_workers(sorted(first.values()), jobs, rebuild)
     done: dict = {}
     out = []
     total = sum(len(ps) for ps in stages.values())
-    with tqdm(total=total, desc="compile", unit="program", leave=False) as bar:
-        for name, progs in stages.items():
+    with tqdm(total=total, desc="compile", unit="program", leave=False, disable=None) as bar:
+        for i, (name, progs) in enumerate(stages.items()):
             compiled = []
-            for p in progs:
+            for j, p in enumerate(progs):
                 key = p.key()
                 if key in done:
-                    first = done[key]
-                    c = Compiled(p, **{f: getattr(first, f) for f in (
-                        "argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "code_bytes", "xla_flops",
-                        "xla_bytes", "error")}, reused=True)
+                    c = Compiled(p, **{f: getattr(done[key], f) for f in COMPILED if "seconds" not in f}, reused=True)
+                elif (i, j) in results:
+                    c = done[key] = Compiled(p, **results[(i, j)])
                 elif compile:
                     c = done[key] = compile_program(p)
                 else:
@@ -49,8 +63,45 @@ def compile_all(stages: dict, held: dict, compile: bool = True) -> list[StagePla
     return out
 
 
+def _compile_in_workers(where: list, jobs: int, rebuild) -> dict:
+    import concurrent.futures
+    import multiprocessing
+    ctx = multiprocessing.get_context("spawn")  # JAX is not fork-safe
+    parts = [where[w::jobs] for w in range(jobs)]
+    out = {}
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+        for part in pool.map(_worker, [(rebuild, part) for part in parts if part]):
+            out.update(part)
+    return out
+
+
+def _worker(task) -> dict:
+    """In a fresh process: rebuild the stages, compile the programs at the given (stage, program) indices."""
+    (fn, args), where = task
+    compile_only_environment()
+    from kvjax.plan.program import compile_program
+    stages = list(fn(*args).values())
+    out = {}
+    for i, j in where:
+        c = compile_program(stages[i][j])
+        out[(i, j)] = {f: getattr(c, f) for f in COMPILED}
+    return out
+
+
+def _models_only(rebuild) -> dict:
+    """A rebuilt `stages` with the programs that run a model only (extrapolate's sampled compiles)."""
+    fn, args = rebuild
+    return {k: [p for p in ps if set(p.holds) & {"source", "target"}] for k, ps in fn(*args).items()}
+
+
+def job_stages(cfg, slice_name: str, cpu_memory_gb: float, only: tuple, depths):
+    """The job's stages for a slice by name (what a compile worker rebuilds)."""
+    from kvjax.plan import job
+    return job.stage_programs(cfg, get_slice(slice_name, cpu_memory_gb), only, depths)[1]
+
+
 def plan_job(cfg, slice_name: str, compile: bool = True, only: tuple[str, ...] = (),
-             cpu_memory_gb: float = 16.0, sampled: bool = False) -> Plan:
+             cpu_memory_gb: float = 16.0, sampled: bool = False, jobs: int = 1) -> Plan:
     """The main job of `cfg` (a RunConfig) on a slice: every stage's programs compiled, fitted and priced.
     `sampled`: compile each program at reduced depths and extrapolate its memory and XLA counts to the models' own
     depth (`extrapolate`: a program's buffers are per-layer buffers times the layers plus the rest, and unrolled
@@ -64,9 +115,10 @@ def plan_job(cfg, slice_name: str, compile: bool = True, only: tuple[str, ...] =
     if sampled and compile:
         real = job.depths(cfg)
         points = sample_depths(real, cfg)
-        plans = extrapolate(stages, held, [job.stage_programs(cfg, sl, only, d)[1] for d in points], points, real)
+        plans = extrapolate(stages, held, [job.stage_programs(cfg, sl, only, d)[1] for d in points], points, real,
+                            jobs=jobs, rebuild=[(job_stages, (cfg, slice_name, cpu_memory_gb, only, d)) for d in points])
     else:
-        plans = compile_all(stages, held, compile)
+        plans = compile_all(stages, held, compile, jobs, (job_stages, (cfg, slice_name, cpu_memory_gb, only, None)))
     plan = Plan(cfg.name, "job", sl, plans, b.sources, dict(b.mesh.shape), time.perf_counter() - t0)
     plan.notes["compiled_at"] = "sampled depths" if sampled and compile else "full depth"
     return plan
@@ -88,7 +140,7 @@ def sample_depths(real: tuple[int, int], cfg=None) -> list[tuple[int, int]]:
 
 
 def extrapolate(stages: dict, held: dict, sampled: list[dict], points: list[tuple[int, int]],
-                real: tuple[int, int]) -> list[StagePlan]:
+                real: tuple[int, int], jobs: int = 1, rebuild=None) -> list[StagePlan]:
     """StagePlans of the full-depth `stages` whose compiled figures are fitted, program by program, on the same
     programs compiled at the depths of `sampled` (three dicts as `stages`, from sample_depths): each field is
     c + b_s L_s + b_t L_t, solved from the three compiles and evaluated at the real depths `real`."""
@@ -98,8 +150,9 @@ def extrapolate(stages: dict, held: dict, sampled: list[dict], points: list[tupl
     models = ("source", "target")
     # a program that runs neither model (the map, an insert, a comparison) compiles in seconds at full depth: only
     # the models' forwards are sampled
-    runs = [compile_all({k: [p for p in ps if set(p.holds) & set(models)] for k, ps in s.items()}, held, True)
-            for s in sampled]
+    runs = [compile_all({k: [p for p in ps if set(p.holds) & set(models)] for k, ps in s.items()}, held, True, jobs,
+                        None if rebuild is None else (_models_only, (rebuild[n],)))
+            for n, s in enumerate(sampled)]
     x = np.array([[1.0, ds, dt] for ds, dt in points])
     target = np.array([1.0, real[0], real[1]])
     out = []

@@ -12,6 +12,8 @@ slice, DIR/NAME[-serve]-SLICE.{md,json,png} (DIR: --out, default runs/plan) and 
                                 at three reduced depths and extrapolate its memory and XLA counts to the real
                                 depth (minutes instead of hours for a 32B pair on a small machine; docs/planning.md
                                 says how close it comes)
+  --jobs=N                      compile in N processes (default: the cores, at most 4; each holds a compile of
+                                up to a few GB)
   --no-compile                  lower only (seconds instead of minutes; no memory or cost analysis)
   --cpu-memory-gb=G             the memory a cpu:N device stands for (default 16)
 
@@ -39,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvjax.run_config import RunConfig
     argv = sys.argv[1:] if argv is None else argv
     opts = {"topology": "", "out": "runs/plan", "serve": False, "compile": True, "slots": 0, "context": 0,
-            "cpu_memory_gb": 16.0, "depth": "full"}
+            "cpu_memory_gb": 16.0, "depth": "full", "jobs": min(4, os.cpu_count() or 1)}
     rest = []
     try:
         name, overrides, args = parse_argv(argv)
@@ -58,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                 if value not in ("full", "sampled"):
                     raise ConfigFlagError(f"--depth={value}: use full or sampled")
                 opts["depth"] = value
-            elif key in ("--slots", "--context"):
+            elif key in ("--slots", "--context", "--jobs"):
                 opts[key[2:]] = int(value)
             elif key == "--cpu-memory-gb":
                 opts["cpu_memory_gb"] = float(value)
@@ -146,9 +148,9 @@ def _plan(cfg, sl: str, opts: dict):
     if opts["serve"]:
         from kvjax.plan.serve import plan_serve
         return plan_serve(cfg, sl, slots=opts["slots"], context=opts["context"], compile=opts["compile"],
-                          cpu_memory_gb=opts["cpu_memory_gb"], sampled=opts["depth"] == "sampled")
+                          cpu_memory_gb=opts["cpu_memory_gb"], sampled=opts["depth"] == "sampled", jobs=opts["jobs"])
     return kvplan.plan_job(cfg, sl, compile=opts["compile"], cpu_memory_gb=opts["cpu_memory_gb"],
-                           sampled=opts["depth"] == "sampled")
+                           sampled=opts["depth"] == "sampled", jobs=opts["jobs"])
 
 
 def _write(plan, out: str) -> None:

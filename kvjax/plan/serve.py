@@ -102,8 +102,16 @@ def capacity_table(b: Builder, max_prefill_batch: int = 8, split: bool = True) -
     return out
 
 
+def serve_stages(cfg, slice_name: str, cpu_memory_gb: float, slots: int, context: int, split: bool, depths):
+    """The server's stages for a slice by name (what a compile worker rebuilds)."""
+    from kvjax.plan import job
+    sl = get_slice(slice_name, cpu_memory_gb)
+    b = dataclasses.replace(job.pair(cfg, sl, depths), mesh_memory=sl.hbm_bytes)
+    return server_programs(b, engine_config(slots, context), split)
+
+
 def plan_serve(cfg, slice_name: str, slots: int = 0, context: int = 0, compile: bool = True,
-               cpu_memory_gb: float = 16.0, split: bool = True, sampled: bool = False) -> Plan:
+               cpu_memory_gb: float = 16.0, split: bool = True, sampled: bool = False, jobs: int = 1) -> Plan:
     """The server of `cfg` on a slice: the capacity table, and every engine program at (slots, context) compiled
     (default: 128 slots — the conversation workload's 128 clients — at the longest context that holds them)."""
     from kvjax.plan import compile_all, extrapolate, job, sample_depths
@@ -124,16 +132,14 @@ def plan_serve(cfg, slice_name: str, slots: int = 0, context: int = 0, compile: 
     held = {"target": b.weights("target"), **({"source": b.weights("source")} if split else {}),
             "slots": slots_bytes}
     held_by = {name: held for name in stages}
+    rebuild = lambda d: (serve_stages, (cfg, slice_name, cpu_memory_gb, slots, context, split, d))  # noqa: E731
     if sampled and compile:
         real = job.depths(cfg)
         points = sample_depths(real)
-        runs = []
-        for d in points:
-            bd = dataclasses.replace(job.pair(cfg, sl, d), mesh_memory=sl.hbm_bytes)
-            runs.append(server_programs(bd, ec, split))
-        plans = extrapolate(stages, held_by, runs, points, real)
+        runs = [serve_stages(cfg, slice_name, cpu_memory_gb, slots, context, split, d) for d in points]
+        plans = extrapolate(stages, held_by, runs, points, real, jobs, [rebuild(d) for d in points])
     else:
-        plans = compile_all(stages, held_by, compile)
+        plans = compile_all(stages, held_by, compile, jobs, rebuild(None))
     plan = Plan(cfg.name, "serve", sl, plans, b.sources, dict(b.mesh.shape), time.perf_counter() - t0)
     plan.notes = {"slots": slots, "context": context, "capacity_table": table}
     return plan
