@@ -85,6 +85,10 @@ def compile_only_environment() -> None:
     if no_tpu_here():
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+        # libtpu looks for the host's own TPU type and workers when it loads and logs a page of errors without them;
+        # the slices a plan compiles for are named explicitly (get_topology_desc), so any valid answer does
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-8")
 
 
 def parse(name: str) -> tuple[str, tuple[int, ...]]:
