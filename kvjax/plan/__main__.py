@@ -7,6 +7,8 @@ slice, DIR/NAME[-serve]-SLICE.{md,json,png} (DIR: --out, default runs/plan) and 
   --topology=v5e:2x4            a slice (v4 / v5e / v5p / v6e; e.g. v6e:4x4, v5p:2x2x2); cpu:N: N CPU devices
   --topology=v5e,v6e            a generation: walk its slices from the smallest and stop at the first that fits
   --serve                       plan the server (kvjax.serve) instead of the job
+  --price                       the method's speed claims priced at the pair's shapes on the slice (roofline of
+                                each program; no compile): DIR/NAME-priced-SLICE.{md,json}
   --slots=N --context=T         the server's decode slots and context per slot (default: the most that fit)
   --depth=full|sampled          full (default): compile every program as the job runs it; sampled: compile each
                                 at three reduced depths and extrapolate its memory and XLA counts to the real
@@ -41,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvjax.run_config import RunConfig
     argv = sys.argv[1:] if argv is None else argv
     opts = {"topology": "", "out": "runs/plan", "serve": False, "compile": True, "slots": 0, "context": 0,
-            "cpu_memory_gb": 16.0, "depth": "full", "jobs": min(4, os.cpu_count() or 1)}
+            "cpu_memory_gb": 16.0, "depth": "full", "jobs": min(4, os.cpu_count() or 1), "price": False}
     rest = []
     try:
         name, overrides, args = parse_argv(argv)
@@ -52,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             if key == "--serve":
                 opts["serve"] = True
+            elif key == "--price":
+                opts["price"] = True
             elif key == "--no-compile":
                 opts["compile"] = False
             elif key in ("--topology", "--out"):
@@ -84,6 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     except PlanError as e:
         return _error(str(e))
     hardware.compile_only_environment()  # before JAX starts
+    if opts["price"]:
+        try:
+            return _price(cfg, wanted, opts["out"])
+        except PlanError as e:
+            return _error(str(e))
     status = 0
     summary: list = []
     for t in wanted:
@@ -97,6 +106,27 @@ def main(argv: list[str] | None = None) -> int:
     return status
 
 
+def _price(cfg, slices: list, out: str) -> int:
+    from kvjax.plan import pricing
+    from kvjax.plan.hardware import CHIPS, PlanError
+    os.makedirs(out, exist_ok=True)
+    for name in slices:
+        if name in CHIPS or name.startswith("cpu:"):
+            raise PlanError(f"--price needs a TPU slice (e.g. {name}:2x4 or v5e:2x4), got {name}")
+        t = pricing.price(cfg, name)
+        stem = os.path.join(out, f"{cfg.name}-priced-{name.replace(':', '-')}")
+        _atomic(stem + ".md", pricing.markdown(t))
+        _atomic(stem + ".json", json.dumps(t, indent=1))
+        print(f"{cfg.name} priced on {name} -> {stem}.md")
+    return 0
+
+
+def _atomic(path: str, text: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
 def _summary(rows: list, out: str, stem: str) -> None:
     """Every slice tried, in one table (DIR/STEM-summary.md and .json)."""
     lines = [f"# {stem}: the slices tried", "", "| slice | fits | peak GB per device | HBM GB | compile s |",
@@ -108,10 +138,8 @@ def _summary(rows: list, out: str, stem: str) -> None:
         else:
             lines.append(f"| {r['slice']} | no ({r['why']}) | | | |")
     path = os.path.join(out, f"{stem}-summary")
-    with open(path + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(path + ".json", "w") as f:
-        json.dump(rows, f, indent=1)
+    _atomic(path + ".md", "\n".join(lines) + "\n")
+    _atomic(path + ".json", json.dumps(rows, indent=1))
     print(f"summary -> {path}.md")
 
 
@@ -157,12 +185,8 @@ def _write(plan, out: str) -> None:
     from kvjax.plan.report import chart, markdown
     os.makedirs(out, exist_ok=True)
     stem = os.path.join(out, f"{plan.config}{'-serve' if plan.what == 'serve' else ''}-{plan.slice.name.replace(':', '-')}")
-    with open(stem + ".md.tmp", "w") as f:
-        f.write(markdown(plan))
-    os.replace(stem + ".md.tmp", stem + ".md")
-    with open(stem + ".json.tmp", "w") as f:
-        json.dump(plan.to_json(), f, indent=1)
-    os.replace(stem + ".json.tmp", stem + ".json")
+    _atomic(stem + ".md", markdown(plan))
+    _atomic(stem + ".json", json.dumps(plan.to_json(), indent=1))
     chart(plan, stem + ".png")
     peak = max((s.peak_bytes for s in plan.stages), default=0)
     print(f"{plan.config} ({plan.what}) on {plan.slice.name}: {'fits' if plan.fits() else 'does NOT fit'} "

@@ -111,3 +111,52 @@ def serving(b: Builder, sl: Slice, kvmap, slots: int = 128, system: int = 512, u
     return {"slots": slots, "serial_tokens_per_s": serial_tps, "batched_tokens_per_s": batched_tps,
             "ratio": batched_tps / serial_tps, "decode_step_ms": 1e3 * step,
             "prefill_share": prefill / (prefill + decode)}
+
+
+# acceptance lengths measured on the toy pair's held-out windows (docs/speculative.md: the shipped 4-layer block
+# drafter refined twice, prompt lookup, and the two spliced), by draft length b: what the speculative rows are priced
+# at (a drafter's tau at Qwen3-8B shapes is the one thing the toy cannot give)
+TOY_TAU = {("block", 4): 2.67, ("block", 8): 2.92, ("block", 16): 2.96,
+           ("lookup", 4): 2.94, ("lookup", 8): 3.62, ("lookup", 16): 4.11,
+           ("combined", 4): 3.53, ("combined", 8): 4.66, ("combined", 16): 5.49}
+
+
+def price(cfg, slice_name: str) -> dict:
+    """Every priced table of the config's pair on the slice (JSON-able)."""
+    from kvjax.plan import job, shapes
+    from kvjax.plan.hardware import get_slice
+    sl = get_slice(slice_name)
+    b = job.pair(cfg, sl)
+    kvmap = shapes.kvmap(b.source.cfg, b.target.cfg, b.mesh, pairing=cfg.map.pairing, rank=cfg.map.rank,
+                         residual_rank=cfg.map.residual_rank)
+    return {"config": cfg.name, "slice": sl.name, "source": cfg.source.name, "target": cfg.target.name,
+            "decode": decode(b, sl), "ttft": ttft(b, sl, kvmap), "speculative": speculative(b, sl, TOY_TAU),
+            "serving": serving(b, sl, kvmap)}
+
+
+def markdown(t: dict) -> str:
+    src, tgt = t["source"], t["target"]
+    out = [f"# Priced on {t['slice']}: {t['config']} ({src} reads, {tgt} answers)", "",
+           "Roofline times from the shapes (kvjax.plan.pricing): priced, not measured; collectives and launch "
+           "overheads left out.", "", "## Decode, batch 1", "",
+           f"| context | {tgt} native ms | from the mapped cache ms | {src} ms | mapped speed / {src}'s |",
+           "|---|---|---|---|---|"]
+    out += [f"| {r['context']} | {r['native_target_ms']:.3g} | {r['mapped_target_ms']:.3g} | {r['source_ms']:.3g} | "
+            f"{r['mapped_over_source_speed']:.2f}x |" for r in t["decode"]]
+    out += ["", "## Time to first token", "", f"| prompt | split path ms | {src} alone ms | map ms | split / {src} |",
+            "|---|---|---|---|---|"]
+    out += [f"| {r['prompt']} | {r['split_ms']:.4g} | {r['source_ms']:.4g} | {r['map_ms']:.3g} | "
+            f"{r['split_over_source']:.3f} |" for r in t["ttft"]]
+    out += ["", f"## Speculative decoding at {tgt}'s shapes (context 4096)", "",
+            "| b | c_verify(b+1) | c_draft(b), block drafter | speed-up: block | lookup | combined |",
+            "|---|---|---|---|---|---|"]
+    for r in t["speculative"]:
+        out.append(f"| {r['b']} | {r['c_verify']:.3f} | {r['c_draft_block']:.3f} | "
+                   + " | ".join(f"{r[f'speedup_{k}']:.2f}x (tau {r[f'tau_{k}']})" if f"speedup_{k}" in r else "-"
+                                for k in ("block", "lookup", "combined")) + " |")
+    s = t["serving"]
+    out += ["", "## Serving the conversation workload", "",
+            f"{s['slots']} conversations at once with the prefix cache: {s['batched_tokens_per_s']:.0f} tokens/s "
+            f"against {s['serial_tokens_per_s']:.0f} one request at a time: **{s['ratio']:.1f}x** (decode step "
+            f"{s['decode_step_ms']:.3g} ms; prefill {s['prefill_share']:.0%} of the time)."]
+    return "\n".join(out) + "\n"
