@@ -54,6 +54,7 @@ def compile_all(stages: dict, held: dict, compile: bool = True, jobs: int = 1, r
                     c = done[key] = Compiled(p, **results[(i, j)])
                 elif compile:
                     c = done[key] = compile_program(p)
+                    _progress(bar, c)
                 else:
                     c = done[key] = Compiled(p)
                 compiled.append(c)
@@ -84,8 +85,17 @@ def _worker(task) -> dict:
     out = {}
     for i, j in where:
         c = compile_program(stages[i][j])
+        _progress(None, c)
         out[(i, j)] = {f: getattr(c, f) for f in COMPILED}
     return out
+
+
+def _progress(bar, c) -> None:
+    """One line per compiled program where no progress bar shows (a log file, a worker)."""
+    if bar is None or bar.disable:
+        import sys
+        print(f"compiled {c.program.stage}: {c.program.name} in {c.lower_seconds + c.compile_seconds:.1f} s"
+              f"{' (refused: ' + c.error + ')' if c.error else ''}", file=sys.stderr, flush=True)
 
 
 def _models_only(rebuild) -> dict:
