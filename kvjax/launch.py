@@ -37,11 +37,9 @@ from kvjax.config_flags import (ConfigFlagError, LaunchFlags, available_configs,
 from kvjax.preflight import LaunchError, check_fast, resolve_models, validate
 from kvjax.run_config import RunConfig
 from kvjax.stages import lock as run_lock
-from kvjax.stages.disk import WriteFailed
 from kvjax.stages.plan import EVALS, MAP_DIRS, STAGES, final_arm, fitted_maps, plan  # noqa: F401  (the job's plan)
 
 log = logging.getLogger("kvjax.launch")
-_refused_write = False  # the job ended on a write the disk refused (kvjax.stages.disk.WriteFailed)
 DEFAULT_CONFIG = "toy_pruned_quick"  # the shipped pair on which the map helps, in minutes on 2 cores
 FLAGS = ("--config", "--redo", "--help", *(f"--{f.name}" for f in dataclasses.fields(LaunchFlags)))
 
@@ -83,6 +81,18 @@ def _not_a_refused_write(record: logging.LogRecord) -> bool:
     return not (record.exc_info and record.exc_info[1] is not None and failed_write(record.exc_info[1]))
 
 
+def _unraisable(unraisable) -> None:
+    """sys.unraisablehook, less one report: a callback posted to an asyncio loop already closed. TensorStore's writes
+    that finish after orbax gave up on a checkpoint whose other writes failed (a full disk) report that, one
+    traceback each, while the failure itself reaches the job (kvjax.stages.disk)."""
+    tb = unraisable.exc_traceback
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if not (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"
+            and tb is not None and tb.tb_frame.f_code.co_name == "_check_closed"):
+        sys.__unraisablehook__(unraisable)
+
+
 def setup_logging(run_dir: str, process_index: int = 0) -> None:
     """Log to stderr and to the run directory: run.log (process 0) or run.pI.log (process I)."""
     os.makedirs(run_dir, exist_ok=True)
@@ -105,6 +115,8 @@ def setup_logging(run_dir: str, process_index: int = 0) -> None:
         root.addHandler(handler)
     for noisy in ("absl", "jax._src", "orbax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if sys.unraisablehook is sys.__unraisablehook__:
+        sys.unraisablehook = _unraisable
 
 
 def read(argv: list[str], check=check_fast) -> tuple[RunConfig | None, tuple[str, ...]]:
@@ -217,8 +229,6 @@ def run(cfg: RunConfig, redo: tuple[str, ...], flags: LaunchFlags, allocator: st
         try:
             summary = job.execute()
         except stages.BAD_INPUT as e:
-            global _refused_write
-            _refused_write = isinstance(e, WriteFailed)
             log.error("%s", e)
             return _error(e, 1)
     finally:
@@ -240,12 +250,4 @@ def __getattr__(name: str):
 
 
 if __name__ == "__main__":
-    status = main(restart=True)
-    if _refused_write:
-        # the disk refused a write: orbax's and TensorStore's background writers still hold failed writes, and at
-        # the interpreter's teardown report them on stderr with tracebacks, after the job's one line that said it
-        sys.stdout.flush()
-        sys.stderr.flush()
-        logging.shutdown()
-        os._exit(status)
-    sys.exit(status)
+    sys.exit(main(restart=True))

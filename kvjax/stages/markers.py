@@ -155,18 +155,28 @@ class RunDir:
                 self._sweep(stage)
             raise disk.WriteFailed(message) from None
 
-    def _sweep(self, stage: Stage) -> None:
-        left = [self.path(out) + ".tmp" for out in stage.outputs] + [self.marker(stage) + ".tmp"]
-        left += glob.glob(self.path("*.tmp.png"))
-        for out in stage.outputs:
-            left += glob.glob(os.path.join(glob.escape(self.path(out)), "**", "*.orbax-checkpoint-tmp*"),
-                              recursive=True)
-        for path in left:
-            if os.path.isdir(path):
-                shutil.rmtree(path, ignore_errors=True)
-            elif os.path.lexists(path):
-                with contextlib.suppress(OSError):
-                    os.remove(path)
+    def _sweep(self, stage: Stage, tries: int = 20) -> None:
+        """Remove what `stage` left under temporary names. A failed orbax save may still have writes in flight
+        (TensorStore's, which orbax stopped waiting for at the first failure): they can recreate a directory being
+        removed, so the sweep repeats until nothing is left twice in a row (they fail fast on the same disk)."""
+        clean = 0
+        for _ in range(tries):
+            left = [p for p in [self.path(out) + ".tmp" for out in stage.outputs] + [self.marker(stage) + ".tmp"]
+                    if os.path.lexists(p)]
+            left += glob.glob(self.path("*.tmp.png"))
+            for out in stage.outputs:
+                left += glob.glob(os.path.join(glob.escape(self.path(out)), "**", "*.orbax-checkpoint-tmp*"),
+                                  recursive=True)
+            clean = 0 if left else clean + 1
+            if clean == 2:
+                return
+            for path in left:
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    with contextlib.suppress(OSError):
+                        os.remove(path)
+            time.sleep(0.05)
 
     def claim_workdir(self, stage: Stage, workdir: str) -> None:
         """A resumable stage's work directory belongs to these settings: partial work from other settings is
