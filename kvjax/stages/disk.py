@@ -19,9 +19,8 @@ call it before anything runs:
   report      metrics.json, report.md, gate.json, the charts (REPORT)
 
 Arrays count at their size plus orbax's metadata (ORBAX_OVERHEAD per map, CHECKPOINT_OVERHEAD per checkpoint:
-a few hundred kB of descriptors whatever the arrays' size); the estimate errs high. Measured on the shipped toy pair
-(top-3 pairing, residual rank 64): map_ridge/ 2.07 MB written vs 2.73 MB estimated, one residual checkpoint 3.85 MB
-vs 4.84 MB.
+a few hundred kB of descriptors whatever the arrays' size); the estimate errs high (measured against what the
+stages wrote: docs/architecture.md, "The run directory").
 """
 
 from __future__ import annotations
@@ -101,7 +100,7 @@ def _peer(cfg, source_layers: int) -> int:
 
 def stage_names(cfg) -> list[str]:
     """The stages `cfg` runs, in order (as kvjax.stages.plan.plan lays them out)."""
-    from kvjax.stages.plan import EVALS
+    from kvjax.eval.suite import NAMES as EVALS  # the registry, as kvjax.stages.plan.EVALS (which imports this)
     names = ["calibrate", "ridge"] + (["residual"] if cfg.residual.steps > 0 else [])
     names += (["perhead"] if cfg.peers.perhead_topk > 0 else []) + (["bridge"] if cfg.peers.bridge_topk > 0 else [])
     names += [n for n in EVALS if getattr(cfg.eval, n).enabled]
