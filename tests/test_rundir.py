@@ -1,6 +1,7 @@
 """The run directory of `python -m kvjax.launch` under what machines do: one job per directory (kvjax.stages.lock), a
-full or read-only disk (kvjax.stages.disk), a SIGKILL in any stage. Each run is the main job as a subprocess on the
-tiny random pair of test_launch, compared with one uninterrupted run of the same command (`reference`)."""
+full or read-only disk (kvjax.stages.disk), a SIGKILL in any stage. Each job is the command as a subprocess on the
+tiny random pair of test_launch, one CPU device, its final metrics.json compared with an uninterrupted run's of the
+same command (`reference`) but for the fields that differ from run to run (`wall_clock`)."""
 
 import errno
 import json
@@ -64,17 +65,17 @@ def compare_metrics(got_path, want_path, also_differ=lambda path: False) -> int:
 
 
 def job_env() -> dict:
-    """The jobs' environment: one CPU device (a fifth less work than conftest's 8 for these stages; every job
+    """The jobs' environment: one CPU device (a fifth less CPU time than conftest's 8 for these stages; every job
     compared runs on it), this test session's compilation cache, the command's own allocator settings (where they
     apply, it restarts once under them, keeping the run directory's lock across: kvjax.allocator)."""
     env = {k: v for k, v in os.environ.items() if k not in (lock.ENV_FD, "KVJAX_MALLOC")}
     return {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
 
 
-def start_job(out, log_path, extra=()):
+def start_job(out, log_path):
     """`python -m kvjax.launch` on the tiny pair into `out`, in its own process group, output to `log_path`."""
     log = open(log_path, "w")
-    return subprocess.Popen([sys.executable, "-m", "kvjax.launch", *JOB, f"--config.output_dir={out}", *extra],
+    return subprocess.Popen([sys.executable, "-m", "kvjax.launch", *JOB, f"--config.output_dir={out}"],
                             cwd=REPO, env=job_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -250,7 +251,7 @@ def test_refused_writes_are_one_line_naming_device_path_and_stage(tmp_path):
 
 
 REFUSING = textwrap.dedent("""
-    import errno, os, sys
+    import os, sys
     from kvjax import launch
     from kvjax.stages import evaluate, markers
 
@@ -278,24 +279,25 @@ def undo(out, stages: list[str], outputs: list[str]) -> None:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
-@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EACCES])
-def test_a_write_refused_mid_stage_is_one_line_and_the_rerun_resumes(reference, tmp_path, code):
-    """The refusal simulated at the stages' JSON writer, in a job whose kl stage and report are still to run (the
-    reference's run directory with those undone); whatever the user (root ignores permissions). The real full and
-    read-only disks: test_a_full_and_a_read_only_disk_mid_stage."""
+def test_a_write_refused_mid_stage_is_one_line_and_the_rerun_resumes(reference, tmp_path):
+    """The disk refusing a write simulated at the stages' JSON writer (no space, then no permission: whatever the
+    user, as root ignores permissions), in a job whose kl stage and report are still to run (the reference's run
+    directory with those undone): each time one line, nothing of the stage kept; then the same command finishes the
+    run. The real full and read-only disks: test_a_full_and_a_read_only_disk_mid_stage."""
     ref, _, _ = reference
     out = tmp_path / "run"
     shutil.copytree(ref, out)
     undo(out, ["kl", "report"], ["eval/kl.json", "metrics.json", "report.md", "gate.json"])
     argv = [*JOB, f"--config.output_dir={out}"]
-    refused = subprocess.run([sys.executable, "-c", REFUSING, str(code), *argv], cwd=REPO, env=job_env(),
-                             capture_output=True, text=True, timeout=HARD_TIMEOUT)
-    path = out / "eval" / "kl.json.tmp"
-    want = (f"no space left on {disk.device(str(out))} for {path} (kl): " if code == errno.ENOSPC else
-            f"no permission to write {path} (kl) on {disk.device(str(out))}: make it writable")
-    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-4000:]
-    assert refused.stderr.splitlines()[-1].startswith(f"kvjax.launch: error: {want}"), refused.stderr[-2000:]
-    assert not path.exists() and not (out / "eval" / "kl.json").exists() and not (out / "stages" / "kl.json").exists()
+    path, device = out / "eval" / "kl.json.tmp", disk.device(str(out))
+    for code, want in ((errno.ENOSPC, f"no space left on {device} for {path} (kl): "),
+                       (errno.EACCES, f"no permission to write {path} (kl) on {device}: make it writable")):
+        refused = subprocess.run([sys.executable, "-c", REFUSING, str(code), *argv], cwd=REPO, env=job_env(),
+                                 capture_output=True, text=True, timeout=HARD_TIMEOUT)
+        assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-4000:]
+        assert refused.stderr.splitlines()[-1].startswith(f"kvjax.launch: error: {want}"), refused.stderr[-2000:]
+        assert not path.exists() and not (out / "eval" / "kl.json").exists()
+        assert not (out / "stages" / "kl.json").exists()
     log = tmp_path / "rerun.log"
     assert finish(start_job(out, log)) == 0, read(log)[-4000:]
     assert re.search(r"stage kl +running", read(log)) and re.search(r"stage distances +reused", read(log))
