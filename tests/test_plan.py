@@ -194,3 +194,13 @@ def test_the_job_refuses_a_config_its_devices_cannot_hold_before_reading_weights
     assert "Traceback" not in r.stderr and "loaded source" not in r.stderr
     assert not os.path.exists(tmp_path / "run" / "stages")
     assert elapsed < 60, elapsed
+
+
+def test_the_stages_by_name_are_the_jobs_plan():
+    """kvjax.stages.names (what the plan and the space estimate read, without models) lists the job's stages."""
+    from kvjax.stages.names import stage_names
+    from kvjax.stages.plan import plan
+    for name in ("toy_pruned_quick", "toy_reverse", "toy_audio"):
+        n, overrides, _ = parse_argv([f"--config={name}"])
+        cfg = build(n, overrides, RunConfig)
+        assert stage_names(cfg) == tuple(plan(cfg)), name

@@ -18,7 +18,8 @@ from kvjax.plan.hardware import PlanError, Slice
 from kvjax.plan.program import Program
 from kvjax.plan.programs import Builder
 from kvjax.preflight import ROLES
-from kvjax.stages.plan import final_arm, fitted_maps, stage_names
+from kvjax.stages.names import stage_names
+from kvjax.stages.plan import final_arm, fitted_maps
 
 HOST_ONLY = ("calibrate", "report")  # stages that compile nothing
 

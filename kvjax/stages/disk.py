@@ -31,6 +31,7 @@ import os
 import re
 
 from kvjax.preflight import LaunchError
+from kvjax.stages.names import stage_names
 
 MB = 1 << 20
 EVAL_RECORD = MB // 2  # an evaluation's eval/NAME.json: per-window and per-item numbers (kB on the shipped configs)
@@ -96,15 +97,6 @@ def _peer(cfg, source_layers: int) -> int:
     t_layers, _, t_width = _kv(cfg.target.path)
     fx, fy = source_layers * s_width, t_width
     return _saved_map(2 * t_layers * _linear(fx, fy, fy, 1)[0])
-
-
-def stage_names(cfg) -> list[str]:
-    """The stages `cfg` runs, in order (as kvjax.stages.plan.plan lays them out)."""
-    from kvjax.eval.suite import NAMES as EVALS  # the registry, as kvjax.stages.plan.EVALS (which imports this)
-    names = ["calibrate", "ridge"] + (["residual"] if cfg.residual.steps > 0 else [])
-    names += (["perhead"] if cfg.peers.perhead_topk > 0 else []) + (["bridge"] if cfg.peers.bridge_topk > 0 else [])
-    names += [n for n in EVALS if getattr(cfg.eval, n).enabled]
-    return names + ["report"]
 
 
 def estimate(cfg) -> dict[str, int]:

@@ -27,13 +27,6 @@ def fitted_maps(cfg: RunConfig) -> tuple[str, ...]:
     return (*peers, "ridge", "residual") if cfg.residual.steps > 0 else (*peers, "ridge")
 
 
-def stage_names(cfg: RunConfig) -> tuple[str, ...]:
-    """The stages a config runs, in order: `plan`'s keys, without reading the models (a compile-only plan has none)."""
-    peers = (("perhead",) if cfg.peers.perhead_topk > 0 else ()) + (("bridge",) if cfg.peers.bridge_topk > 0 else ())
-    evals = tuple(ev.name for ev in suite.EVALUATIONS if getattr(cfg.eval, ev.name).enabled)
-    return ("calibrate", "ridge", *(("residual",) if cfg.residual.steps > 0 else ()), *peers, *evals, "report")
-
-
 def final_arm(cfg: RunConfig) -> str:
     return fitted_maps(cfg)[-1]
 
