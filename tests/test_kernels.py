@@ -29,6 +29,8 @@ CASES = {
     "gqa2to1_hd16to32_offsets": (3, 2, 2, 40, 16, 3, 1, 48, 32, ((1,), (2,)), (0, 2), 8, 4, 33, 3, 5),
     "gqa1to4_top2_hd32to16": (3, 1, 1, 24, 32, 2, 4, 30, 16, ((0, 2), (2, 1)), (1, 0), 12, 16, 24, 0, 0),
     "gqa4to2_short_block": (2, 2, 4, 16, 16, 1, 2, 24, 16, ((1,),), (0,), 8, 4, 7, 0, 9),
+    # a server's chunk: the TPU body's blocks of 16 slots, 4 of them, both edge blocks partly outside the window
+    "chunk_in_aligned_blocks": (3, 2, 2, 96, 16, 2, 2, 96, 32, ((2, 0), (1, 2)), (1, 0), 8, 4, 50, 37, 37),
 }
 
 
@@ -43,8 +45,8 @@ def run_case(case, dtype, backend, weight_dtype=jnp.float32):
     args = dict(pairing=pairing, tgt_layers=tgt_layers, length=n, src_rope=1e4, tgt_rope=5e5, src_offset=so,
                 dst_offset=do)
     ref = mi.map_insert_reference(src_k, src_v, tgt_k, tgt_v, keys, values, **args)
-    pack = lambda maps: mi.pack_maps(maps, fx // hds, ht, dtype=weight_dtype, backend=backend)  # noqa: E731
-    out = mi.map_insert(src_k, src_v, jnp.array(tgt_k), jnp.array(tgt_v), pack(keys), pack(values), block_t=16,
+    pack = lambda maps, **kw: mi.pack_maps(maps, fx // hds, ht, dtype=weight_dtype, backend=backend, **kw)  # noqa: E731
+    out = mi.map_insert(src_k, src_v, jnp.array(tgt_k), jnp.array(tgt_v), pack(keys, keys=True), pack(values), block_t=16,
                         backend=backend, interpret=True, **args)
     return (tgt_k, tgt_v), ref, out, (tgt_layers, do, n)
 
@@ -95,7 +97,13 @@ def test_donates_and_validates():
         mi.resolve_impl("triton")
     assert mi.check_supported("triton", 128, 128, 1024) is None and mi.check_supported("mosaic_tpu", 128, 128, 16) is None
     assert "power-of-two" in mi.check_supported("triton", 24, 128, 1024)
-    assert "multiples of 128" in mi.check_supported("mosaic_tpu", 64, 128, 1024)
+    assert "multiple of 128" in mi.check_supported("mosaic_tpu", 64, 128, 1024)
+    assert mi.check_supported("mosaic_tpu", 128, 64, 1024) is None  # Llama-3.2-1B's head dim, lanes doubled
+    assert "multiple of 64" in mi.check_supported("mosaic_tpu", 128, 96, 1024)
+    assert mi.check_supported("mosaic_tpu", 128, 128, 16, src_offset=37, dst_offset=37, src_len=4096,
+                              tgt_len=4096) is None  # a chunk at an offset that is not a multiple of the block
+    assert "multiples of 16" in mi.check_supported("mosaic_tpu", 128, 128, 16, src_offset=8, src_len=4096)
+    assert "multiples of 16" in mi.check_supported("mosaic_tpu", 128, 128, 16, tgt_len=4104)
 
 
 @pytest.mark.parametrize("platform,backend", [("cuda", "triton"), ("tpu", "mosaic_tpu")])

@@ -42,6 +42,7 @@ from kvjax.models.rope import as_rope
 BACKENDS = ("triton", "mosaic_tpu")
 IMPLS = ("xla", "pallas", "auto")
 DEFAULT_BLOCK = {"triton": 64, "mosaic_tpu": 256}
+TPU_MIN_BLOCK = 16  # rows of a bf16 (16, 128) tile: the TPU body's blocks start at multiples of their size
 Pairing = tuple[tuple[int, ...], ...]
 _NEEDS_DEVICE = "Pallas kernels need a GPU or TPU; on CPU pass interpret=True (slow, for tests) or use impl='xla'"
 
@@ -78,11 +79,20 @@ def _pad_to(a: jax.Array, axis: int, size: int) -> jax.Array:
     return jnp.pad(a, pad)
 
 
+def doubles_lanes(backend: str | None, head_dim: int) -> bool:
+    """Whether the keys' packed output columns carry each target head twice, [y | rotate_half(y)] (see pack_maps):
+    on TPU for a head dim that is not a multiple of the 128 lanes (Llama-3.2-1B's 64), so that the kernel's RoPE
+    combines two lane-aligned halves instead of rotating a part of a vector register."""
+    return backend == "mosaic_tpu" and head_dim % 128 != 0
+
+
 def pack_maps(maps: Sequence, in_heads: int, out_heads: int, *, dtype=jnp.float32,
-              backend: str | None = None) -> PackedMap:
+              backend: str | None = None, keys: bool = False) -> PackedMap:
     """Per-target-layer `LinearMap`s (fields mu, scale, w_in, w_out, bias, down, res_bias, up; features head-major,
     as kvjax.kernels.features) -> one PackedMap stacked over the layers (traceable). `dtype`: matmul operand dtype
-    (accumulation is always float32). `backend`: pad R and H as that backend's kernel needs (see padded_size)."""
+    (accumulation is always float32). `backend`: pad R and H as that backend's kernel needs (see padded_size).
+    `keys`: the key maps, whose output the kernel rotates; where `doubles_lanes`, each target head's columns of
+    w_out, up and bias are followed by their rotate_half (a signed permutation of columns: exact)."""
     shapes = {(m.w_in.shape, m.w_out.shape, m.down.shape) for m in maps}
     if len(shapes) != 1:
         raise ValueError(f"one kernel call maps layers of one shape; got maps of shapes {sorted(shapes)} (call it "
@@ -94,15 +104,21 @@ def pack_maps(maps: Sequence, in_heads: int, out_heads: int, *, dtype=jnp.float3
     hds, hdt = fx // in_heads, fy // out_heads
     rp, hp = padded_size(r, backend), padded_size(h, backend)
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    double = keys and doubles_lanes(backend, hdt)
+
+    def heads(a):  # [rows, Ht * hdt] -> [Ht, rows, hdt] (or [Ht, rows, 2 hdt]: [a | rotate_half(a)] per head)
+        a = a.reshape(a.shape[0], out_heads, hdt).transpose(1, 0, 2)
+        if double:
+            a = jnp.concatenate([a, -a[..., hdt // 2:], a[..., :hdt // 2]], -1)
+        return a
 
     def one(m):
         w_in = _pad_to(f32(m.w_in), 1, rp).reshape(in_heads, hds, rp)
         down = _pad_to(f32(m.down) / f32(m.scale), 1, hp).reshape(in_heads, hds, hp)
-        w_out = _pad_to(f32(m.w_out), 0, rp).reshape(rp, out_heads, hdt).transpose(1, 0, 2)
-        up = _pad_to(f32(m.up), 0, hp).reshape(hp, out_heads, hdt).transpose(1, 0, 2)
         return PackedMap(mu=f32(m.mu).reshape(in_heads, 1, hds), w_in=w_in.astype(dtype), down=down.astype(dtype),
-                         res_bias=_pad_to(f32(m.res_bias), 0, hp)[None], w_out=w_out.astype(dtype),
-                         up=up.astype(dtype), bias=f32(m.bias).reshape(out_heads, 1, hdt))
+                         res_bias=_pad_to(f32(m.res_bias), 0, hp)[None],
+                         w_out=heads(_pad_to(f32(m.w_out), 0, rp)).astype(dtype),
+                         up=heads(_pad_to(f32(m.up), 0, hp)).astype(dtype), bias=heads(f32(m.bias)[None]))
 
     return jax.tree.map(lambda *a: jnp.stack(a), *[one(m) for m in maps])
 
@@ -128,23 +144,27 @@ def _rotate_half(x: jax.Array, backend: str) -> jax.Array:
 
 
 def _kernel(*refs, n_src: int, src_heads: int, out_heads: int, bt: int, length: int, dst_offset: int,
-            backend: str):
+            backend: str, first_block: int | None, masked: bool):
     src_k, src_v = refs[:n_src], refs[n_src:2 * n_src]  # each [Hs, bt, hds]
-    inv_s, inv_t = refs[2 * n_src:2 * n_src + 2]
-    kpack, vpack = refs[2 * n_src + 2:2 * n_src + 9], refs[2 * n_src + 9:2 * n_src + 16]
-    out_k, out_v = refs[-2:]  # [Ht, bt, hdt]; refs[-4:-2] are the aliased target buffers, never read
+    inv_s, inv_t, shift_s, shift_t = refs[2 * n_src:2 * n_src + 4]
+    kpack, vpack = refs[2 * n_src + 4:2 * n_src + 11], refs[2 * n_src + 11:2 * n_src + 18]
+    old_k, old_v = refs[-4:-2]  # the aliased target buffers: read only for the rows a `masked` block keeps
+    out_k, out_v = refs[-2:]  # [Ht, bt, hdt]
 
-    start = dst_offset + jnp.minimum(pl.program_id(2) * bt, length - bt)  # the last block ends at `length`
+    if first_block is None:  # blocks at any slot: the last one ends at `length` (it rewrites rows it overlaps)
+        start = dst_offset + jnp.minimum(pl.program_id(2) * bt, length - bt)
+    else:  # blocks aligned to bt: the edge blocks keep the rows outside dst_offset .. dst_offset + length
+        start = (first_block + pl.program_id(2)) * bt
 
-    def angles(inv_ref):
+    def angles(inv_ref, shift_ref):  # the rows' positions: their target slots, plus `shift` (see _sharded)
         pos = (jax.lax.broadcasted_iota(jnp.int32, (bt, inv_ref.shape[1]), 0) + start).astype(jnp.float32)
-        ang = pos * inv_ref[...]
+        ang = (pos + shift_ref[...]) * inv_ref[...]
         return jnp.cos(ang), jnp.sin(ang)
 
-    cos_s, sin_s = angles(inv_s)
-    cos_t, sin_t = angles(inv_t)
+    cos_s, sin_s = angles(inv_s, shift_s)
+    cos_t, sin_t = angles(inv_t, shift_t)
 
-    def project(srcs, pack, out, keys: bool):
+    def project(srcs, pack, old, out, keys: bool):
         mu, w_in, down, res_bias, w_out, up, bias = pack
         wdt = w_in.dtype
         z = (jnp.zeros((bt, w_in.shape[2]), jnp.float32),  # ridge low-rank code
@@ -166,20 +186,30 @@ def _kernel(*refs, n_src: int, src_heads: int, out_heads: int, bt: int, length: 
 
         def target_head(g, carry):
             y = (jnp.dot(zl, w_out[g], preferred_element_type=jnp.float32)
-                 + jnp.dot(a, up[g], preferred_element_type=jnp.float32) + bias[g])  # [bt, hdt]
-            if keys:
+                 + jnp.dot(a, up[g], preferred_element_type=jnp.float32) + bias[g])  # [bt, hdt] (or 2 hdt)
+            if keys and y.shape[-1] != out.shape[-1]:  # [y | rotate_half(y)] (pack_maps, doubles_lanes)
+                from jax.experimental.pallas import tpu as pltpu
+                y = (y * cos_t + pltpu.roll(y, out.shape[-1], 1) * sin_t)[:, :out.shape[-1]]
+            elif keys:
                 y = y * cos_t + _rotate_half(y, backend) * sin_t
+            if masked:
+                slot = jax.lax.broadcasted_iota(jnp.int32, y.shape, 0) + start
+                keep = (slot >= dst_offset) & (slot < dst_offset + length)
+                y = jnp.where(keep, y, old[g].astype(jnp.float32))
             out[g] = y.astype(out.dtype)
             return carry
 
         jax.lax.fori_loop(0, out_heads, target_head, 0)
 
-    project(src_k, kpack, out_k, keys=True)
-    project(src_v, vpack, out_v, keys=False)
+    project(src_k, kpack, old_k, out_k, keys=True)
+    project(src_v, vpack, old_v, out_v, keys=False)
 
 
-def check_supported(backend: str, src_head_dim: int, tgt_head_dim: int, length: int) -> str | None:
-    """Why the compiled kernel cannot run this shape on `backend` (None when it can). Interpret mode runs any."""
+def check_supported(backend: str, src_head_dim: int, tgt_head_dim: int, length: int, *, src_offset: int = 0,
+                    dst_offset: int = 0, src_len: int | None = None, tgt_len: int | None = None,
+                    block_t: int | None = None) -> str | None:
+    """Why the compiled kernel cannot run this shape on `backend` (None when it can). Interpret mode runs any.
+    src_len / tgt_len: the caches' slot counts (None: not checked)."""
     if backend == "triton":
         pow2 = lambda n: n & (n - 1) == 0  # noqa: E731
         if not (pow2(src_head_dim) and pow2(tgt_head_dim) and min(src_head_dim, tgt_head_dim) >= 16):
@@ -187,10 +217,13 @@ def check_supported(backend: str, src_head_dim: int, tgt_head_dim: int, length: 
         if length < 16:
             return f"the triton kernel needs >= 16 positions per call, got {length}"
     elif backend == "mosaic_tpu":
-        if src_head_dim % 128 or tgt_head_dim % 128:
-            return f"the TPU kernel needs head dims that are multiples of 128, got {src_head_dim} and {tgt_head_dim}"
-        if length < 16:
-            return f"the TPU kernel needs >= 16 positions per call, got {length}"
+        if src_head_dim % 128 or tgt_head_dim % 64:
+            return (f"the TPU kernel needs a source head dim that is a multiple of 128 and a target head dim that is "
+                    f"a multiple of 64, got {src_head_dim} and {tgt_head_dim}")
+        if tpu_block(length, src_offset, dst_offset, src_len, tgt_len, block_t) < TPU_MIN_BLOCK:
+            return (f"the TPU kernel reads and writes blocks of >= {TPU_MIN_BLOCK} slots aligned in both caches: "
+                    f"src_offset - dst_offset ({src_offset - dst_offset}) and the caches' slot counts ({src_len} "
+                    f"and {tgt_len}) must be multiples of {TPU_MIN_BLOCK}")
     else:
         return f"unknown Pallas backend {backend!r}; use one of {BACKENDS}"
     return None
@@ -235,6 +268,8 @@ def _check_shapes(src_k, src_v, pairing, tgt_k, tgt_v, kpack, vpack, tgt_layers,
     want = (len(tgt_layers), n_src * hs, hds, ht, hdt)
     for name, pack in (("keys", kpack), ("values", vpack)):
         got = (*pack.w_in.shape[:3], pack.w_out.shape[1], pack.w_out.shape[3])
+        if name == "keys" and got[-1] == 2 * hdt:  # doubled lanes (pack_maps: doubles_lanes)
+            got = (*got[:-1], hdt)
         if got != want:
             raise ValueError(f"{name} packed as (layers, in heads, hd, out heads, hd) {got}, but the caches need "
                              f"{want}; pack with pack_maps(maps, {n_src * hs}, {ht})")
@@ -247,12 +282,26 @@ def _check_shapes(src_k, src_v, pairing, tgt_k, tgt_v, kpack, vpack, tgt_layers,
         raise ValueError(f"head dims must be even for RoPE, got {hds} and {hdt}")
 
 
+def tpu_block(length: int, src_offset: int = 0, dst_offset: int = 0, src_len: int | None = None,
+              tgt_len: int | None = None, block_t: int | None = None) -> int:
+    """The TPU body's block of positions: a power of two <= block_t (default DEFAULT_BLOCK), no larger than the
+    positions need (>= 16), dividing src_offset - dst_offset and the caches' slot counts, so that the source's and
+    the target's blocks all start at multiples of it inside the caches (Mosaic only accepts windows it can prove
+    tile-aligned, and blocks that divide the cache need no ragged last block)."""
+    bt = 1 << ((block_t or DEFAULT_BLOCK["mosaic_tpu"]).bit_length() - 1)
+    bt = min(bt, max(16, 1 << (length - 1).bit_length()))
+    while (src_offset - dst_offset) % bt or any(n % bt for n in (src_len, tgt_len) if n):
+        bt //= 2
+    return bt
+
+
 def map_insert_call(src_k, src_v, tgt_k, tgt_v, kpack: PackedMap, vpack: PackedMap, *, pairing: Pairing,
                     tgt_layers: tuple[int, ...], length: int, src_rope, tgt_rope,
                     src_offset: int = 0, dst_offset: int = 0, block_t: int | None = None,
-                    backend: str | None = None, interpret: bool = False):
+                    backend: str | None = None, interpret: bool = False, pos_shift=None):
     """Traceable body of `map_insert`: use it inside other jitted functions (the buffers are updated in place when
-    the outermost jit donates them)."""
+    the outermost jit donates them). `pos_shift` (a traced scalar, default 0) is added to every row's position for
+    RoPE: slot j then holds position pos_shift + j (the sharded path maps a slice of the positions per device)."""
     src_k = (src_k,) * len(pairing[0]) if isinstance(src_k, jax.Array) else tuple(src_k)
     src_v = (src_v,) * len(pairing[0]) if isinstance(src_v, jax.Array) else tuple(src_v)
     pairing, tgt_layers = tuple(tuple(int(s) for s in p) for p in pairing), tuple(int(t) for t in tgt_layers)
@@ -264,48 +313,80 @@ def map_insert_call(src_k, src_v, tgt_k, tgt_v, kpack: PackedMap, vpack: PackedM
         backend = "triton"
     if backend not in BACKENDS:
         raise ValueError(f"unknown Pallas backend {backend!r}; use one of {BACKENDS}")
-    if not interpret and (why := check_supported(backend, src_k[0].shape[4], tgt_k.shape[4], length)):
+    n_src, (_, b, hs, ts, hds), (_, _, ht, tt, hdt) = len(pairing[0]), src_k[0].shape, tgt_k.shape
+    if not interpret and (why := check_supported(backend, hds, hdt, length, src_offset=src_offset,
+                                                 dst_offset=dst_offset, src_len=ts, tgt_len=tt, block_t=block_t)):
         raise ValueError(f"{why}; use impl='xla' (or impl='auto', which falls back to it) for this shape")
-    n_src, (_, b, hs, _, hds), (_, _, ht, _, hdt) = len(pairing[0]), src_k[0].shape, tgt_k.shape
-    bt = max(1, min(block_t or DEFAULT_BLOCK[backend], 1 << (length.bit_length() - 1)))  # a power of two <= length
-    grid = (len(tgt_layers), b, pl.cdiv(length, bt))
-    block_start = lambda i: jnp.minimum(i * bt, length - bt)  # noqa: E731
-
-    def src_spec(p):
-        layers = tuple(pr[p] for pr in pairing)
-        return pl.BlockSpec((None, None, pl.Element(hs), pl.Element(bt), pl.Element(hds)),
-                            lambda l, bi, i: (_lookup(layers, l), bi, 0, src_offset + block_start(i), 0))
-
-    out_spec = pl.BlockSpec((None, None, pl.Element(ht), pl.Element(bt), pl.Element(hdt)),
-                            lambda l, bi, i: (_lookup(tgt_layers, l), bi, 0, dst_offset + block_start(i), 0))
-    rows = (inv_freq_row(hds, src_rope), inv_freq_row(hdt, tgt_rope))
+    shift = jnp.zeros((), jnp.float32) if pos_shift is None else jnp.asarray(pos_shift).astype(jnp.float32)
+    kw = kpack.w_out.shape[3]  # the keys' output lanes: hdt, or 2 hdt where pack_maps doubled them
+    if kw != hdt and backend != "mosaic_tpu":
+        raise ValueError(f"keys packed with doubled lanes ({kw} for head dim {hdt}) are for the mosaic_tpu body; "
+                         f"pack with pack_maps(..., backend={backend!r}, keys=True)")
+    inv_t = inv_freq_row(hdt, tgt_rope)
+    rows = (inv_freq_row(hds, src_rope), inv_t if kw == hdt else jnp.concatenate([inv_t, inv_t], 1),
+            jnp.full((1, hds), shift), jnp.full((1, kw), shift))
     weights = kpack.leaves() + vpack.leaves()
     row_spec = lambda a: pl.BlockSpec(a.shape, lambda l, bi, i: (0, 0))  # noqa: E731
     layer_spec = lambda a, **kw: pl.BlockSpec(  # noqa: E731
         (None, *a.shape[1:]), lambda l, bi, i, n=a.ndim: (l,) + (0,) * (n - 1), **kw)
+    src_layers = [tuple(pr[p] for pr in pairing) for p in range(n_src)]
+    tgt_layer = lambda l: _lookup(tgt_layers, l)  # noqa: E731
 
-    r, h = kpack.w_in.shape[3], kpack.down.shape[3]
-    n_tok = len(tgt_layers) * b * length
-    io = 2 * n_tok * (n_src * hs * hds * src_k[0].dtype.itemsize + ht * hdt * tgt_k.dtype.itemsize)
-    cost = pl.CostEstimate(flops=2 * 2 * n_tok * (r + h) * (n_src * hs * hds + ht * hdt),
-                           transcendentals=n_tok * (2 * hds + 2 * hdt + 2 * h),
-                           bytes_accessed=io + sum(w.nbytes for w in weights))
     if backend == "mosaic_tpu":
+        # Blocks aligned to bt in both caches (Mosaic proves tile alignment from the index maps). The target's
+        # first and last block may hold rows outside dst_offset .. dst_offset + length: the aliased target buffer
+        # is then an input blocked like the output, whose index stays on the first block until the last step, so
+        # the pipeline reads the two edge blocks once (it skips a copy when a block index repeats) and the kernel
+        # keeps their outside rows.
         from jax.experimental.pallas import tpu as pltpu
+        bt = tpu_block(length, src_offset, dst_offset, ts, tt, block_t)
+        first = dst_offset // bt
+        nb = -(-(dst_offset + length) // bt) - first
+        masked = bool(dst_offset % bt or (dst_offset + length) % bt)
+        step = (src_offset - dst_offset) // bt
+        src_spec = lambda p: pl.BlockSpec(  # noqa: E731
+            (None, None, hs, bt, hds), lambda l, bi, i, p=p: (_lookup(src_layers[p], l), bi, 0, first + step + i, 0))
+        out_spec = pl.BlockSpec((None, None, ht, bt, hdt), lambda l, bi, i: (tgt_layer(l), bi, 0, first + i, 0))
+        if masked:
+            alias_spec = pl.BlockSpec((None, None, ht, bt, hdt), lambda l, bi, i: (
+                tgt_layer(l), bi, 0, first + jnp.where(i == nb - 1, nb - 1, 0), 0))
+        else:
+            alias_spec = pl.BlockSpec(memory_space=pl.ANY)
         w_specs = [layer_spec(w, pipeline_mode=pl.Buffered(1)) for w in weights]  # change once per layer
-        alias_spec = pl.BlockSpec(memory_space=pl.ANY)
-        block_bytes = 2 * 2 * bt * (n_src * hs * hds + ht * hdt) * 4
-        vmem = min(100 << 20, max(32 << 20, 2 * (block_bytes + sum(w.nbytes for w in weights) // len(tgt_layers))))
-        params = pltpu.CompilerParams(dimension_semantics=("parallel",) * 3, vmem_limit_bytes=vmem)
+        block_bytes = bt * (n_src * hs * hds * src_k[0].dtype.itemsize + (1 + masked) * ht * hdt * tgt_k.dtype.itemsize)
+        layer_bytes = sum(_vmem_bytes(w.shape[1:], w.dtype) for w in weights)
+        temp_bytes = 4 * bt * (8 * max(hds, hdt) + 2 * (kpack.w_in.shape[3] + kpack.down.shape[3]))
+        vmem = 2 * 2 * block_bytes + layer_bytes + temp_bytes  # K and V blocks, double-buffered
+        params = pltpu.CompilerParams(dimension_semantics=("parallel",) * 3,
+                                      vmem_limit_bytes=int(min(100 << 20, max(32 << 20, 1.5 * vmem))))
         interpret_arg = pltpu.InterpretParams() if interpret else False
+        first_block, edge_bytes = first, 2 * masked * min(2, nb) * ht * bt * hdt * tgt_k.dtype.itemsize
     else:
+        # blocks at any slot (Triton needs no alignment); the last one is moved back to end at `length`, and
+        # rewrites rows of the one before it with the same values
+        bt = max(1, min(block_t or DEFAULT_BLOCK[backend], 1 << (length.bit_length() - 1)))  # power of two <= length
+        nb, masked, first_block, edge_bytes = pl.cdiv(length, bt), False, None, 0
+        block_start = lambda i: jnp.minimum(i * bt, length - bt)  # noqa: E731
+        src_spec = lambda p: pl.BlockSpec(  # noqa: E731
+            (None, None, pl.Element(hs), pl.Element(bt), pl.Element(hds)),
+            lambda l, bi, i, p=p: (_lookup(src_layers[p], l), bi, 0, src_offset + block_start(i), 0))
+        out_spec = pl.BlockSpec((None, None, pl.Element(ht), pl.Element(bt), pl.Element(hdt)),
+                                lambda l, bi, i: (tgt_layer(l), bi, 0, dst_offset + block_start(i), 0))
         from jax.experimental.pallas import triton as pltr
         w_specs = [layer_spec(w) for w in weights]
         alias_spec = out_spec  # triton passes pointers: an aliased input the kernel never loads costs nothing
         params = pltr.CompilerParams(num_warps=8, num_stages=1)
         interpret_arg = bool(interpret)
+    grid = (len(tgt_layers), b, nb)
+
+    r, h = kpack.w_in.shape[3], kpack.down.shape[3]
+    n_tok = len(tgt_layers) * b * length
+    io = 2 * n_tok * (n_src * hs * hds * src_k[0].dtype.itemsize + ht * hdt * tgt_k.dtype.itemsize)
+    cost = pl.CostEstimate(flops=2 * n_tok * (r + h) * (2 * n_src * hs * hds + ht * (kw + hdt)),
+                           transcendentals=n_tok * (2 * hds + 2 * hdt + 2 * h),
+                           bytes_accessed=io + len(tgt_layers) * b * edge_bytes + sum(w.nbytes for w in weights))
     kernel = functools.partial(_kernel, n_src=n_src, src_heads=hs, out_heads=ht, bt=bt, length=length,
-                               dst_offset=dst_offset, backend=backend)
+                               dst_offset=dst_offset, backend=backend, first_block=first_block, masked=masked)
     n_in = 2 * n_src + len(rows) + len(weights)
     return pl.pallas_call(
         kernel,
@@ -320,6 +401,16 @@ def map_insert_call(src_k, src_v, tgt_k, tgt_v, kpack: PackedMap, vpack: PackedM
         interpret=interpret_arg,
         name="map_insert",
     )(*src_k, *src_v, *rows, *weights, tgt_k, tgt_v)
+
+
+def _vmem_bytes(shape, dtype) -> int:
+    """Bytes of a VMEM buffer: its last two dims padded to the TPU's (8 x packing, 128) tiles."""
+    *lead, rows, lanes = (1, *shape) if len(shape) == 1 else shape
+    pack = max(1, 4 // jnp.dtype(dtype).itemsize)
+    n = -(-rows // (8 * pack)) * 8 * pack * -(-lanes // 128) * 128
+    for d in lead:
+        n *= d
+    return n * jnp.dtype(dtype).itemsize
 
 
 _STATIC = ("pairing", "tgt_layers", "length", "src_rope", "tgt_rope", "src_offset", "dst_offset", "block_t",
@@ -428,7 +519,7 @@ def insert_layers(src_k, src_v, tgt_k, tgt_v, keys: Sequence, values: Sequence, 
     for (width, *_), js in groups.items():
         pack = functools.partial(pack_maps, in_heads=width * src0.shape[2], out_heads=tgt_k.shape[2],
                                  dtype=weight_dtype, backend=backend)
-        tgt_k, tgt_v = map_insert_call(src_k, src_v, tgt_k, tgt_v, pack([keys[j] for j in js]),
+        tgt_k, tgt_v = map_insert_call(src_k, src_v, tgt_k, tgt_v, pack([keys[j] for j in js], keys=True),
                                        pack([values[j] for j in js]), pairing=tuple(tuple(pairing[j]) for j in js),
                                        tgt_layers=tuple(layers[j] for j in js), block_t=block_t, backend=backend,
                                        interpret=interpret, **args)
