@@ -143,13 +143,21 @@ def _rotate_half(x: jax.Array, backend: str) -> jax.Array:
     return jnp.stack([-b, a], axis=-1).swapaxes(-1, -2).reshape(x.shape)
 
 
+def _head(ref, h):
+    """Index of head h in a block of heads: [H, bt, hd], or [G, H / G, bt, hd] (the heads split in G groups, as
+    the sharded path trades them between devices)."""
+    if len(ref.shape) == 3:
+        return h
+    return h // ref.shape[1], h % ref.shape[1]
+
+
 def _kernel(*refs, n_src: int, src_heads: int, out_heads: int, bt: int, length: int, dst_offset: int,
-            backend: str, first_block: int | None, masked: bool):
-    src_k, src_v = refs[:n_src], refs[n_src:2 * n_src]  # each [Hs, bt, hds]
+            backend: str, first_block: int | None, masked: bool, aliased: bool):
+    src_k, src_v = refs[:n_src], refs[n_src:2 * n_src]  # each [Hs, bt, hds] (or [G, Hs / G, bt, hds]: _head)
     inv_s, inv_t, shift_s, shift_t = refs[2 * n_src:2 * n_src + 4]
     kpack, vpack = refs[2 * n_src + 4:2 * n_src + 11], refs[2 * n_src + 11:2 * n_src + 18]
-    old_k, old_v = refs[-4:-2]  # the aliased target buffers: read only for the rows a `masked` block keeps
-    out_k, out_v = refs[-2:]  # [Ht, bt, hdt]
+    old_k, old_v = refs[-4:-2] if aliased else (None, None)  # the target buffers: read for the rows `masked` keeps
+    out_k, out_v = refs[-2:]  # [Ht, bt, hdt] (or [G, Ht / G, bt, hdt])
 
     if first_block is None:  # blocks at any slot: the last one ends at `length` (it rewrites rows it overlaps)
         start = dst_offset + jnp.minimum(pl.program_id(2) * bt, length - bt)
@@ -173,7 +181,7 @@ def _kernel(*refs, n_src: int, src_heads: int, out_heads: int, bt: int, length: 
 
             def source_head(h, z, p=p, ref=ref):
                 j = p * src_heads + h
-                x = ref[h].astype(jnp.float32)  # [bt, hds]
+                x = ref[_head(ref, h)].astype(jnp.float32)  # [bt, hds]
                 if keys:
                     x = x * cos_s - _rotate_half(x, backend) * sin_s  # RoPE by the negative angle
                 xc = (x - mu[j]).astype(wdt)
@@ -195,8 +203,8 @@ def _kernel(*refs, n_src: int, src_heads: int, out_heads: int, bt: int, length: 
             if masked:
                 slot = jax.lax.broadcasted_iota(jnp.int32, y.shape, 0) + start
                 keep = (slot >= dst_offset) & (slot < dst_offset + length)
-                y = jnp.where(keep, y, old[g].astype(jnp.float32))
-            out[g] = y.astype(out.dtype)
+                y = jnp.where(keep, y, old[_head(old, g)].astype(jnp.float32))
+            out[_head(out, g)] = y.astype(out.dtype)
             return carry
 
         jax.lax.fori_loop(0, out_heads, target_head, 0)
@@ -230,8 +238,12 @@ def check_supported(backend: str, src_head_dim: int, tgt_head_dim: int, length: 
 
 
 def platform_backend() -> str | None:
-    """The Pallas backend of the default device ("triton" on GPU, "mosaic_tpu" on TPU), None on CPU."""
-    return {"gpu": "triton", "cuda": "triton", "rocm": "triton", "tpu": "mosaic_tpu"}.get(jax.default_backend())
+    """The Pallas backend ("triton" on GPU, "mosaic_tpu" on TPU, None on CPU) of the devices the program is built
+    for: the active mesh's (jax.set_mesh: a TPU slice's devices compile from a CPU process) or the default device's."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else mesh.abstract_device
+    platform = device.platform if device is not None else jax.default_backend()
+    return {"gpu": "triton", "cuda": "triton", "rocm": "triton", "tpu": "mosaic_tpu"}.get(platform)
 
 
 def _lookup(table: tuple[int, ...], i):
@@ -298,10 +310,9 @@ def tpu_block(length: int, src_offset: int = 0, dst_offset: int = 0, src_len: in
 def map_insert_call(src_k, src_v, tgt_k, tgt_v, kpack: PackedMap, vpack: PackedMap, *, pairing: Pairing,
                     tgt_layers: tuple[int, ...], length: int, src_rope, tgt_rope,
                     src_offset: int = 0, dst_offset: int = 0, block_t: int | None = None,
-                    backend: str | None = None, interpret: bool = False, pos_shift=None):
+                    backend: str | None = None, interpret: bool = False):
     """Traceable body of `map_insert`: use it inside other jitted functions (the buffers are updated in place when
-    the outermost jit donates them). `pos_shift` (a traced scalar, default 0) is added to every row's position for
-    RoPE: slot j then holds position pos_shift + j (the sharded path maps a slice of the positions per device)."""
+    the outermost jit donates them). Under a device mesh (jax.set_mesh) it runs per device (see `_sharded_call`)."""
     src_k = (src_k,) * len(pairing[0]) if isinstance(src_k, jax.Array) else tuple(src_k)
     src_v = (src_v,) * len(pairing[0]) if isinstance(src_v, jax.Array) else tuple(src_v)
     pairing, tgt_layers = tuple(tuple(int(s) for s in p) for p in pairing), tuple(int(t) for t in tgt_layers)
@@ -313,7 +324,116 @@ def map_insert_call(src_k, src_v, tgt_k, tgt_v, kpack: PackedMap, vpack: PackedM
         backend = "triton"
     if backend not in BACKENDS:
         raise ValueError(f"unknown Pallas backend {backend!r}; use one of {BACKENDS}")
-    n_src, (_, b, hs, ts, hds), (_, _, ht, tt, hdt) = len(pairing[0]), src_k[0].shape, tgt_k.shape
+    args = dict(pairing=pairing, tgt_layers=tgt_layers, length=length, src_rope=src_rope, tgt_rope=tgt_rope,
+                src_offset=src_offset, dst_offset=dst_offset, block_t=block_t, backend=backend, interpret=interpret)
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.size > 1 and not mesh.manual_axes:
+        return _sharded_call(src_k, src_v, tgt_k, tgt_v, kpack, vpack, mesh=mesh, **args)
+    return _kernel_call(src_k, src_v, tgt_k, tgt_v, kpack, vpack, **args)
+
+
+def _sharded_call(src_k, src_v, tgt_k, tgt_v, kpack, vpack, *, mesh, pairing, tgt_layers, length, src_offset,
+                  dst_offset, **kernel_args):
+    """The kernel on caches sharded by the mesh rules (kvjax.sharding.RULES: batch over 'data', kv heads over
+    'model'), which XLA's SPMD partitioner cannot split for a Pallas call (Mosaic refuses: "cannot be
+    automatically partitioned"). Each device of the 'model' axis (M devices) maps every target head for 1/M of
+    the positions: the paired source layers' window is traded from a slice of the heads for a slice of the
+    positions (one all-to-all per kind; a source whose heads the axis does not divide is whole on every device and
+    is sliced instead), the kernel maps that slice of positions (RoPE from pos_shift, the slice's first position),
+    and a second all-to-all trades the mapped positions back for the device's own target heads (an all-gather
+    where the target's heads are not split), written into the target in place.
+
+    Why not gather the source heads and map only the device's own target heads: that moves all of the source
+    window to every device (this moves (S + T) / M of the window bytes S, T per device) and runs the whole first
+    projection, the map's larger matmul, on every device (this runs 1/M of it). The windows are laid out with the
+    traded axis leading ([M, layers, B, heads / M, positions / M, hd], the kernel's grouped-heads layout: _dims),
+    so the all-to-alls need no relayout. Positions per device are rounded up to a multiple of 16 (TPU blocks)."""
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    from kvjax import sharding
+    from kvjax.cache import AXES
+    rules = {k: (v if v in mesh.axis_names else None) for k, v in sharding.RULES.items()}
+    spec = lambda a: sharding.spec_for(AXES, a.shape, mesh, rules)  # noqa: E731
+    axis = rules["kv_heads"]
+    m = mesh.shape[axis] if axis else 1
+    n_src, n_t = len(pairing[0]), len(tgt_layers)
+    if m == 1:  # batch rows split only: each device maps its rows
+        body = functools.partial(_kernel_call, pairing=pairing, tgt_layers=tgt_layers, length=length,
+                                 src_offset=src_offset, dst_offset=dst_offset, **kernel_args)
+        rep = jax.tree.map(lambda _: P(), kpack)
+        specs = (tuple(map(spec, src_k)), tuple(map(spec, src_v)), spec(tgt_k), spec(tgt_v), rep, rep)
+        return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(spec(tgt_k), spec(tgt_v)),
+                             check_vma=False)(src_k, src_v, tgt_k, tgt_v, kpack, vpack)
+
+    per = TPU_MIN_BLOCK * -(-length // (TPU_MIN_BLOCK * m))  # positions per device
+    # the distinct source arrays (map_layer passes one per pairing position) and the layers read from each: every
+    # layer read is traded once, in one window per kind
+    same = lambda p, q: src_k[p] is src_k[q] and src_v[p] is src_v[q]  # noqa: E731
+    arrays = [p for p in range(n_src) if not any(same(p, q) for q in range(p))]
+    owner = [next(j for j in arrays if same(j, p)) for p in range(n_src)]
+    reads = {j: sorted({pr[p] for pr in pairing for p in range(n_src) if owner[p] == j}) for j in arrays}
+    slot = {}
+    for j in arrays:
+        for s in reads[j]:
+            slot[(j, s)] = len(slot)
+    local_pairing = tuple(tuple(slot[(owner[p], pr[p])] for p in range(n_src)) for pr in pairing)
+    src_split, tgt_split = spec(src_k[0])[2] == axis, spec(tgt_k)[2] == axis
+
+    def window(parts, split, me):  # -> [G, n, B, Hs / G, per, hds]: my positions of every read layer's heads
+        xs = []
+        for a, layers in parts:
+            lo = layers[0]
+            x = a[lo:lo + len(layers)] if layers == list(range(lo, lo + len(layers))) else \
+                jnp.take(a, np.asarray(layers), axis=0)
+            xs.append(x[:, :, :, src_offset:src_offset + length])
+        x = jnp.pad(jnp.concatenate(xs) if len(xs) > 1 else xs[0], [(0, 0)] * 3 + [(0, m * per - length), (0, 0)])
+        n, b, h, _, hd = x.shape
+        x = x.reshape(n, b, h, m, per, hd)
+        if split:  # trade my heads' positions for my positions of every device's heads
+            return jax.lax.all_to_all(jnp.moveaxis(x, 3, 0), axis, 0, 0, tiled=True)
+        return jnp.moveaxis(jax.lax.dynamic_slice_in_dim(x, me, 1, 3), 3, 0)
+
+    def body(srcs_k, srcs_v, tgt_k, tgt_v, kpack, vpack):
+        me = jax.lax.axis_index(axis)
+        wk = window([(a, reads[j]) for a, j in zip(srcs_k, arrays)], src_split, me)
+        wv = window([(a, reads[j]) for a, j in zip(srcs_v, arrays)], src_split, me)
+        groups = m if tgt_split else 1
+        fresh = lambda t: jax.ShapeDtypeStruct((groups, n_t, t.shape[1], t.shape[2], per, t.shape[4]),  # noqa
+                                               t.dtype)
+        ys = _kernel_call((wk,) * n_src, (wv,) * n_src, fresh(tgt_k), fresh(tgt_v), kpack, vpack,
+                          pairing=local_pairing, tgt_layers=tuple(range(n_t)), length=per, src_offset=0,
+                          dst_offset=0, pos_shift=dst_offset + me * per, **kernel_args)
+        out = []
+        for y, tgt in zip(ys, (tgt_k, tgt_v)):
+            if tgt_split:  # my positions of every device's heads -> every position of my heads
+                y = jax.lax.all_to_all(y, axis, 0, 0, tiled=True)
+            else:
+                y = jax.lax.all_gather(y[0], axis, axis=0)
+            _, _, b, h, _, hd = y.shape
+            y = jnp.moveaxis(y, 0, 3).reshape(n_t, b, h, m * per, hd)[:, :, :, :length]
+            if tgt_layers == tuple(range(tgt_layers[0], tgt_layers[0] + n_t)):
+                tgt = jax.lax.dynamic_update_slice(tgt, y, (tgt_layers[0], 0, 0, dst_offset, 0))
+            else:
+                for j, t in enumerate(tgt_layers):
+                    tgt = jax.lax.dynamic_update_slice(tgt, y[j:j + 1], (t, 0, 0, dst_offset, 0))
+            out.append(tgt)
+        return tuple(out)
+
+    srcs_k, srcs_v = tuple(src_k[j] for j in arrays), tuple(src_v[j] for j in arrays)
+    rep = jax.tree.map(lambda _: P(), kpack)
+    specs = (tuple(map(spec, srcs_k)), tuple(map(spec, srcs_v)), spec(tgt_k), spec(tgt_v), rep, rep)
+    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(spec(tgt_k), spec(tgt_v)),
+                         check_vma=False)(srcs_k, srcs_v, tgt_k, tgt_v, kpack, vpack)
+
+
+def _kernel_call(src_k, src_v, tgt_k, tgt_v, kpack, vpack, *, pairing, tgt_layers, length, src_rope, tgt_rope,
+                 src_offset, dst_offset, block_t, backend, interpret, pos_shift=None):
+    """The pallas_call on whole (or per-device) buffers. `pos_shift` (a traced scalar, default 0) is added to every
+    row's position for RoPE: slot j then holds position pos_shift + j. tgt_k / tgt_v given as ShapeDtypeStructs:
+    new buffers that the call fills whole (nothing to insert into)."""
+    aliased = isinstance(tgt_k, jax.Array)
+    n_src, (b, hs, ts, hds), (_, ht, tt, hdt) = len(pairing[0]), _dims(src_k[0]), _dims(tgt_k)
     if not interpret and (why := check_supported(backend, hds, hdt, length, src_offset=src_offset,
                                                  dst_offset=dst_offset, src_len=ts, tgt_len=tt, block_t=block_t)):
         raise ValueError(f"{why}; use impl='xla' (or impl='auto', which falls back to it) for this shape")
@@ -344,12 +464,11 @@ def map_insert_call(src_k, src_v, tgt_k, tgt_v, kpack: PackedMap, vpack: PackedM
         nb = -(-(dst_offset + length) // bt) - first
         masked = bool(dst_offset % bt or (dst_offset + length) % bt)
         step = (src_offset - dst_offset) // bt
-        src_spec = lambda p: pl.BlockSpec(  # noqa: E731
-            (None, None, hs, bt, hds), lambda l, bi, i, p=p: (_lookup(src_layers[p], l), bi, 0, first + step + i, 0))
-        out_spec = pl.BlockSpec((None, None, ht, bt, hdt), lambda l, bi, i: (tgt_layer(l), bi, 0, first + i, 0))
+        src_spec = lambda p: _block(  # noqa: E731
+            src_k[0], bt, lambda l, p=p: _lookup(src_layers[p], l), lambda i: first + step + i)
+        out_spec = _block(tgt_k, bt, tgt_layer, lambda i: first + i)
         if masked:
-            alias_spec = pl.BlockSpec((None, None, ht, bt, hdt), lambda l, bi, i: (
-                tgt_layer(l), bi, 0, first + jnp.where(i == nb - 1, nb - 1, 0), 0))
+            alias_spec = _block(tgt_k, bt, tgt_layer, lambda i: first + jnp.where(i == nb - 1, nb - 1, 0))
         else:
             alias_spec = pl.BlockSpec(memory_space=pl.ANY)
         w_specs = [layer_spec(w, pipeline_mode=pl.Buffered(1)) for w in weights]  # change once per layer
@@ -367,11 +486,9 @@ def map_insert_call(src_k, src_v, tgt_k, tgt_v, kpack: PackedMap, vpack: PackedM
         bt = max(1, min(block_t or DEFAULT_BLOCK[backend], 1 << (length.bit_length() - 1)))  # power of two <= length
         nb, masked, first_block, edge_bytes = pl.cdiv(length, bt), False, None, 0
         block_start = lambda i: jnp.minimum(i * bt, length - bt)  # noqa: E731
-        src_spec = lambda p: pl.BlockSpec(  # noqa: E731
-            (None, None, pl.Element(hs), pl.Element(bt), pl.Element(hds)),
-            lambda l, bi, i, p=p: (_lookup(src_layers[p], l), bi, 0, src_offset + block_start(i), 0))
-        out_spec = pl.BlockSpec((None, None, pl.Element(ht), pl.Element(bt), pl.Element(hdt)),
-                                lambda l, bi, i: (tgt_layer(l), bi, 0, dst_offset + block_start(i), 0))
+        src_spec = lambda p: _block(  # noqa: E731
+            src_k[0], bt, lambda l, p=p: _lookup(src_layers[p], l), lambda i: src_offset + block_start(i), True)
+        out_spec = _block(tgt_k, bt, tgt_layer, lambda i: dst_offset + block_start(i), True)
         from jax.experimental.pallas import triton as pltr
         w_specs = [layer_spec(w) for w in weights]
         alias_spec = out_spec  # triton passes pointers: an aliased input the kernel never loads costs nothing
@@ -385,22 +502,43 @@ def map_insert_call(src_k, src_v, tgt_k, tgt_v, kpack: PackedMap, vpack: PackedM
     cost = pl.CostEstimate(flops=2 * n_tok * (r + h) * (2 * n_src * hs * hds + ht * (kw + hdt)),
                            transcendentals=n_tok * (2 * hds + 2 * hdt + 2 * h),
                            bytes_accessed=io + len(tgt_layers) * b * edge_bytes + sum(w.nbytes for w in weights))
+    if not aliased and (masked or length != tt):
+        raise ValueError(f"new target buffers of {tt} slots must be written whole (length {length})")
     kernel = functools.partial(_kernel, n_src=n_src, src_heads=hs, out_heads=ht, bt=bt, length=length,
-                               dst_offset=dst_offset, backend=backend, first_block=first_block, masked=masked)
+                               dst_offset=dst_offset, backend=backend, first_block=first_block, masked=masked,
+                               aliased=aliased)
     n_in = 2 * n_src + len(rows) + len(weights)
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct(tgt_k.shape, tgt_k.dtype), jax.ShapeDtypeStruct(tgt_v.shape, tgt_v.dtype)),
         grid=grid,
         in_specs=[src_spec(p) for p in range(n_src)] * 2 + [row_spec(a) for a in rows] + w_specs
-        + [alias_spec, alias_spec],
+        + [alias_spec, alias_spec] * aliased,
         out_specs=(out_spec, out_spec),
-        input_output_aliases={n_in: 0, n_in + 1: 1},
+        input_output_aliases={n_in: 0, n_in + 1: 1} if aliased else {},
         compiler_params=params,
         cost_estimate=cost,
         interpret=interpret_arg,
         name="map_insert",
-    )(*src_k, *src_v, *rows, *weights, tgt_k, tgt_v)
+    )(*src_k, *src_v, *rows, *weights, *((tgt_k, tgt_v) if aliased else ()))
+
+
+def _dims(a) -> tuple[int, int, int, int]:
+    """(batch, heads, slots, head dim) of a cache [L, B, H, T, hd] or [G, L, B, H / G, T, hd] (heads in groups)."""
+    if a.ndim == 5:
+        return a.shape[1], a.shape[2], a.shape[3], a.shape[4]
+    return a.shape[2], a.shape[0] * a.shape[3], a.shape[4], a.shape[5]
+
+
+def _block(a, bt: int, layer, slot, element: bool = False) -> pl.BlockSpec:
+    """One layer's and batch row's heads x bt slots x head dim of cache `a` (either layout of _dims): layer(l) is
+    the grid's layer l's, slot(i) the grid's block i's index in blocks of bt (`element`: its first slot)."""
+    e = pl.Element if element else (lambda n: n)
+    if a.ndim == 5:
+        return pl.BlockSpec((None, None, e(a.shape[2]), e(bt), e(a.shape[4])),
+                            lambda l, bi, i: (layer(l), bi, 0, slot(i), 0))
+    return pl.BlockSpec((e(a.shape[0]), None, None, e(a.shape[3]), e(bt), e(a.shape[5])),
+                        lambda l, bi, i: (0, layer(l), bi, 0, slot(i), 0))
 
 
 def _vmem_bytes(shape, dtype) -> int:
@@ -415,7 +553,7 @@ def _vmem_bytes(shape, dtype) -> int:
 
 _STATIC = ("pairing", "tgt_layers", "length", "src_rope", "tgt_rope", "src_offset", "dst_offset", "block_t",
            "backend", "interpret")
-_map_insert_jit = aot.jit(map_insert_call, donate_argnames=("tgt_k", "tgt_v"), static_argnames=_STATIC)
+map_insert_jit = aot.jit(map_insert_call, donate_argnames=("tgt_k", "tgt_v"), static_argnames=_STATIC)
 
 
 def map_insert(src_k, src_v, tgt_k, tgt_v, kpack: PackedMap, vpack: PackedMap, *, pairing, tgt_layers,
@@ -430,7 +568,7 @@ def map_insert(src_k, src_v, tgt_k, tgt_v, kpack: PackedMap, vpack: PackedMap, *
     returned (tgt_k, tgt_v). kpack, vpack: pack_maps(maps of tgt_layers, P * Hs, Ht, backend=...). `backend`
     defaults to the platform's; `interpret` runs on CPU (the TPU body under pltpu.InterpretParams when
     backend="mosaic_tpu")."""
-    return _map_insert_jit(src_k, src_v, tgt_k, tgt_v, kpack, vpack,
+    return map_insert_jit(src_k, src_v, tgt_k, tgt_v, kpack, vpack,
                            pairing=tuple(tuple(int(s) for s in p) for p in pairing),
                            tgt_layers=tuple(int(t) for t in tgt_layers), length=int(length),
                            src_rope=as_rope(src_rope), tgt_rope=as_rope(tgt_rope), src_offset=int(src_offset),
