@@ -16,13 +16,23 @@ One kernel call maps any number of target layers (grid: layers x batch x blocks;
 layers are picked by the index maps), so a whole map is one call and one compile. Pieces, as in
 jax/experimental/pallas/ops:
 - `map_insert`: the jitted wrapper (target buffers donated and aliased to the outputs), with `backend`
-  ("triton" for GPU, "mosaic_tpu" for TPU; default: the current platform) and `interpret` (on CPU: the generic
-  interpreter for the GPU body, `pltpu.InterpretParams()` for the TPU body).
+  ("triton" for GPU, "mosaic_tpu" for TPU; default: the platform of the active mesh's devices, else of the default
+  device) and `interpret` (on CPU: the generic interpreter for the GPU body, `pltpu.InterpretParams()` for the TPU
+  body).
 - `map_insert_reference`: the same operation in plain jnp, from the unpacked maps.
 - `insert_layers`: the `impl="xla" | "pallas" | "auto"` switch used by apply_map and the pipelined prefill.
+- kvjax.kernels.program: the kernel as a program to compile ahead of time for a TPU slice or a GPU.
 
-The two lowerings share the kernel body; they differ in how a vector's halves are swapped for RoPE (`pltpu.roll`
-on TPU, split/stack on GPU) and in their layout constraints (see `check_supported`).
+The two lowerings share the kernel body; they differ in how blocks are placed, how a vector's halves are swapped
+for RoPE (`pltpu.roll` on TPU, split/stack on GPU) and in their layout constraints (`check_supported`):
+- Triton: blocks of `bt` slots at any slot (the last one moved back to end at `length`).
+- Mosaic: blocks aligned to `bt` (tpu_block) in both caches, since Mosaic only accepts a window whose start it can
+  prove is a multiple of the (8 or 16, 128) tile; the edge blocks keep the rows outside the mapped span (the
+  target is read there), so any length and offset maps. A 64-wide target head (Llama-3.2-1B) computes its keys in
+  128 lanes, [y | rotate_half(y)], from doubled weight columns (pack_maps), so RoPE never rotates part of a vector
+  register.
+Under a device mesh (jax.set_mesh) the call runs per device with the positions split over the kv heads' mesh axis
+(`_sharded_call`): XLA's SPMD partitioner cannot split a Pallas call.
 """
 
 from __future__ import annotations

@@ -24,6 +24,22 @@ from kvjax.kernels import map_insert as mi
 from kvjax.models.rope import as_rope
 
 BACKEND_OF_PLATFORM = {"tpu": "mosaic_tpu", "gpu": "triton", "cuda": "triton", "rocm": "triton"}
+# XLA's GpuTargetConfig of an H100 SXM (its device description as XLA's xla/tools/hlo_opt/gpu_specs), with the
+# cuDNN and CUDA runtime versions the jax-cuda12 plugin is built against: what gpu_devices compiles for
+H100_SXM = """
+gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: 3352320000000 l2_cache_size: 52428800 clock_rate_ghz: 1.98
+  device_memory_size: 84978434048 shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 } registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 8 }
+runtime_version { major: 12 minor: 8 }
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +75,25 @@ class KernelProgram:
         n_tok = len(self.kwargs["tgt_layers"]) * src_k.shape[1] * self.kwargs["length"]
         fx, fy = kpack.w_in.shape[1] * kpack.w_in.shape[2], tgt_k.shape[2] * tgt_k.shape[4]
         return 2 * 2 * n_tok * (kpack.w_in.shape[3] + kpack.down.shape[3]) * (fx + fy)
+
+
+def gpu_devices(target_config: str = H100_SXM, topology: str = "1x1x1") -> list:
+    """Devices of GPUs this machine need not have (default: one H100 SXM), from the CUDA PJRT plugin: install
+    jax-cuda12-plugin and jax-cuda12-pjrt of the installed jax's version, and have a `ptxas` (a CUDA toolkit's, or
+    the nvidia-cuda-nvcc-cu12 wheel's), which XLA's GPU compiler runs. Programs compiled for them give XLA's memory
+    analysis (no cost analysis). Call it before JAX starts its backends, or run with JAX_PLATFORMS=cpu: otherwise the
+    plugin looks for the CUDA libraries and a GPU, finds none, and does not register."""
+    import os
+
+    from jax.experimental import topologies
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no CUDA libraries to check: compiling only
+    try:
+        return list(topologies.get_topology_desc(platform="cuda", target_config=target_config,
+                                                 topology=topology).devices)
+    except Exception as e:  # no plugin: the message says what to install
+        raise RuntimeError(f"no CUDA topology ({str(e).strip().splitlines()[0][:200]}): compiling for a GPU without "
+                           "one needs the jax-cuda12-plugin and jax-cuda12-pjrt packages of the installed jax's "
+                           "version, and a ptxas") from None
 
 
 def kv_geometry(cfg) -> tuple[int, int, int, Any]:

@@ -4,6 +4,7 @@ map, per real pair and TPU slice, with XLA's memory and cost analysis against th
     python -m launch.bench.map_compile                       # every pair on v5e:2x4, v6e:2x4, v5p:2x2x2
     python -m launch.bench.map_compile --pairs qwen32_8 --topologies v5e:2x4 --lengths 4096 16384
     python -m launch.bench.map_compile --chunk 16@37         # a server's chunk: 16 positions at slot 37
+    PYTHONPATH=.:PLUGIN python -m launch.bench.map_compile --topologies h100   # one H100, deviceless (below)
 
 Per (pair, slice, length): both programs map every target layer of the pair (two paired source layers each, the
 nearest in depth; ridge rank 256, residual 128, float32 weights as the library packs them by default, bfloat16
@@ -15,6 +16,12 @@ operations around it XLA's count), the copy bound (the paired source keys and va
 the target's written, the weights read: bytes no implementation can avoid) and three times at the chip's peak: the
 copy time (copy bytes / HBM bandwidth) and each program's roofline, max(FLOPs / peak bf16 FLOP/s, bytes accessed /
 HBM bandwidth). One JSON line per program goes to --out.
+
+"h100" compiles for one H100 SXM without a GPU: the CUDA PJRT plugin (jax-cuda12-plugin and jax-cuda12-pjrt of the
+installed jax's version; PLUGIN above is a directory they were installed in, e.g. `pip install --target`, or install
+them into the environment), a `ptxas` (a CUDA toolkit's, or the nvidia-cuda-nvcc-cu12 wheel's) and the GPU's target
+description (kvjax.kernels.program.H100_SXM). The GPU compiler gives a memory analysis but no cost analysis: the GPU rows' FLOPs and
+bytes are the map's arithmetic (kernel_program's FLOPs, the copy bound), not XLA's count.
 """
 
 from __future__ import annotations
@@ -26,8 +33,9 @@ import pathlib
 import sys
 import time
 
-# Google Cloud TPU documentation, per chip: HBM bandwidth (bytes/s), peak bf16 dense FLOP/s.
-CHIPS = {"v5e": (819e9, 197e12), "v6e": (1640e9, 918e12), "v5p": (2770e9, 459e12)}
+# Per chip: HBM bandwidth (bytes/s), peak bf16 dense FLOP/s (Google Cloud TPU documentation; NVIDIA's H100 SXM).
+CHIPS = {"v5e": (819e9, 197e12), "v6e": (1640e9, 918e12), "v5p": (2770e9, 459e12), "h100": (3.35e12, 989e12)}
+
 MODELS = pathlib.Path(__file__).resolve().parents[2] / "configs" / "models"
 PAIRS = {
     "qwen32_8": ("Qwen3-32B", "Qwen3-8B"),
@@ -46,8 +54,11 @@ def nearest_pairing(n_source: int, n_target: int, width: int) -> tuple[tuple[int
 
 
 def devices_of(name: str):
-    """(devices, chip) of a "v5e:2x4"-style TPU slice."""
+    """(devices, chip) of a "v5e:2x4"-style TPU slice, or of "h100" (one, from the CUDA plugin: no GPU needed)."""
     from jax.experimental import topologies
+    if name == "h100":
+        from kvjax.kernels.program import gpu_devices
+        return gpu_devices(), name
     return topologies.get_topology_desc(platform="tpu", topology_name=name).devices, name.split(":")[0]
 
 
@@ -77,7 +88,7 @@ def xla_program(prog):
     return jax.jit(fn, donate_argnums=(2, 3)), (src_k, src_k, tgt_k, tgt_k, *maps)
 
 
-def measure(name, fn, args, kwargs, mesh, chip, copy_bytes, devices):
+def measure(name, fn, args, kwargs, mesh, chip, copy_bytes, flops, devices):
     import jax
     bw, peak = CHIPS[chip]
     row = dict(program=name)
@@ -89,9 +100,13 @@ def measure(name, fn, args, kwargs, mesh, chip, copy_bytes, devices):
         row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:240]}"
         return row
     mem, cost = compiled.memory_analysis(), compiled.cost_analysis()
-    cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
-    flops, nbytes = float(cost.get("flops", 0)), float(cost.get("bytes accessed", 0))
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     copy = copy_bytes / devices
+    if cost:  # XLA's count
+        flops, nbytes = float(cost.get("flops", 0)), float(cost.get("bytes accessed", 0))
+    else:  # the GPU compiler has no cost analysis: the arithmetic
+        flops, nbytes = flops / devices, copy
+        row["counted_by"] = "arithmetic"
     row.update(compile_s=round(time.perf_counter() - t0, 1), argument_mb=mem.argument_size_in_bytes / 1e6,
                output_mb=mem.output_size_in_bytes / 1e6, alias_mb=mem.alias_size_in_bytes / 1e6,
                temp_mb=mem.temp_size_in_bytes / 1e6, gflops=flops / 1e9, accessed_mb=nbytes / 1e6,
@@ -139,7 +154,8 @@ def main(argv=None) -> int:
                 for name in a.programs:
                     row = dict(pair=pair, slice=topo, mesh=f"{data}x{model}", length=length, slot=slot,
                                weights=a.weights,
-                               **measure(name, *runs[name], prog.mesh, chip, prog.copy_bytes(), len(devices)))
+                               **measure(name, *runs[name], prog.mesh, chip, prog.copy_bytes(), prog.flops(),
+                                         len(devices)))
                     if "error" in row:
                         print(f"{pair:18s} {topo:10s} {length:>4d}@{slot:<4d} {name:7s} {row['error']}")
                     else:
