@@ -202,6 +202,20 @@ def test_apply_map_compiles_for_tpu(tpu_slices):
     assert compiled.as_text().count("tpu_custom_call") >= 2  # one kernel call per target layer
 
 
+def test_auto_takes_the_kernel_where_it_compiles_for_tpu(tpu_slices):
+    """impl="auto" for a TPU mesh: the kernel where Mosaic compiles it, the XLA map where check_supported refuses
+    (a source head dim not a multiple of 128; on one chip, a cache whose slots do not split into 16-slot blocks)."""
+    from kvjax import sharding
+    devices = tpu_slices("v5e:2x4")
+    with jax.set_mesh(sharding.make_mesh(1, 1, devices[:1])):
+        assert mi.resolve_impl("auto", 128, 64, 1000, src_len=1024, tgt_len=1024) == "pallas"  # Llama-3.2-1B
+        assert mi.resolve_impl("auto", 64, 128, 1000) == "xla"
+        assert mi.resolve_impl("auto", 128, 128, 1000, src_len=1024, tgt_len=1000) == "xla"
+    with jax.set_mesh(sharding.make_mesh(1, 8, devices)):  # per device the kernel maps copied windows
+        assert mi.resolve_impl("auto", 128, 128, 1000, src_len=1024, tgt_len=1000) == "pallas"
+    assert mi.resolve_impl("auto", 128, 128, 1000) == "xla"  # no mesh: this process's CPU
+
+
 def test_kernel_compiles_for_gpu():
     """The Triton body compiled for an H100 without a GPU, where the CUDA plugin and a ptxas are here (not in the
     default environment: kvjax.kernels.program.gpu_devices says what to install). In a fresh process: the plugin

@@ -336,10 +336,17 @@ def map_insert_call(src_k, src_v, tgt_k, tgt_v, kpack: PackedMap, vpack: PackedM
         raise ValueError(f"unknown Pallas backend {backend!r}; use one of {BACKENDS}")
     args = dict(pairing=pairing, tgt_layers=tgt_layers, length=length, src_rope=src_rope, tgt_rope=tgt_rope,
                 src_offset=src_offset, dst_offset=dst_offset, block_t=block_t, backend=backend, interpret=interpret)
-    mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and mesh.size > 1 and not mesh.manual_axes:
+    mesh = _sharding_mesh()
+    if mesh is not None:
         return _sharded_call(src_k, src_v, tgt_k, tgt_v, kpack, vpack, mesh=mesh, **args)
     return _kernel_call(src_k, src_v, tgt_k, tgt_v, kpack, vpack, **args)
+
+
+def _sharding_mesh():
+    """The active mesh (jax.set_mesh) when it has several devices and its axes are not already manual (inside a
+    shard_map): the caches are then sharded by it and the call runs per device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh if not mesh.empty and mesh.size > 1 and not mesh.manual_axes else None
 
 
 def _sharded_call(src_k, src_v, tgt_k, tgt_v, kpack, vpack, *, mesh, pairing, tgt_layers, length, src_offset,
@@ -619,9 +626,10 @@ def map_insert_reference(src_k, src_v, tgt_k, tgt_v, keys: Sequence, values: Seq
 
 
 def resolve_impl(impl: str, src_head_dim: int | None = None, tgt_head_dim: int | None = None,
-                 length: int | None = None, interpret: bool = False) -> str:
+                 length: int | None = None, interpret: bool = False, **placement) -> str:
     """"xla" | "pallas" | "auto" -> "xla" or "pallas". auto: the kernel on GPU/TPU where it supports the shape,
-    XLA on CPU; with `interpret`, the kernel everywhere."""
+    XLA on CPU; with `interpret`, the kernel everywhere. `placement`: check_supported's src_offset, dst_offset,
+    src_len, tgt_len (on a sharded cache the kernel maps copied windows, where they do not matter)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl != "auto":
@@ -631,8 +639,10 @@ def resolve_impl(impl: str, src_head_dim: int | None = None, tgt_head_dim: int |
     backend = platform_backend()
     if backend is None:
         return "xla"
+    if _sharding_mesh() is not None:
+        placement = {}
     if None not in (src_head_dim, tgt_head_dim, length) and check_supported(backend, src_head_dim, tgt_head_dim,
-                                                                            length):
+                                                                            length, **placement):
         return "xla"
     return "pallas"
 
@@ -652,7 +662,8 @@ def insert_layers(src_k, src_v, tgt_k, tgt_v, keys: Sequence, values: Sequence, 
                              "or a cross-position map (residual.context > 0 or residual.attention_heads > 0); use "
                              "impl='xla' or 'auto'")
         impl = "xla"
-    impl = resolve_impl(impl, src0.shape[4], tgt_k.shape[4], length, interpret)
+    impl = resolve_impl(impl, src0.shape[4], tgt_k.shape[4], length, interpret, src_offset=src_offset,
+                        dst_offset=dst_offset, src_len=src0.shape[3], tgt_len=tgt_k.shape[3])
     args = dict(pairing=tuple(tuple(p) for p in pairing), tgt_layers=tuple(tgt_layers), length=length,
                 src_rope=src_rope, tgt_rope=tgt_rope, src_offset=src_offset, dst_offset=dst_offset)
     if impl == "xla":
