@@ -121,7 +121,9 @@ def main(argv=None) -> int:
     ap.add_argument("--pairs", nargs="+", default=list(PAIRS), choices=list(PAIRS))
     ap.add_argument("--topologies", nargs="+", default=["v5e:2x4", "v6e:2x4", "v5p:2x2x2"])
     ap.add_argument("--lengths", nargs="+", type=int, default=[4096])
-    ap.add_argument("--chunk", default="", help="N@SLOT: also map N positions at slot SLOT (a server's chunk)")
+    ap.add_argument("--chunk", nargs="*", default=[], help="N@SLOT: also map N positions at slot SLOT (a server's "
+                    "chunk)")
+    ap.add_argument("--layers", type=int, default=0, help="map only the first N target layers (quick sweeps)")
     ap.add_argument("--programs", nargs="+", default=["pallas", "xla"], choices=["pallas", "xla"])
     ap.add_argument("--weights", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--mesh", default="", help="DATAxMODEL devices of the slice to use (default: 1 x all)")
@@ -133,10 +135,7 @@ def main(argv=None) -> int:
 
     import kvjax
     from kvjax.kernels.program import kernel_program
-    shapes = [(n, 0) for n in a.lengths]
-    if a.chunk:
-        n, slot = a.chunk.split("@")
-        shapes.append((int(n), int(slot)))
+    shapes = [(n, 0) for n in a.lengths] + [tuple(int(x) for x in c.split("@")) for c in a.chunk]
     out = open(a.out, "a") if a.out else None
     print(f"{'pair':18s} {'slice':10s} {'len@slot':>9s} {'program':7s} {'args MB':>8s} {'temp MB':>8s} "
           f"{'GFLOP':>7s} {'acc MB':>8s} {'copy MB':>8s} {'copy us':>8s} {'roof us':>8s} {'x copy':>6s}")
@@ -147,8 +146,10 @@ def main(argv=None) -> int:
         for pair in a.pairs:
             src, tgt = (kvjax.load_hf_config(str(MODELS / m)) for m in PAIRS[pair])
             pairing = nearest_pairing(src.num_layers, tgt.num_layers, 2)
+            layers = tuple(range(a.layers or tgt.num_layers))
             for length, slot in shapes:
-                prog = kernel_program(src, tgt, pairing=pairing, length=length, offset=slot, devices=devices,
+                prog = kernel_program(src, tgt, pairing=pairing[:len(layers)], tgt_layers=layers, length=length,
+                                      offset=slot, devices=devices,
                                       weight_dtype=jnp.dtype(a.weights), mesh_shape=(data, model))
                 runs = {"pallas": (prog.fn, prog.args, prog.kwargs), "xla": (*xla_program(prog), {})}
                 for name in a.programs:
