@@ -49,8 +49,8 @@ def run_case(case, dtype, backend, weight_dtype=jnp.float32):
                 dst_offset=do)
     ref = mi.map_insert_reference(src_k, src_v, tgt_k, tgt_v, keys, values, **args)
     pack = lambda maps, **kw: mi.pack_maps(maps, fx // hds, ht, dtype=weight_dtype, backend=backend, **kw)  # noqa: E731
-    out = mi.map_insert(src_k, src_v, jnp.array(tgt_k), jnp.array(tgt_v), pack(keys, keys=True), pack(values), block_t=16,
-                        backend=backend, interpret=True, **args)
+    out = mi.map_insert(src_k, src_v, jnp.array(tgt_k), jnp.array(tgt_v), pack(keys, keys=True), pack(values),
+                        block_t=16, backend=backend, interpret=True, **args)
     return (tgt_k, tgt_v), ref, out, (tgt_layers, do, n)
 
 

@@ -42,10 +42,13 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax.experimental import pallas as pl
+from jax.sharding import PartitionSpec as P
 
-from kvjax import aot
+from kvjax import aot, sharding
+from kvjax.cache import AXES
 from kvjax.kernels.features import cache_layout, content_features
 from kvjax.models.rope import as_rope
 
@@ -365,11 +368,6 @@ def _sharded_call(src_k, src_v, tgt_k, tgt_v, kpack, vpack, *, mesh, pairing, tg
     projection, the map's larger matmul, on every device (this runs 1/M of it). The windows are laid out with the
     traded axis leading ([M, layers, B, heads / M, positions / M, hd], the kernel's grouped-heads layout: _dims),
     so the all-to-alls need no relayout. Positions per device are rounded up to a multiple of 16 (TPU blocks)."""
-    import numpy as np
-    from jax.sharding import PartitionSpec as P
-
-    from kvjax import sharding
-    from kvjax.cache import AXES
     rules = {k: (v if v in mesh.axis_names else None) for k, v in sharding.RULES.items()}
     spec = lambda a: sharding.spec_for(AXES, a.shape, mesh, rules)  # noqa: E731
     axis = rules["kv_heads"]

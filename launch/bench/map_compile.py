@@ -20,8 +20,8 @@ HBM bandwidth). One JSON line per program goes to --out.
 "h100" compiles for one H100 SXM without a GPU: the CUDA PJRT plugin (jax-cuda12-plugin and jax-cuda12-pjrt of the
 installed jax's version; PLUGIN above is a directory they were installed in, e.g. `pip install --target`, or install
 them into the environment), a `ptxas` (a CUDA toolkit's, or the nvidia-cuda-nvcc-cu12 wheel's) and the GPU's target
-description (kvjax.kernels.program.H100_SXM). The GPU compiler gives a memory analysis but no cost analysis: the GPU rows' FLOPs and
-bytes are the map's arithmetic (kernel_program's FLOPs, the copy bound), not XLA's count.
+description (kvjax.kernels.program.H100_SXM). The GPU compiler gives a memory analysis but no cost analysis: the GPU
+rows' FLOPs and bytes are the map's arithmetic (kernel_program's FLOPs, the copy bound), not XLA's count.
 """
 
 from __future__ import annotations
