@@ -275,6 +275,15 @@ def test_shipped_windows_and_meta():
     assert meta["args"] == json.loads(json.dumps(defaults))
 
 
+def test_evalsets_refuses_a_needle_format_it_cannot_place(capsys):
+    from launch.toy.evalsets import parse_args
+    assert parse_args(["--needle", "{key}: {value}\n", "--query", "{key}:"]).query == "{key}:"
+    for bad in (["--needle", "{key}: {value}"], ["--query", "{key} =\n"], ["--depth", "0.3", "0.2"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+        assert "--needle must end with a newline, --query must not" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(not (REPO / "work/toy/data/heldout.npy").is_file(), reason="needs python -m launch.toy.data")
 def test_shipped_windows_are_heldout_slots():
     heldout = np.load(REPO / "work/toy/data/heldout.npy")

@@ -1,8 +1,8 @@
 """How far can a prefix cache move the target towards the source at all? An in-sample oracle for the residual.
 
-    python -m launch.research.cache_oracle --map runs/toy_map/map      # 16 held-out windows, 300 Adam steps
-    python -m launch.research.cache_oracle --target pruned --map runs/toy_pruned/map
-    python -m launch.research.cache_oracle --target pruned --map runs/toy_pruned/map --samples 16 --steps 70 \
+    python -m experiments.cache_oracle --map runs/toy_map/map      # 16 held-out windows, 300 Adam steps
+    python -m experiments.cache_oracle --target pruned --map runs/toy_pruned/map
+    python -m experiments.cache_oracle --target pruned --map runs/toy_pruned/map --samples 16 --steps 70 \
         --lr 1e-2 --caches mapped                                        # the held-out oracle of docs/method.md
 
 For each of N held-out windows (prefix P + continuation C tokens), start from the mapped cache of the prefix (and,

@@ -1,6 +1,6 @@
 """Where an audio adapter's distillation KL stands: the same KL for a listener that heard nothing, or the wrong words.
 
-    python -m launch.research.speech_baselines --lm source      # (after python -m launch.toy.speech)
+    python -m experiments.speech_baselines --lm source      # (after python -m launch.toy.speech)
 
 The adapters (launch/toy/speech_train.py) are trained on KL(LM reading the transcript || LM reading the audio) over
 the 16 tokens after the prompt. The right transcript scores 0; this prints, on the validation utterances, the KL of
@@ -12,7 +12,7 @@ transcript (kvjax.eval.audio.correct), and with `--heard work/toy/audio/asr`, th
 encoder heard (its greedy CTC transcript of each clip, launch/toy/speech_asr.py): a cascade that says how much of the
 transcript's margin the encoder's hearing leaves for any adapter on top of it.
 
-    python -m launch.research.speech_baselines --lm source --adapter work/toy/audio/out3/source --on valid
+    python -m experiments.speech_baselines --lm source --adapter work/toy/audio/out3/source --on valid
 
 `--on valid` (the default) asks the multiple-choice question of the VALIDATION utterances (train documents, four
 endings built as the sealed set's are, launch.toy.speech.mc_items), so adapters can be compared and chosen without

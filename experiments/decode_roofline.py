@@ -1,6 +1,6 @@
 """Where batch-1 decode's time goes against the memory roofline, in one process (issue 23).
 
-    taskset -c 0,1 launch/venv python -m launch.research.decode_roofline --rounds 4
+    taskset -c 0,1 launch/venv python -m experiments.decode_roofline --rounds 4
 
 Each round measures, in this order and in the same process: XLA's matrix-vector product over 1 GiB of float32 (the
 read bandwidth the foundation benchmark's roofline takes when it is the higher reader), kvjax.generate's loop on the

@@ -1,6 +1,6 @@
 """Decode attention alone: kvjax's formulation under XLA:CPU vs torch's on the same shapes (issue 23's batched table).
 
-    launch/venv python -m launch.research.decode_attention --cpu 1 --batches 1 16 64 --rounds 2
+    launch/venv python -m experiments.decode_attention --cpu 1 --batches 1 16 64 --rounds 2
 
 One decode token's attention over 512 cached positions in each of the foundation model's 8 layers (4 KV heads, 2 query
 heads per KV head, head_dim 64, float32): `kvjax.models.decoder.attend`, decode's own attention (the static window
@@ -92,7 +92,7 @@ def main() -> None:
     rows: dict[str, dict[int, list[float]]] = {}
     for r in range(args.rounds):
         for side in (("xla", "torch") if r % 2 == 0 else ("torch", "xla")):
-            cmd = ["taskset", "-c", str(args.cpu), sys.executable, "-m", "launch.research.decode_attention",
+            cmd = ["taskset", "-c", str(args.cpu), sys.executable, "-m", "experiments.decode_attention",
                    "--side", side, "--window", str(args.window), "--capacity", str(args.capacity),
                    "--batches", *map(str, args.batches)]
             out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)

@@ -1,5 +1,6 @@
-"""Research probes: one-off measurements behind findings in WORKSPACE.md (each module's docstring gives its
-command). Entry points of their own; nothing in kvjax or the main job imports them."""
+"""Experiments: the measurements behind numbers and findings in README.md and docs/ that are no benchmark a user
+runs (each module's docstring gives its command; run it from the repository root, `python -m experiments.NAME`).
+They use kvjax and launch/; nothing in kvjax/, launch/ or tests/ imports them (tests/test_layout.py)."""
 
 from __future__ import annotations
 

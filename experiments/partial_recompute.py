@@ -1,6 +1,6 @@
 """Partial recomputation, k = 0..L: what letting the target recompute k of its layers does to a mapped cache.
 
-    python -m launch.research.partial_recompute --run runs/toy [--map residual|ridge] [--modes bottom,top] [--mc 200]
+    python -m experiments.partial_recompute --run runs/toy [--map residual|ridge] [--modes bottom,top] [--mc 200]
         [--sets 0,2] [--map-dir DIR] [--positions]
 
 Reads a finished main-job run (its config.json for the models, its fitted map, its held-out windows) and measures,

@@ -1,7 +1,7 @@
 """Which distance to the native cache predicts what a map keeps? Every map of finished main-job runs, side by side.
 
-    python -m launch.research.fidelity_predictors RUN [RUN ...]            # run dirs of `python -m kvjax.launch`
-    python -m launch.research.fidelity_predictors runs/* --json out.json
+    python -m experiments.fidelity_predictors RUN [RUN ...]            # run dirs of `python -m kvjax.launch`
+    python -m experiments.fidelity_predictors runs/* --json out.json
 
 Issue 22 item 3: public reports find the cosine between the target's attention outputs from the mapped and from its
 native cache predicts task retention (r ~ +0.57) where calibration R^2 does not. This reads each run's metrics.json

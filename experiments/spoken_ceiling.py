@@ -1,9 +1,9 @@
 """How much of the reader's lead does a map carry on the spoken items' TRANSCRIPTS, with no audio at all? Against the
 same map on the code multiple choice cut to the same length.
 
-    python -m launch.research.spoken_ceiling --run runs/toy_audio
-    python -m launch.research.spoken_ceiling --run runs/toy_audio --open newline The --hellaswag 0 24
-    python -m launch.research.spoken_ceiling --run runs/toy_reverse      # the reverse pair: small reads, large answers
+    python -m experiments.spoken_ceiling --run runs/toy_audio
+    python -m experiments.spoken_ceiling --run runs/toy_audio --open newline The --hellaswag 0 24
+    python -m experiments.spoken_ceiling --run runs/toy_reverse      # the reverse pair: small reads, large answers
 
 Audio transfer can carry at most what the map carries of the listening model's lead over the answerer; on the
 sealed set's transcripts that is measurable without any encoder. Reads a finished main-job run (its config.json for

@@ -1,8 +1,8 @@
 """How much of each model's multiple-choice accuracy is reading the context? Score the sets with every context cut
 to its last S tokens, beside the full context.
 
-    python -m launch.research.mc_context --short 1 16 64 --limit 400
-    python -m launch.research.mc_context --models pruned=checkpoints/toy/pruned source=checkpoints/toy/source
+    python -m experiments.mc_context --short 1 16 64 --limit 400
+    python -m experiments.mc_context --models pruned=checkpoints/toy/pruned source=checkpoints/toy/source
 
 A prefix cache (mapped or native) can only move the part of an accuracy that needs more than the last few context
 tokens: what a model scores with S = 1 is what it gets from the endings alone. Contexts are cut at token level and
@@ -19,7 +19,7 @@ import numpy as np
 
 import kvjax
 from kvjax.eval import bootstrap_ci, load_mc, score_mc
-from launch.research import model_dirs
+from experiments import model_dirs
 
 SCHEMAS = ("hellaswag", "piqa")
 

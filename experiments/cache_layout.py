@@ -1,8 +1,8 @@
 """Decode with the cache as one stacked buffer per K and V, one buffer per layer (KVCache since ca91ee5), or one buffer
 per layer with the keys held transposed (kvjax.generate's loop since 271a433) (issue 23).
 
-    launch/venv python -m launch.research.cache_layout --cpus 0,1 --batches 1 4 16 64
-    launch/venv python -m launch.research.cache_layout --cpus 0,1 --batches 1 --profile   # + where a token's time goes
+    launch/venv python -m experiments.cache_layout --cpus 0,1 --batches 1 4 16 64
+    launch/venv python -m experiments.cache_layout --cpus 0,1 --batches 1 --profile   # + where a token's time goes
 
 Why: on XLA:CPU a dot cannot read a slice of a larger buffer in place, so every decode step copies each layer's
 attention window out of the stacked [L, B, Hkv, C, hd] cache before attending over it (the `slice` fusions of the
@@ -172,7 +172,7 @@ def main() -> None:
             args.ckpt = os.path.join(tmp, "model")
             make_checkpoint(args.ckpt, 0)
         from kvjax import allocator
-        cmd = ["taskset", "-c", args.cpus, sys.executable, "-m", "launch.research.cache_layout", "--worker",
+        cmd = ["taskset", "-c", args.cpus, sys.executable, "-m", "experiments.cache_layout", "--worker",
                "--ckpt", args.ckpt, "--batches", *map(str, args.batches), "--context", str(args.context),
                "--steps", str(args.steps), "--rounds", str(args.rounds)] + (["--profile"] if args.profile else [])
         done = subprocess.run(cmd, env={**os.environ, **allocator.environ(), "JAX_PLATFORMS": "cpu"},

@@ -1,8 +1,8 @@
 """Needle-retrieval probes in any format, built fresh from held-out files and scored like the eval sets.
 
-    python -m launch.research.needle_probe                                      # 48 items at 1K, the sets' own format
-    python -m launch.research.needle_probe --needle $'{key}: {value}\n' --query '{key}:'    # another separator
-    python -m launch.research.needle_probe --value-letters 4 --models v21=DIR               # other values, other models
+    python -m experiments.needle_probe                                      # 48 items at 1K, the sets' own format
+    python -m experiments.needle_probe --needle $'{key}: {value}\n' --query '{key}:'    # another separator
+    python -m experiments.needle_probe --value-letters 4 --models v21=DIR               # other values, other models
 
 Items come from launch.toy.evalsets' generator with their own seed (123; not the shipped sets), so a probe can try
 formats the shipped sets do not have. Every needle option of launch.toy.evalsets is accepted (--needle, --query,
@@ -21,7 +21,7 @@ import numpy as np
 import kvjax
 from kvjax.eval import RetrievalItem, score_retrieval
 from kvjax.eval.multiple_choice import encode
-from launch.research import model_dirs
+from experiments import model_dirs
 from launch.toy import evalsets
 from launch.toy.data import REPO
 

@@ -1,11 +1,11 @@
 """Why does the mapped cache not retrieve the needle? Probes of issue 22 item 4, on the shipped retrieval set.
 
-    python -m launch.research.retrieval_diag --map RUN/map --part arms        # which caches make the target retrieve
-    python -m launch.research.retrieval_diag --map RUN/map --part layers      # which target layer is the reader
-    python -m launch.research.retrieval_diag --map RUN/map --part attention   # who attends to the needle (both models)
-    python -m launch.research.retrieval_diag --map RUN/map --part optimise    # can ANY needle-span cache make it work
-    python -m launch.research.retrieval_diag --part copies --pool-prefix 256 --pool-cont 64   # copies in training
-    python -m launch.research.retrieval_diag --map RUN/map --extra new=DIR --part mc --arms new   # MC, paired vs map
+    python -m experiments.retrieval_diag --map RUN/map --part arms        # which caches make the target retrieve
+    python -m experiments.retrieval_diag --map RUN/map --part layers      # which target layer is the reader
+    python -m experiments.retrieval_diag --map RUN/map --part attention   # who attends to the needle (both models)
+    python -m experiments.retrieval_diag --map RUN/map --part optimise    # can ANY needle-span cache make it work
+    python -m experiments.retrieval_diag --part copies --pool-prefix 256 --pool-cont 64   # copies in training
+    python -m experiments.retrieval_diag --map RUN/map --extra new=DIR --part mc --arms new   # MC, paired vs map
 
 Items: the first --n of checkpoints/toy/eval/retrieval_{length}.jsonl (all exactly `length` tokens, so they batch).
 Every arm is a recipe for the target's cache of prompt[:-1]; the target then reads [last prompt token, answer[:-1]]
@@ -21,7 +21,7 @@ target recomputes its top layer over it: kvjax.builders.partial, mode top), NAME
 pairing; `s+k` / `s+v` copy only the keys / values). `--target-cut 0,3,5` answers with the source's own layers
 instead of the fine-tuned target (same shapes), to tell the cut from the fine-tuning. Any needle option of
 launch.toy.evalsets (--needle, --query, --answer, --depth, --value-digits, ...) builds fresh items in that format
-instead of the shipped set (as launch.research.needle_probe does), e.g. a separator the training never showed.
+instead of the shipped set (as experiments.needle_probe does), e.g. a separator the training never showed.
 
 Parts: `attention` reports, per layer and head, the attention mass at each answer position on the needle token that
 answer position must copy (the induction target), for the source and for the target under a few recipes, and the

@@ -1,7 +1,7 @@
 """One map against another, item by item: paired deltas between two finished main-job runs.
 
-    python -m launch.research.compare_runs BASE RUN [RUN ...]             # run dirs of `python -m kvjax.launch`
-    python -m launch.research.compare_runs BASE RUN --arm residual --base-arm residual --json out.json
+    python -m experiments.compare_runs BASE RUN [RUN ...]             # run dirs of `python -m kvjax.launch`
+    python -m experiments.compare_runs BASE RUN --arm residual --base-arm residual --json out.json
 
 An attempt at a better map is a run that differs from a baseline run in one setting (often its calibrate / ridge stages
 copied, `--redo=residual`). Both runs score the same multiple-choice items, KL windows, needles and RULER items when
