@@ -1,5 +1,5 @@
-"""Llama-3.1-Minitron-4B-Width reads, Llama-3.1-8B answers (small reads, large answers: the seed's "learned KV
-handoff" pair), from local HF checkpoint directories, sharded over every device present.
+"""Llama-3.1-Minitron-4B-Width reads, Llama-3.1-8B answers (small reads, large answers: the pair of the method's
+"learned KV handoff" claim), from local HF checkpoint directories, sharded over every device present.
 
     KVJAX_SOURCE=/ckpt/Llama-3.1-Minitron-4B-Width-Base KVJAX_TARGET=/ckpt/Llama-3.1-8B \\
         python -m kvjax.launch --config=minitron4_llama8

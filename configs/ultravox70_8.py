@@ -1,5 +1,5 @@
-"""Ultravox v0.5 on Llama-3.3-70B listens, Llama-3.1-8B answers (seed 004: "The handoff reached 81.7% accuracy at
-59.6 tokens per second, recovering 12.7 points over native 8B").
+"""Ultravox v0.5 on Llama-3.3-70B listens, Llama-3.1-8B answers (the method's claim: "The handoff reached 81.7% accuracy
+at 59.6 tokens per second, recovering 12.7 points over native 8B").
 
     KVJAX_SOURCE=/ckpt/Llama-3.3-70B-Instruct KVJAX_TARGET=/ckpt/Llama-3.1-8B-Instruct \\
     KVJAX_SOURCE_AUDIO=/ckpt/ultravox-v0_5-llama-3_3-70b KVJAX_TARGET_AUDIO=/ckpt/ultravox-v0_5-llama-3_1-8b \\

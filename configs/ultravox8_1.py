@@ -1,5 +1,5 @@
-"""Ultravox v0.5 on Llama-3.1-8B listens, Llama-3.2-1B answers from its mapped audio cache (seed 004: "An 8B model
-listened once. A 1B model answered, and got smarter doing it": 31.2% vs 17.2% for the 1B model's own audio path).
+"""Ultravox v0.5 on Llama-3.1-8B listens, Llama-3.2-1B answers from its mapped audio cache (the method's claim: "An 8B
+model listened once. A 1B model answered, and got smarter doing it": 31.2% vs 17.2% for the 1B model's own audio path).
 
     KVJAX_SOURCE=/ckpt/Llama-3.1-8B-Instruct KVJAX_TARGET=/ckpt/Llama-3.2-1B-Instruct \\
     KVJAX_SOURCE_AUDIO=/ckpt/ultravox-v0_5-llama-3_1-8b KVJAX_TARGET_AUDIO=/ckpt/ultravox-v0_5-llama-3_2-1b \\
@@ -8,11 +8,11 @@ listened once. A 1B model answered, and got smarter doing it": 31.2% vs 17.2% fo
 
 The language models are plain HF Llama checkpoints (the ones the Ultravox checkpoints name by text_model_id); the
 audio adapters are Ultravox checkpoint directories (their audio_tower.* and multi_modal_projector.* tensors; the
-1B one is the answerer's own audio path, the seed's "native 1B"). The spoken sets are directories in the layout of
+1B one is the answerer's own audio path, the claim's "native 1B"). The spoken sets are directories in the layout of
 launch/toy/speech.py (items.jsonl + features.npz of WhisperFeatureExtractor features with the adapters' mel bins:
 128 for Ultravox v0.5's whisper-large-v3-turbo; `python -m launch.toy.speech --mel-bins 128` renders the toy's
 prose that way). The job fits the text map as configs/qwen32_8.py does, then the evaluation `audio` trains the audio
-map and scores the sealed set through every arm (kvjax/eval/suite/audio.py); the gate holds the seed's claims.
+map and scores the sealed set through every arm (kvjax/eval/suite/audio.py); the gate holds the method's speech claims.
 Prompts: <|begin_of_text|>, the audio, a line break, then the text scored.
 """
 
