@@ -1,5 +1,5 @@
-"""Decode with the cache as one stacked buffer per K and V, one buffer per layer (KVCache since ca91ee5), or one buffer
-per layer with the keys held transposed (kvjax.generate's loop since 271a433) (issue 23).
+"""Decode with the cache as one stacked buffer per K and V, one buffer per layer (KVCache since 2026-12-02), or one
+buffer per layer with the keys held transposed (kvjax.generate's loop since 2026-12-02).
 
     launch/venv python -m experiments.cache_layout --cpus 0,1 --batches 1 4 16 64
     launch/venv python -m experiments.cache_layout --cpus 0,1 --batches 1 --profile   # + where a token's time goes
@@ -44,7 +44,7 @@ LAYOUTS = ("stacked", "per_layer", "keys_transposed")
 def decode_steps(params, cfg, layout: str, steps: int):
     """A jitted fn(cache, tokens [B]) -> (cache, last tokens [B]) running `steps` greedy decode steps. "per_layer":
     the library's own forward over a KVCache (one buffer per layer); "stacked": the same step written out over
-    stacked [L, B, Hkv, C, hd] buffers (the layout before ca91ee5), with the decoder's own attention;
+    stacked [L, B, Hkv, C, hd] buffers (KVCache's layout before 2026-12-02), with the decoder's own attention;
     "keys_transposed": the library's forward over a cache whose keys are held [B, Hkv, hd, C]."""
     import jax
     import jax.numpy as jnp

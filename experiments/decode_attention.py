@@ -1,4 +1,4 @@
-"""Decode attention alone: kvjax's formulation under XLA:CPU vs torch's on the same shapes (issue 23's batched table).
+"""Decode attention alone: kvjax's formulation under XLA:CPU vs torch's on the same shapes, at each batch size.
 
     launch/venv python -m experiments.decode_attention --cpu 1 --batches 1 16 64 --rounds 2
 
@@ -7,7 +7,7 @@ heads per KV head, head_dim 64, float32): `kvjax.models.decoder.attend`, decode'
 that holds the live positions, out of each layer's [B, Hkv, capacity, hd] buffers), against torch's SDPA and its plain
 matmul form over a [B, Hkv, window, hd] cache. Each side runs in a fresh process pinned to one CPU (never torch and
 JAX in one timing process), the sides alternate for `--rounds` rounds, and every number is the median of 5 timed
-calls. Measured 2026-12-02 at 5646ea7: XLA:CPU about 2-2.5x slower than torch at batch 16-64, with the cache then
+calls. Measured 2026-12-02: XLA:CPU about 2-2.5x slower than torch at batch 16-64, with the cache then
 one stacked [L, B, Hkv, capacity, hd] buffer that every layer's window was copied out of.
 """
 

@@ -1,4 +1,4 @@
-"""Where batch-1 decode's time goes against the memory roofline, in one process (issue 23).
+"""Where batch-1 decode's time goes against the memory roofline, in one process.
 
     taskset -c 0,1 launch/venv python -m experiments.decode_roofline --rounds 4
 

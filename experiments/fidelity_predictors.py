@@ -3,7 +3,7 @@
     python -m experiments.fidelity_predictors RUN [RUN ...]            # run dirs of `python -m kvjax.launch`
     python -m experiments.fidelity_predictors runs/* --json out.json
 
-Issue 22 item 3: public reports find the cosine between the target's attention outputs from the mapped and from its
+Public reports find the cosine between the target's attention outputs from the mapped and from its
 native cache predicts task retention (r ~ +0.57) where calibration R^2 does not. This reads each run's metrics.json
 (nothing is recomputed) and takes every map arm it measured: the per-head peer, the ridge, the residual, and the
 unmapped source layers ("raw" in distances, "direct" in the multiple-choice table). For each: key / value /

@@ -1,4 +1,4 @@
-"""Why does the mapped cache not retrieve the needle? Probes of issue 22 item 4, on the shipped retrieval set.
+"""Why does the mapped cache not retrieve the needle? Probes on the shipped retrieval set.
 
     python -m experiments.retrieval_diag --map RUN/map --part arms        # which caches make the target retrieve
     python -m experiments.retrieval_diag --map RUN/map --part layers      # which target layer is the reader

@@ -1,7 +1,7 @@
 """`python -m kvjax.launch [--config=NAME] [--config.FIELD=VALUE ...] [--redo=STAGE,...]`: the end-to-end job.
 
 The source model reads, a fitted map translates its KV cache, the target model answers; this job fits the map and
-measures what the seed paper reports. Stages (kvjax.stages), each skipped when its artifact already exists in the run
+measures what the method claims. Stages (kvjax.stages), each skipped when its artifact already exists in the run
 directory (config.output_dir) with the same settings:
 
   calibrate   tokenize the calibration text; draw calibration, lambda-selection and held-out windows   data/

@@ -1,7 +1,7 @@
 """Partial recomputation: the target recomputes some of its layers natively, the rest of its cache comes from a map.
 
-Seed 004: "Recomputing two target layers removed the nonlinear ceiling of an affine cache map". A linear map cannot
-reproduce what the target's own nonlinear layers would have written; letting the target run a few layers over the
+The method's claim: "Recomputing two target layers removed the nonlinear ceiling of an affine cache map". A linear map
+cannot reproduce what the target's own nonlinear layers would have written; letting the target run a few layers over the
 prompt itself repairs that at a fraction of its prefill. Two placements:
 
   bottom k   the target's layers 0..k-1 run natively over the prompt; layers k.. come from the map. Costs k target

@@ -6,7 +6,7 @@ Per target layer, the target's own queries (its native forward pass over the win
 queries whichever cache is scored) attend causally over the window's keys and values twice, once from the native
 cache and once from the mapped one; the score is the cosine of the two attention outputs per token (all query heads
 flattened, before the output projection). Public reports find this cosine predicts task retention where per-entry
-cosines and calibration R^2 do not (issue 22).
+cosines and calibration R^2 do not.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Rollout divergence of a built cache (seed 004's "32-step KV-transfer divergence"): the target greedily generates n
+"""Rollout divergence of a built cache (the method's "32-step KV-transfer divergence"): the target greedily generates n
 tokens from the cache a builder made of a prefix, and at every step the source, having read the same prefix and the
 same continuation itself, scores the target's next-token distribution: KL(source teacher || target), per step.
 

@@ -1,5 +1,5 @@
 """Train a cache map on audio-prompt caches: the residual of a text map, trained further on what a listening source
-writes, against the source's own predictions (seed 004's audio transfer: "a mapper plus rank-16 residual translated
+writes, against the source's own predictions (the method's audio transfer: "a mapper plus rank-16 residual translated
 it into the frozen 1B decoder").
 
 The ridge part cannot be refitted on audio: it regresses the target's native cache on the source's at the same

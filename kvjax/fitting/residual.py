@@ -6,7 +6,7 @@ the target itself having read the prefix natively (small reads, large answers: t
 behave as after its own prefill). The target reads the continuation from the *mapped* cache of the prefix
 (the student). Only the residual parameters (down, res_bias, up; a context map's down_prev, a cross-position map's
 attention) move; the ridge part stays frozen, unless `train_ridge` trains the whole map end to end. With
-`rollout`, the continuation is the target's own greedy rollout from the mapped cache (seed 004's rollout-aware
+`rollout`, the continuation is the target's own greedy rollout from the mapped cache (the method's rollout-aware
 correction), so the residual learns on the states it will actually decode from.
 """
 
