@@ -1,5 +1,5 @@
 """Audio cache transfer: the audio builders, the audio map's training, the evaluation's statistics and report, and the
-shipped toy adapters (issue 39, parts 2-4)."""
+shipped toy adapters."""
 
 import dataclasses
 import json

@@ -444,7 +444,7 @@ def _spec_arm(latency: float, native: float, tau, matches: float, prefix: float,
 
 
 def test_summaries_rank_by_speed_only_arms_with_the_native_answer():
-    """Issue 43: the fastest speculative arm (a transfer, answering from the mapped cache, 0% of requests equal to
+    """The fastest speculative arm (a transfer, answering from the mapped cache, 0% of requests equal to
     native greedy) is not the summary's best arm; the fastest arm whose output equals native greedy is, and every
     arm answering from another cache is quoted with its latency beside its agreement and its cache's quality. The
     same for dflash (a faster method that answered differently), TTFT and throughput (the mapped cache's quality

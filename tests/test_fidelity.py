@@ -1,4 +1,4 @@
-"""Issue 22: the residual's teacher pool, the per-head ridge peer and attention-output fidelity, on tiny models."""
+"""The residual's teacher pool, the per-head ridge peer and attention-output fidelity, on tiny models."""
 
 import dataclasses
 
@@ -141,7 +141,7 @@ def test_attention_fidelity_is_one_on_the_native_cache_and_drops_with_a_worse_ma
 
 
 def test_mc_metrics_pair_the_final_map_with_each_peer_map():
-    """Issue 22's peer table: the final map against the per-head peer and the ridge, paired by item, in metrics.json,
+    """The peer table: the final map against the per-head peer and the ridge, paired by item, in metrics.json,
     the summary and the report (a peer that did not run is left out, not reported as zero)."""
     from types import SimpleNamespace
 

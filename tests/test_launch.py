@@ -280,7 +280,7 @@ def test_toy_pruned_config_runs_the_shipped_pruned_target_and_gates_on_the_map_g
 
 
 def test_default_config_is_the_pruned_pair_with_the_method_goals_in_its_gate():
-    """The default run shows the map working (issue 22): the pruned target, the full-size config's pairing and
+    """The default run shows the map working: the pruned target, the full-size config's pairing and
     residual width, a teacher pool, the per-head peer, and a gate on cosines, attention fidelity, KL and MC gain."""
     cfg = config_flags.build(launch.DEFAULT_CONFIG, [], RunConfig)
     full = config_flags.build("toy_pruned", [], RunConfig)
