@@ -20,26 +20,44 @@ from kvjax.plan.report import Plan, StagePlan
 
 
 COMPILED = ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "code_bytes", "xla_flops", "xla_bytes",
-            "error", "lower_seconds", "compile_seconds")
+            "error", "lower_seconds", "compile_seconds", "compiled")
 
 
-def compile_all(stages: dict, held: dict, compile: bool = True, jobs: int = 1, rebuild=None) -> list[StagePlan]:
+def peak_candidates(stages: dict, n: int) -> set:
+    """The (stage, program) indices of each stage's `n` programs with the most bytes beside the weights by their
+    shapes (inputs other than weights, and what the stage keeps beside them): the ones that set its peak."""
+    from kvjax.plan import shapes
+    out = set()
+    for i, progs in enumerate(stages.values()):
+        size = [(shapes.nbytes_per_device((p.args, p.kwargs)) - p.weight_bytes + p.kept_bytes, j)
+                for j, p in enumerate(progs)]
+        out |= {(i, j) for _, j in sorted(size, reverse=True)[:n]}
+    return out
+
+
+def compile_all(stages: dict, held: dict, compile: bool = True, jobs: int = 1, rebuild=None,
+                peaks: int = 0) -> list[StagePlan]:
     """Compile every stage's programs (one compile per distinct program: a later stage calling the same program
     at the same shapes reuses it) into StagePlans. `held`: stage -> {model: weight bytes per device}. Without
     `compile`, the programs are lowered only (no memory or cost analysis; a quick check that they build).
 
     `jobs` > 1 compiles the distinct programs in that many worker processes, each rebuilding the same programs with
     `rebuild` (a picklable (function, args) whose call returns `stages` again: the programs themselves, holding
-    device handles, do not travel); XLA compiles one program on one core, so this is what more cores buy."""
+    device handles, do not travel); XLA compiles one program on one core, so this is what more cores buy.
+
+    `peaks` > 0 compiles only each stage's `peaks` largest programs by their shapes (`peak_candidates`) and lowers
+    the others: the stage peaks in a fraction of the time (docs/planning.md measures how close)."""
     from kvjax.plan.program import Compiled, compile_program
     from tqdm import tqdm
     first: dict = {}  # key -> (stage index, program index) of its first occurrence
     for i, progs in enumerate(stages.values()):
         for j, p in enumerate(progs):
             first.setdefault(p.key(), (i, j))
+    chosen = peak_candidates(stages, peaks) if peaks else None
+    wanted = lambda i, j: compile and (chosen is None or (i, j) in chosen)  # noqa: E731
     results: dict = {}
-    if compile and jobs > 1 and rebuild is not None and len(first) > 1:
-        results = _compile_in_workers(sorted(first.values()), jobs, rebuild)
+    if jobs > 1 and rebuild is not None and len(first) > 1:
+        results = _compile_in_workers([(i, j, wanted(i, j)) for i, j in sorted(first.values())], jobs, rebuild)
     done: dict = {}
     out = []
     total = sum(len(ps) for ps in stages.values())
@@ -52,11 +70,9 @@ def compile_all(stages: dict, held: dict, compile: bool = True, jobs: int = 1, r
                     c = Compiled(p, **{f: getattr(done[key], f) for f in COMPILED if "seconds" not in f}, reused=True)
                 elif (i, j) in results:
                     c = done[key] = Compiled(p, **results[(i, j)])
-                elif compile:
-                    c = done[key] = compile_program(p)
-                    _progress(bar, c)
                 else:
-                    c = done[key] = Compiled(p)
+                    c = done[key] = compile_program(p, compile=wanted(i, j))
+                    _progress(bar, c)
                 compiled.append(c)
                 bar.set_postfix_str(p.name[:40])
                 bar.update()
@@ -68,7 +84,9 @@ def _compile_in_workers(where: list, jobs: int, rebuild) -> dict:
     import concurrent.futures
     import multiprocessing
     ctx = multiprocessing.get_context("spawn")  # JAX is not fork-safe
-    parts = [where[w::jobs] for w in range(jobs)]
+    # compiles first, spread evenly: they are what takes the time
+    order = sorted(where, key=lambda w: not w[2])
+    parts = [order[w::jobs] for w in range(jobs)]
     out = {}
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
         for part in pool.map(_worker, [(rebuild, part) for part in parts if part]):
@@ -83,8 +101,8 @@ def _worker(task) -> dict:
     from kvjax.plan.program import compile_program
     stages = list(fn(*args).values())
     out = {}
-    for i, j in where:
-        c = compile_program(stages[i][j])
+    for i, j, compile in where:
+        c = compile_program(stages[i][j], compile)
         _progress(None, c)
         out[(i, j)] = {f: getattr(c, f) for f in COMPILED}
     return out
@@ -94,7 +112,8 @@ def _progress(bar, c) -> None:
     """One line per compiled program where no progress bar shows (a log file, a worker)."""
     if bar is None or bar.disable:
         import sys
-        print(f"compiled {c.program.stage}: {c.program.name} in {c.lower_seconds + c.compile_seconds:.1f} s"
+        print(f"{'compiled' if c.compiled else 'lowered'} {c.program.stage}: {c.program.name} in "
+              f"{c.lower_seconds + c.compile_seconds:.1f} s"
               f"{' (refused: ' + c.error + ')' if c.error else ''}", file=sys.stderr, flush=True)
 
 
@@ -111,7 +130,7 @@ def job_stages(cfg, slice_name: str, cpu_memory_gb: float, only: tuple, depths):
 
 
 def plan_job(cfg, slice_name: str, compile: bool = True, only: tuple[str, ...] = (),
-             cpu_memory_gb: float = 16.0, sampled: bool = False, jobs: int = 1) -> Plan:
+             cpu_memory_gb: float = 16.0, sampled: bool = False, jobs: int = 1, peaks: int = 0) -> Plan:
     """The main job of `cfg` (a RunConfig) on a slice: every stage's programs compiled, fitted and priced.
     `sampled`: compile each program at reduced depths and extrapolate its memory and XLA counts to the models' own
     depth (`extrapolate`: a program's buffers are per-layer buffers times the layers plus the rest, and unrolled
@@ -128,9 +147,12 @@ def plan_job(cfg, slice_name: str, compile: bool = True, only: tuple[str, ...] =
         plans = extrapolate(stages, held, [job.stage_programs(cfg, sl, only, d)[1] for d in points], points, real,
                             jobs=jobs, rebuild=[(job_stages, (cfg, slice_name, cpu_memory_gb, only, d)) for d in points])
     else:
-        plans = compile_all(stages, held, compile, jobs, (job_stages, (cfg, slice_name, cpu_memory_gb, only, None)))
+        plans = compile_all(stages, held, compile, jobs, (job_stages, (cfg, slice_name, cpu_memory_gb, only, None)),
+                            peaks)
     plan = Plan(cfg.name, "job", sl, plans, b.sources, dict(b.mesh.shape), time.perf_counter() - t0)
     plan.notes["compiled_at"] = "sampled depths" if sampled and compile else "full depth"
+    if peaks:
+        plan.notes["compiled"] = f"each stage's {peaks} largest programs by shape; the others lowered"
     return plan
 
 

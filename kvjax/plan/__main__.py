@@ -14,6 +14,8 @@ slice, DIR/NAME[-serve]-SLICE.{md,json,png} (DIR: --out, default runs/plan) and 
                                 at three reduced depths and extrapolate its memory and XLA counts to the real
                                 depth (minutes instead of hours for a 32B pair on a small machine; docs/planning.md
                                 says how close it comes)
+  --compile=all|peaks           all (default): every program; peaks: each stage's two largest programs by their
+                                shapes compiled, the others lowered (the stage peaks in a fraction of the time)
   --jobs=N                      compile in N processes (default: the cores, at most 4; each holds a compile of
                                 up to a few GB)
   --no-compile                  lower only (seconds instead of minutes; no memory or cost analysis)
@@ -43,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     from kvjax.run_config import RunConfig
     argv = sys.argv[1:] if argv is None else argv
     opts = {"topology": "", "out": "runs/plan", "serve": False, "compile": True, "slots": 0, "context": 0,
-            "cpu_memory_gb": 16.0, "depth": "full", "jobs": min(4, os.cpu_count() or 1), "price": False}
+            "cpu_memory_gb": 16.0, "depth": "full", "jobs": min(4, os.cpu_count() or 1), "price": False,
+            "peaks": 0}
     rest = []
     try:
         name, overrides, args = parse_argv(argv)
@@ -60,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
                 opts["compile"] = False
             elif key in ("--topology", "--out"):
                 opts[key[2:]] = value
+            elif key == "--compile":
+                if value not in ("all", "peaks"):
+                    raise ConfigFlagError(f"--compile={value}: use all or peaks")
+                opts["peaks"] = 2 if value == "peaks" else 0
             elif key == "--depth":
                 if value not in ("full", "sampled"):
                     raise ConfigFlagError(f"--depth={value}: use full or sampled")
@@ -74,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigFlagError(f"unknown argument {rest[0]!r}; the flags are:\n{USAGE}")
         if not name:
             raise ConfigFlagError(f"--config=NAME is required (configs: {', '.join(available_configs())})")
+        if opts["peaks"] and opts["depth"] == "sampled":
+            raise ConfigFlagError("--compile=peaks compiles its few programs at full depth: leave out --depth=sampled")
         if not opts["topology"]:
             raise ConfigFlagError("--topology=SLICE is required, e.g. --topology=v5e:2x4 or --topology=v5e,v6e,v5p")
         cfg = build(name, overrides, RunConfig)
@@ -178,7 +187,7 @@ def _plan(cfg, sl: str, opts: dict):
         return plan_serve(cfg, sl, slots=opts["slots"], context=opts["context"], compile=opts["compile"],
                           cpu_memory_gb=opts["cpu_memory_gb"], sampled=opts["depth"] == "sampled", jobs=opts["jobs"])
     return kvplan.plan_job(cfg, sl, compile=opts["compile"], cpu_memory_gb=opts["cpu_memory_gb"],
-                           sampled=opts["depth"] == "sampled", jobs=opts["jobs"])
+                           sampled=opts["depth"] == "sampled", jobs=opts["jobs"], peaks=opts["peaks"])
 
 
 def _write(plan, out: str) -> None:

@@ -67,6 +67,7 @@ class Compiled:
     xla_bytes: float = 0.0
     error: str = ""  # the compiler's refusal, if it refused
     reused: bool = False  # the same compile served an earlier program of the plan
+    compiled: bool = False  # False: lowered only (the figures above are not XLA's)
 
     @property
     def peak_bytes(self) -> int:
@@ -90,20 +91,25 @@ class Compiled:
             else "memory"
 
 
-def compile_program(p: Program) -> Compiled:
-    """Lower and compile `p` for its mesh's devices (no device needed: a TPU topology's devices compile here)."""
+def compile_program(p: Program, compile: bool = True) -> Compiled:
+    """Lower and compile `p` for its mesh's devices (no device needed: a TPU topology's devices compile here); without
+    `compile`, lower only (a check that the program builds at these shapes, in a fraction of the time)."""
     out = Compiled(p)
     t0 = time.perf_counter()
     try:
         with jax.set_mesh(p.mesh):
             lowered = p.fn.lower(*p.args, **p.kwargs)
         t1 = time.perf_counter()
+        if not compile:
+            out.lower_seconds = t1 - t0
+            return out
         compiled = lowered.compile()
     except Exception as e:  # the compiler's refusal is a result of the plan, reported per program
         out.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
         out.lower_seconds = time.perf_counter() - t0
         return out
     out.lower_seconds, out.compile_seconds = t1 - t0, time.perf_counter() - t1
+    out.compiled = True
     mem = compiled.memory_analysis()
     if mem is not None:
         out.argument_bytes = int(mem.argument_size_in_bytes)

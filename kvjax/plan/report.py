@@ -90,6 +90,9 @@ def program_json(c: Compiled, sl: Slice) -> dict:
     if c.error:
         out["error"] = c.error
         return out
+    out["compiled"] = c.compiled
+    if not c.compiled:
+        return out
     out.update(argument_bytes=c.argument_bytes, output_bytes=c.output_bytes, alias_bytes=c.alias_bytes,
                temp_bytes=c.temp_bytes, code_bytes=c.code_bytes, peak_bytes=c.peak_bytes,
                xla_flops=c.xla_flops, xla_bytes=c.xla_bytes, roofline_seconds=c.roofline_seconds(sl),
@@ -118,7 +121,8 @@ def markdown(plan: Plan) -> str:
              f"**The {plan.what} {verdict}**: per device, the largest stage needs "
              f"{_gb(max(s.peak_bytes for s in plan.stages) if plan.stages else 0)} GB of {_gb(plan.hbm)} GB. "
              f"{sum(len(s.programs) for s in plan.stages)} programs, compiled in {plan.compile_seconds():.0f} s "
-             "on this machine.", ""]
+             f"on this machine ({plan.notes.get('compiled_at', 'full depth')}"
+             + (f"; {plan.notes['compiled']}" if "compiled" in plan.notes else "") + ").", ""]
     for s, over in plan.over():
         lines.append(f"- {s.name}: {_gb(over)} GB over ({s.largest.program.name if s.largest else '?'}).")
     for s in plan.stages:
@@ -152,6 +156,11 @@ def markdown(plan: Plan) -> str:
             p = c.program
             if c.error:
                 lines.append(f"| {s.name} | {p.name} | refused | | | | | | {c.lower_seconds:.1f} |")
+                continue
+            if not c.compiled:
+                lines.append(f"| {s.name} | {p.name} | lowered only | | {p.flops / 1e9:.4g} | {_gb(p.hbm_bytes)} | "
+                             f"{_ms(max(p.flops / sl.flops_per_s, p.hbm_bytes / sl.hbm_bytes_per_s))} | | "
+                             f"{c.lower_seconds:.1f} |")
                 continue
             lines.append(f"| {s.name} | {p.name} | {_gb(c.peak_bytes)} | {_gb(c.argument_bytes)} / {_gb(c.temp_bytes)} "
                          f"| {p.flops / 1e9:.4g} ({_ratio(c.xla_flops, p.flops)}) | {_gb(p.hbm_bytes)} "
