@@ -1,6 +1,7 @@
 """Scheduling: the bounded queue of waiting requests, read in prefill batches of one length bucket, and the answer
 that ends each request (its metrics, its last event). One lock (a Condition) guards the queue; the engine's threads
-share it for the state they hand each other."""
+share it for the state they hand each other. With speculative decoding, `DraftPolicy` decides per decode step
+whether it drafts, from the measured costs and yields of both kinds of step."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 
 from kvjax.serve.config import EngineConfig, Event, QueueFull, Request
 from kvjax.serve.metrics import Metrics
+from kvjax.speculative.cost import speedup
 
 
 class Scheduler:
@@ -86,3 +88,67 @@ class Scheduler:
         outcome = {499: "cancelled", 504: "timeout"}.get(status, "error")
         self.metrics.requests.labels(path=self.path, outcome=outcome).inc()
         req.sink(Event("error", status=status, message=message))
+
+
+class DraftPolicy:
+    """Whether a decode step drafts (a verify round: kvjax.serve.programs.round_step) or not (a plain
+    step that only advances the drafter states, plain_step): whichever is predicted to make more tokens per second.
+
+    The prediction is the cost model of kvjax.speculative.cost in decode-step units: a round emits tau tokens per
+    row (accepted drafts + the target's own token) and costs c plain steps, so drafting pays when
+    speedup(tau, c) = tau / c > 1. Both are measured from the engine's own recent steps at this row count (the last
+    WINDOW of each kind, the whole step: the programs and the answers' bookkeeping): tau the tokens per occupied row
+    of the recent rounds, c the median round time over the median plain step time. So they follow the text (a round
+    in which nothing is drafted emits one token a row at about a plain step's cost), the context length, the batch
+    and the machine. A verify round over many rows costs several plain steps on a compute-bound CPU, so drafting
+    turns off as the batch grows, and back on as it shrinks or the text starts repeating.
+
+    Measuring: a kind with fewer than MIN_SAMPLES measured steps at a row count is run to measure it (plain first:
+    what would run anyway). After that the kind not chosen is run again once per K steps of the chosen one (at least
+    MIN_GAP), K such that its waste is EXPLORE_LOSS of their time: the worse the other kind, the rarer it runs, and
+    both estimates stay current. `mode` "always" drafts every step (tests, and measuring the rounds themselves)."""
+
+    WINDOW = 16
+    MIN_SAMPLES = 5
+    EXPLORE_LOSS = 0.01
+    MIN_GAP = 16
+
+    def __init__(self, mode: str = "auto"):
+        self.mode = mode
+        # (kind, rows, sampled) -> recent steps' (seconds, tokens emitted, occupied rows)
+        self.steps: dict = collections.defaultdict(lambda: collections.deque(maxlen=self.WINDOW))
+        self.estimate: dict = {}  # (kind, rows, sampled) -> (median seconds, tokens per occupied row), as they arrive
+        self.since: dict = collections.defaultdict(int)  # (rows, sampled) -> steps since the kind last changed
+        self.last: dict = {}  # (rows, sampled) -> the kind of the last step (True: a round)
+        self.predicted = float("nan")  # the last predicted speed-up of drafting (the metrics' gauge)
+
+    def choose(self, rows: int, sampled: bool) -> bool:
+        """Draft this step? `rows`: the step's row count (programs.row_buckets); `sampled`: some row samples."""
+        if self.mode == "always":
+            return True
+        for kind in ("plain", "draft"):
+            if len(self.steps[kind, rows, sampled]) < self.MIN_SAMPLES:
+                return kind == "draft"
+        (v, tau), (s, _) = self.estimate["draft", rows, sampled], self.estimate["plain", rows, sampled]
+        c = v / s
+        self.predicted = p = speedup(tau, c, 0.0)
+        best = p > 1.0
+        # what one step of the other kind wastes, in plain steps: a round where plain is better costs c and makes
+        # what tau plain steps make (c - tau); a plain step where rounds are better makes 1 / p of a plain step's
+        # worth of rounds (1 - 1 / p); spread over `gap` steps of the chosen kind it is EXPLORE_LOSS of their time
+        waste = (1.0 - 1.0 / p) / c if best else c - tau
+        gap = max(self.MIN_GAP, int(np.ceil(waste / self.EXPLORE_LOSS)))
+        if self.last.get((rows, sampled)) == best and self.since[rows, sampled] >= gap:
+            return not best  # measure the other kind again
+        return best
+
+    def observe(self, drafted: bool, rows: int, sampled: bool, seconds: float, tokens: int, occupied: int) -> None:
+        """A step of that kind took `seconds` and emitted `tokens` over `occupied` requests."""
+        key = ("draft" if drafted else "plain", rows, sampled)
+        steps = self.steps[key]
+        steps.append((seconds, tokens, max(occupied, 1)))
+        self.estimate[key] = (float(np.median([t for t, _, _ in steps])),
+                              sum(k for _, k, _ in steps) / sum(n for _, _, n in steps))
+        same = self.last.get((rows, sampled)) == drafted
+        self.since[rows, sampled] = self.since[rows, sampled] + 1 if same else 1
+        self.last[rows, sampled] = drafted
