@@ -71,7 +71,7 @@ def main(argv=None) -> None:
         for i, r in enumerate(rows):
             t[i, :len(r)] = r
         out = prefill_jit(lm.params, lm.cfg, jnp.asarray(t), jnp.asarray([len(r) for r in rows], jnp.int32),
-                          last_only=False).logits
+                          logits="all").logits
         return jax.nn.log_softmax(jnp.take_along_axis(out, jnp.asarray(pos)[..., None], 1), -1)
 
     rng = np.random.default_rng(0)

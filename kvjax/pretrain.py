@@ -24,7 +24,7 @@ from kvjax import aot
 from kvjax import checkpointing
 from kvjax.models.config import Qwen3Config
 from kvjax.models.params import Params, init_params
-from kvjax.models.decoder import forward_nocache
+from kvjax.models.decoder import forward
 from kvjax.pretrain_config import TrainConfig
 from kvjax.windows import step_batch
 
@@ -43,7 +43,7 @@ jax.tree_util.register_dataclass(TrainState, data_fields=["params", "opt_state",
 
 def lm_loss(params: Params, cfg: Qwen3Config, windows: jax.Array, remat: bool = False) -> jax.Array:
     """Mean next-token cross-entropy (nats) of windows int [B, T+1]."""
-    logits = forward_nocache(params, cfg, windows[:, :-1], remat=remat).astype(jnp.float32)
+    logits = forward(params, cfg, windows[:, :-1], remat=remat).logits.astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:]).mean()
 
 

@@ -74,7 +74,7 @@ def test_audio_prefill_is_the_audio_language_prefill_and_reads_text_alone(setup)
     b.set_audio(*clips(3, seed=1))
     assert b(tokens, lengths, capacity=64) is not got  # other clips: listens again
     text = np.asarray([[OPEN, 7, 8, 9, 10]], np.int32)  # no placeholder: the plain prefill (to float32 rounding)
-    plain = prefill_jit(source[1], source[0], jnp.asarray(text), jnp.asarray([5]), capacity=64, logits=False).cache
+    plain = prefill_jit(source[1], source[0], jnp.asarray(text), jnp.asarray([5]), capacity=64, logits=None).cache
     np.testing.assert_allclose(np.asarray(b.set_audio(None, None)(text, capacity=64).k), np.asarray(plain.k),
                                atol=1e-6)
 
@@ -107,8 +107,8 @@ def test_mapped_audio_cache_reaches_a_text_only_answerer_through_the_unchanged_b
     tcfg, tparams = target
     seq = [int(tokens[0, lengths[0] - 1])]
     for _ in range(4):
-        logits, cache = kvjax.models.decoder.forward(tparams, tcfg, jnp.asarray([[seq[-1]]]), cache)
-        seq.append(int(jnp.argmax(logits[0, -1])))
+        logits, cache = kvjax.models.decoder.decode(tparams, tcfg, jnp.asarray([seq[-1]]), cache)
+        seq.append(int(jnp.argmax(logits[0])))
     assert out[0].tolist() == seq[1:]
 
 
@@ -150,12 +150,12 @@ def test_transcript_teacher_is_the_source_reading_and_the_map_learns_it_judged_b
     assert [t.shape for t in teacher] == [(4, 5, VOCAB)] * 3
     cfg, params = source  # by hand: row 5 alone, its logits predicting each text token
     row = np.asarray([said[5] + list(texts[5])], np.int32)
-    full = prefill_jit(params, cfg, jnp.asarray(row), jnp.asarray([row.shape[1]]), last_only=False).logits[0]
+    full = prefill_jit(params, cfg, jnp.asarray(row), jnp.asarray([row.shape[1]]), logits="all").logits[0]
     np.testing.assert_allclose(teacher[1][1], np.asarray(full[len(said[5]) - 1:-1]), atol=1e-4)
     pool = audio_pool(alm, rows, lengths, texts, f, fr, batch_size=4)
     # the true-text NLL, by hand for the first batch: the answerer reads [last prompt token][text] after the cache
     mapped = apply_map(kvmap, pool.caches[0], capacity=pool.caches[0].capacity)
-    logits, _ = kvjax.models.decoder.forward(target[1], target[0], jnp.asarray(pool.text[0][:, :-1]), mapped)
+    logits = kvjax.models.decoder.forward(target[1], target[0], jnp.asarray(pool.text[0][:, :-1]), mapped).logits
     logp = jax.nn.log_softmax(logits, -1)
     nll0 = -float(jnp.take_along_axis(logp, jnp.asarray(pool.text[0][:, 1:, None]), -1).mean())
     one = pool._replace(caches=pool.caches[:1], teacher=pool.teacher[:1], text=pool.text[:1])

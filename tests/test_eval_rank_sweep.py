@@ -78,7 +78,7 @@ def test_full_rank_is_the_runs_ridge_and_train_loss_falls_with_rank(pair, fitted
     assert [ridge_params(f.kvmap) for f in fits[:2]] == [4 * (32 + 32 * k + k * 16 + 16) for k in (1, 2)]
     # padding to full width changes no output
     tokens = jnp.asarray(windows(2, 16, 5))
-    cache = prefill_forward(sparams, scfg, tokens, logits=False).cache
+    cache = prefill_forward(sparams, scfg, tokens, logits=None).cache
     a, b = apply_map(fits[2].kvmap, cache), apply_map(padded(fits[2].kvmap, 16), cache)
     for x, y in zip((*a.keys, *a.values), (*b.keys, *b.values)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5)

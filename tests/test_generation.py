@@ -228,7 +228,7 @@ def test_decode_over_transposed_keys_equals_decode_over_standard_keys(model):
     assert flipped.keys[0].shape == (3, cfg.num_kv_heads, cfg.head_dim, 300)
     assert (flipped.capacity, flipped.head_dim) == (cache.capacity, cache.head_dim) and "transposed" in repr(flipped)
     np.testing.assert_array_equal(flipped.k, cache.k)
-    step = jax.jit(lambda c, t: forward(params, cfg, t[:, None], c))
+    step = jax.jit(lambda c, t: forward(params, cfg, t[:, None], c)[:2])  # (logits, cache)
     for i in range(12):  # row 0 crosses the 128-position window
         nxt = jnp.asarray([3 + i, 9, 100 - i], jnp.int32)
         want, cache = step(cache, nxt)
@@ -251,7 +251,7 @@ def test_decode_over_transposed_keys_equals_decode_over_standard_keys(model):
 
 def test_transposed_keys_helpers_and_refusals(model):
     from kvjax.cache import axes, slice_batch, valid
-    from kvjax.models.decoder import verify_forward
+    from kvjax.models.decoder import forward
     cfg, params = model
     tokens, lengths = kvjax.pad_prompts(prompts(cfg, [5, 9], seed=8))
     _, cache = kvjax.prefill(params, cfg, tokens, kvjax.init_cache(cfg, 2, 16), lengths)
@@ -262,8 +262,8 @@ def test_transposed_keys_helpers_and_refusals(model):
     assert axes(flipped).keys[0] == ("batch", "kv_heads", "head_dim", "cache_seq")
     with pytest.raises(ValueError, match="with_keys_transposed"):
         flipped.map_layers(lambda a: a)
-    with pytest.raises(ValueError, match=r"verify_forward .*with_keys_transposed\(False\)"):
-        verify_forward(params, cfg, jnp.ones((2, 3), jnp.int32), flipped)
+    with pytest.raises(ValueError, match=r"write=False.* reads keys as .*with_keys_transposed\(False\)"):
+        forward(params, cfg, jnp.ones((2, 3), jnp.int32), flipped, write=False)
 
 
 def test_prefill_and_decode_reject_token_ids_outside_the_vocabulary(model):

@@ -113,11 +113,11 @@ def write_mc_sets(root) -> list[str]:
 
 def nocache_scores(model, mc_files: dict, normalize: str, limit: int, needles: dict) -> tuple[dict, dict]:
     """`model`'s multiple-choice predictions per set and retrieval answer log-probs per length, computed without a
-    cache or a builder: one no-cache forward (kvjax.models.decoder.forward_nocache) over every context + option and
+    cache or a builder: one no-cache forward (kvjax.models.decoder.forward) over every context + option and
     prompt + answer row, the continuation's log-probs summed (an option's normalized as the mc evaluation's
     `normalize` says). `mc_files`: schema -> JSONL path; `needles`: length -> retrieval items."""
     from kvjax.eval.multiple_choice import encode, load_mc
-    from kvjax.models.decoder import forward_nocache
+    from kvjax.models.decoder import forward
     cfg, params = model
     tok = kvjax.load_tokenizer(TOKENIZER)
     rows = []  # (what, token ids, first scored position, normalizer)
@@ -134,7 +134,7 @@ def nocache_scores(model, mc_files: dict, normalize: str, limit: int, needles: d
     tokens = np.zeros((len(rows), max(len(r[1]) for r in rows)), np.int32)  # right-padded: causal, pads come last
     for r, (_, ids, _, _) in enumerate(rows):
         tokens[r, : len(ids)] = ids
-    logits = jax.jit(forward_nocache, static_argnums=1)(params, cfg, tokens)
+    logits = jax.jit(lambda p, t: forward(p, cfg, t).logits)(params, tokens)
     logp = np.asarray(jax.nn.log_softmax(logits.astype(np.float32), -1))
     options, answers = {}, {}
     for r, ((kind, name, i), ids, start, norm) in enumerate(rows):

@@ -79,12 +79,12 @@ def test_residual_learns_the_answerers_own_predictions(models, windows):
     from kvjax.builders import NativePrefill
     from kvjax.mapper.kl import kl
     from kvjax.fitting.residual import position_kl, student_logits, window_kl
-    from kvjax.models.decoder import forward_nocache
+    from kvjax.models.decoder import forward
     small, large = models
     kvmap, _ = kvjax.fit_map(small, large, windows[:16], windows[16:], residual_rank=4, batch_size=8)
     tokens = jnp.asarray(windows[:4, :32])
     got = position_kl(kvmap, small, large, tokens, 24, teacher="target")
-    native = forward_nocache(large[1], large[0], tokens[:, :-1])[:, 23:]
+    native = forward(large[1], large[0], tokens[:, :-1]).logits[:, 23:]
     student = student_logits(kvmap, large, NativePrefill(small)(tokens[:, :23], capacity=23), tokens, 24)
     np.testing.assert_allclose(np.asarray(got), np.asarray(kl(native, student)), rtol=1e-5, atol=1e-6)
     assert not np.allclose(np.asarray(got), np.asarray(position_kl(kvmap, small, large, tokens, 24)))

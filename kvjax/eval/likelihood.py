@@ -23,7 +23,7 @@ from kvjax.builders import NativePrefill
 from kvjax.cache import KVCache, cache_jit, check_compatible, init_cache
 from kvjax.models.config import Qwen3Config
 from kvjax.models.params import Params
-from kvjax.models.decoder import forward, forward_nocache
+from kvjax.models.decoder import forward
 
 def fit_capacity(cache: KVCache, capacity: int) -> KVCache:
     """The cache with its time axis zero-padded or cut to `capacity` (which must hold every row's valid part)."""
@@ -61,7 +61,7 @@ def native_prefix_cache(params: Params, cfg: Qwen3Config, context_ids, batch: in
 @functools.partial(cache_jit, static_argnames=("cfg",))
 def _continuation_logprobs(params, cfg, cache, tokens, cont_lengths):
     """tokens [B, 1 + C] = last context token then the continuation; (sum logprob [B], per-token logprob [B, C])."""
-    logits, _ = forward(params, cfg, tokens, cache, lengths=1 + cont_lengths)
+    logits = forward(params, cfg, tokens, cache, lengths=1 + cont_lengths).logits
     logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)  # position j predicts token j + 1
     token_logp = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]  # [B, C]
     mask = jnp.arange(tokens.shape[1] - 1)[None, :] < cont_lengths[:, None]
@@ -98,7 +98,7 @@ def continuation_logprobs(params: Params, cfg: Qwen3Config, prefix_cache: KVCach
 
 @functools.partial(aot.jit, static_argnames=("cfg",))
 def _window_losses(params, cfg, windows):
-    logits = forward_nocache(params, cfg, windows[:, :-1]).astype(jnp.float32)
+    logits = forward(params, cfg, windows[:, :-1]).logits.astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:]).mean(axis=1)
 
 

@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
@@ -20,10 +19,9 @@ from tqdm import tqdm
 from kvjax.cache import KVCache, cache_jit, check_compatible
 from kvjax.eval.likelihood import bucket, continuation_logprobs, fit_capacity, native_prefix_cache
 from kvjax.eval.multiple_choice import PrefixFn, encode
-from kvjax.generation import Sampling, decode_loop
+from kvjax.generation import greedy_continuation
 from kvjax.models.config import Qwen3Config
 from kvjax.models.params import Params
-from kvjax.models.decoder import forward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,9 +67,7 @@ def load_retrieval(path: str, tokenizer, limit: int | None = None) -> list[Retri
 @functools.partial(cache_jit, static_argnames=("cfg", "n_new"))
 def _greedy(params, cfg, cache, last_tokens, n_new):
     """Run last_tokens [B] after the cache, then greedy-decode: int32 [B, n_new] (no EOS stop)."""
-    logits, cache = forward(params, cfg, last_tokens[:, None], cache)
-    out, _, _ = decode_loop(params, cfg, cache, logits[:, 0], n_new, jax.random.key(0), Sampling(), (), 0)
-    return out
+    return greedy_continuation(params, cfg, cache, last_tokens, n_new)
 
 
 def greedy_from_prefix(params: Params, cfg: Qwen3Config, prefix_cache: KVCache, last_tokens, n_new: int):

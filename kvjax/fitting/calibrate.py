@@ -38,8 +38,8 @@ def pairs_of(pairing: Pairing, targets: tuple[int, ...] | None = None) -> Pairs:
 
 @functools.partial(aot.jit, static_argnames=("scfg", "tcfg", "pairs"))
 def _window_stats(sparams, tparams, scfg, tcfg, pairs: Pairs, tokens, mask, refs):
-    src = prefill_forward(sparams, scfg, tokens, logits=False).cache  # the models' own caches
-    tgt = prefill_forward(tparams, tcfg, tokens, logits=False).cache
+    src = prefill_forward(sparams, scfg, tokens, logits=None).cache  # the models' own caches
+    tgt = prefill_forward(tparams, tcfg, tokens, logits=None).cache
     flat_mask = mask.reshape(-1)
     out = []
     for i, (t, layers) in enumerate(pairs):
@@ -155,8 +155,8 @@ def _sharded_stats_fn(scfg, tcfg, pairs: Pairs, mesh: Mesh, s_shardings, t_shard
     out = NamedSharding(mesh, P(sharding.RULES["batch"]))
 
     def fn(sparams, tparams, tokens, mask, refs):
-        src = prefill_forward(sparams, scfg, tokens, logits=False).cache
-        tgt = prefill_forward(tparams, tcfg, tokens, logits=False).cache
+        src = prefill_forward(sparams, scfg, tokens, logits=None).cache
+        tgt = prefill_forward(tparams, tcfg, tokens, logits=None).cache
         split = lambda a: a.reshape(shards, -1, a.shape[-1])  # noqa: E731  [B, T, F] -> [S, B/S*T, F]
         m = mask.reshape(shards, -1)
         stats = jax.vmap(chunk_stats, in_axes=(0, 0, 0, None))

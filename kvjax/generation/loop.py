@@ -20,7 +20,7 @@ from kvjax.cache import KVCache, cache_jit
 from kvjax.generation.prompts import prepare
 from kvjax.generation.sampling import Sampling, sample
 from kvjax.models.config import Qwen3Config
-from kvjax.models.decoder import decode_jit, forward, prefill_forward
+from kvjax.models.decoder import decode, decode_jit, prefill_forward
 from kvjax.models.params import Params
 
 
@@ -54,15 +54,23 @@ def decode_loop(params: Params, cfg: Qwen3Config, cache: KVCache, logits: jax.Ar
 
     def body(state):
         i, out, cache, tok, done, count, key = state
-        logits, cache = forward(params, cfg, tok[:, None], cache)
+        logits, cache = decode(params, cfg, tok, cache)
         key, sub = jax.random.split(key)
-        nxt, new_done = pick(logits[:, 0], sub, done)
+        nxt, new_done = pick(logits, sub, done)
         count = count + (~done).astype(jnp.int32)
         out = jax.lax.dynamic_update_slice(out, nxt[:, None], (0, i))
         return i + 1, out, cache, nxt, new_done, count, key
 
     _, out, cache, _, _, count, _ = jax.lax.while_loop(cond, body, (1, out, cache, tok, done, count, key))
     return out, cache.with_keys_transposed(False), count
+
+
+def greedy_continuation(params: Params, cfg: Qwen3Config, cache: KVCache, last: jax.Array, n: int) -> jax.Array:
+    """The model reads `last` [B] (each row's last prompt token) after `cache` (room for n more positions), then
+    decode_loop picks n tokens greedily with no stop at EOS: int32 [B, n] (traceable). The rollouts of training and
+    evaluation (kvjax.fitting.residual, kvjax.eval.rollout, kvjax.eval.retrieval) continue a built cache with it."""
+    logits, cache = decode(params, cfg, last, cache)
+    return decode_loop(params, cfg, cache, logits, n, jax.random.key(0), Sampling(), (), 0)[0]
 
 
 def _generate(params, cfg, tokens, lengths, key, *, max_new_tokens, capacity, sampling, eos_ids, pad_id,

@@ -364,8 +364,8 @@ def prefill_audio(alm: AudioLM, tokens, input_features=None, frames=None, *, aud
                          "prompt + new tokens")
     # the encoder, projector and merge in one program, then the library's one prefill program over the embeddings
     embeds = None if features is None else prompt_embeddings_jit(alm, tokens, mask, features, frames)
-    out = prefill_jit(alm.lm.params, alm.lm.cfg, None if embeds is not None else tokens, lengths, capacity=capacity,
-                      dtype=dtype, last_only=last_only, embeds=embeds)
+    out = prefill_jit(alm.lm.params, alm.lm.cfg, tokens if embeds is None else embeds, lengths, capacity=capacity,
+                      dtype=dtype, logits="last" if last_only else "all")
     return out.logits, out.cache
 
 

@@ -395,9 +395,9 @@ def _listen(b: Builder, who: str, alm, rows: int, length: int, capacity: int, wh
                       shapes.nbytes_per_device((alm.encoder.params, alm.projector.params)) + b.wbytes(who, 1, False),
                       (who,)),
             b.program(f"{what} prefill over audio embeddings {rows} x {length}", prefill_jit,
-                      (m.params, m.cfg, None, b.rows(rows)),
-                      dict(capacity=capacity, dtype=jnp.dtype(b.dtype), logits=False, last_only=True,
-                           feature_layers=(), embeds=embeds), prefill.flops, prefill.hbm_bytes, (who,))]
+                      (m.params, m.cfg, embeds, b.rows(rows)),
+                      dict(capacity=capacity, dtype=jnp.dtype(b.dtype), logits=None), prefill.flops,
+                      prefill.hbm_bytes, (who,))]
 
 
 def audio(b: Builder, ec, cfg, maps: _Maps, final: str) -> list[Program]:

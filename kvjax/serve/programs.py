@@ -20,7 +20,7 @@ import numpy as np
 from kvjax import aot
 from kvjax.builders import Mapped, NativePrefill
 from kvjax.cache import KVCache, init_cache, window_sizes
-from kvjax.models.decoder import forward_features, verify_forward
+from kvjax.models.decoder import forward
 
 
 def buckets(capacity: int) -> tuple[int, ...]:
@@ -139,8 +139,8 @@ def step(params, cfg, cache: KVCache, tokens, active, temperature, top_p, seeds,
 def _decode(params, cfg, cache, tokens, active, temperature, top_p, seeds, counters, rows: int, layers: tuple):
     """`step`'s work (traceable): (next tokens [rows], cache, the verifier's features of `layers` [rows, 1, F] or
     None)."""
-    logits, cache, feats = forward_features(params, cfg, tokens[:rows, None], cache, layers)
-    logits = logits[:, 0]
+    out = forward(params, cfg, tokens[:rows, None], cache, features=layers)
+    logits, cache, feats = out.logits[:, 0], out.cache, out.features
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampled = temperature[:rows] > 0
     nxt = jax.lax.cond(jnp.any(sampled & active[:rows]),
@@ -276,4 +276,5 @@ def context_features(params, cfg, cache: KVCache, tokens, start, layers: tuple):
     """The target's features ([B, T, F], `layers`' outputs) of tokens [B, T] at positions start .. start + T - 1,
     reading its cache before `start` [B] (the prefilled cache of a new batch; nothing is written): what the block
     drafter's context starts from (kvjax.serve.drafting)."""
-    return verify_forward(params, cfg, tokens, cache.replace(lengths=start), layers)[3]
+    return forward(params, cfg, tokens, cache.replace(lengths=start), write=False, logits=None,
+                   features=layers).features

@@ -113,9 +113,8 @@ def make_fns(lm, ecfg, pcfg, frozen_encoder: bool = False):
     from kvjax.models.decoder import prefill_forward
     from kvjax.models.whisper import encode_forward
 
-    def logits_at(embeds_or_tokens, lengths, pos, embeds: bool):
-        out = prefill_forward(lm.params, lm.cfg, None if embeds else embeds_or_tokens, lengths, last_only=False,
-                              embeds=embeds_or_tokens if embeds else None)
+    def logits_at(inputs, lengths, pos):  # inputs: token ids [B, T] or embeddings [B, T, D]
+        out = prefill_forward(lm.params, lm.cfg, inputs, lengths, logits="all")
         return jnp.take_along_axis(out.logits, pos[..., None], axis=1)  # [B, C, V]
 
     def kl(trainable, b):
@@ -124,9 +123,9 @@ def make_fns(lm, ecfg, pcfg, frozen_encoder: bool = False):
             enc = jax.lax.stop_gradient(enc)
         audio = project_forward(proj, pcfg, encode_forward(enc, ecfg, b["features"], b["frames"]))
         emb = merge_audio(lm.params, b["student"], b["audio_mask"], audio, audio_token_count(b["frames"], pcfg.stack_factor))
-        s = jax.nn.log_softmax(logits_at(emb, b["student_len"], b["student_pos"], True).astype(jnp.float32))
+        s = jax.nn.log_softmax(logits_at(emb, b["student_len"], b["student_pos"]).astype(jnp.float32))
         t = jax.nn.log_softmax(jax.lax.stop_gradient(
-            logits_at(b["teacher"], b["teacher_len"], b["teacher_pos"], False)).astype(jnp.float32))
+            logits_at(b["teacher"], b["teacher_len"], b["teacher_pos"])).astype(jnp.float32))
         return jnp.mean(jnp.sum(jnp.exp(t) * (t - s), -1))
 
     return kl
