@@ -16,8 +16,8 @@ import transformers
 from safetensors.numpy import load_file, save_file
 
 import kvjax
-from kvjax.models.audio import (ProjectorConfig, ProjectorParams, audio_chunks, audio_token_count, expand_audio,
-                                log_mel, project_forward, prompt_embeddings, stack_frames)
+from kvjax.models.audio_lm import (ProjectorConfig, ProjectorParams, audio_chunks, audio_token_count, expand_audio,
+                                   log_mel, project_forward, prompt_embeddings, stack_frames)
 from kvjax.models.decoder import embed, prefill_forward, prefill_jit
 from kvjax.models.whisper import encode, encoded_length
 

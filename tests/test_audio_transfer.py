@@ -12,11 +12,11 @@ import pytest
 
 import kvjax
 from kvjax.builders import Mapped
-from kvjax.builders.audio import AudioPrefill
+from kvjax.builders.audio_prefill import AudioPrefill
 from kvjax.generation import generate_from
 from kvjax.mapper.kvmap import apply_map
-from kvjax.models.audio import (AudioLM, ProjectorConfig, audio_token_count, init_projector, load_ultravox,
-                                prefill_audio, save_ultravox)
+from kvjax.models.audio_lm import AudioLM, ProjectorConfig, audio_token_count, init_projector, prefill_audio
+from kvjax.hf.ultravox import load_ultravox, save_ultravox
 from kvjax.models.decoder import prefill_jit
 from kvjax.models.model import Model
 from kvjax.models.whisper import WhisperEncoderConfig, init_encoder
@@ -221,7 +221,7 @@ def record(acc_by_arm, n=200, seed=0):
 def test_metrics_report_and_gate_state_the_seeds_claims():
     from kvjax.eval.suite import audio
     from kvjax.eval.suite.evaluation import MetricsContext, ReportContext
-    from kvjax.gate import GateConfig
+    from kvjax.eval.gate import GateConfig
     ev = record({"target_audio": 0.3, "mapped_audio": 0.5, "source_audio": 0.6, "text_map_audio": 0.4,
                  "source_text": 0.7, "target_text": 0.45, "mapped_text": 0.6})
     m = audio.metrics(ev, MetricsContext(n_boot=2000, final="residual"))
@@ -260,7 +260,7 @@ def test_metrics_report_and_gate_state_the_seeds_claims():
 
 
 def test_sign_flip_p_value():
-    from kvjax.eval.audio import sign_flip_p
+    from kvjax.eval.audio_transfer import sign_flip_p
     assert sign_flip_p(np.zeros(50)) == 1.0
     assert sign_flip_p(np.ones(30)) < 1e-3
     d = np.random.default_rng(0).choice([-1.0, 0.0, 1.0], 400)
@@ -272,7 +272,7 @@ TOY = "checkpoints/toy/audio"
 
 @pytest.mark.skipif(not os.path.isfile(f"{TOY}/source/config.json"), reason="the toy audio adapters are not built")
 def test_the_shipped_toy_adapters_and_sealed_set_load_and_listen():
-    from kvjax.eval import audio as A
+    from kvjax.eval import audio_transfer as A
     from kvjax.eval.suite.audio import AudioEval, load_adapter
     ec = AudioEval()
     meta = json.load(open(f"{TOY}/test/meta.json"))

@@ -285,12 +285,14 @@ SMALL = ["--config.data.max_train_tokens=6000", "--config.data.max_heldout_token
 
 
 def test_bridge_is_a_stage_a_map_directory_and_an_arm(tmp_path, monkeypatch):
-    from kvjax import launch
+    from kvjax.job import command as launch
+    from kvjax.job.stages import plan
+    from kvjax.job.execute import Job
     from kvjax.builders import Mapped
     from kvjax.eval.arms import make_arms
     from kvjax.mapper.artifact import read_manifest
-    from kvjax.stages.plan import MAP_DIRS, fitted_maps
-    from kvjax.stages.report import map_size_bytes
+    from kvjax.run.layout import MAP_DIRS, fitted_maps
+    from kvjax.job.reporting import map_size_bytes
     monkeypatch.chdir(REPO)
     src_path, tgt_path = saved_pair(str(tmp_path / "pair"))
     out = str(tmp_path / "run")
@@ -298,14 +300,14 @@ def test_bridge_is_a_stage_a_map_directory_and_an_arm(tmp_path, monkeypatch):
             *SMALL, "--config.peers.perhead_topk=1"]
     off, _, _ = launch.parse(base)
     cfg, _, _ = launch.parse(base + ["--config.peers.bridge_topk=2", "--config.eval.mc.arms=target,bridge,ridge"])
-    plan_off, plan_on = launch.plan(off), launch.plan(cfg)
+    plan_off, plan_on = plan(off), plan(cfg)
     assert "bridge" not in plan_off and list(plan_on)[:4] == ["calibrate", "ridge", "perhead", "bridge"]
     assert fitted_maps(cfg) == ("perhead", "bridge", "ridge")
     assert plan_on["perhead"].hash == plan_off["perhead"].hash  # the bridge's fields are not the peer's hash
     assert plan_on["mc"].settings["arms"] == ["target", "bridge", "ridge"]
-    assert "bridge" not in launch.plan(launch.parse(base + ["--config.eval.mc.arms=target,bridge"])[0])["mc"].settings[
+    assert "bridge" not in plan(launch.parse(base + ["--config.eval.mc.arms=target,bridge"])[0])["mc"].settings[
         "arms"]  # a run without the bridge map leaves its arm out
-    job = launch.Job(cfg)
+    job = Job(cfg)
     job.check()
     os.makedirs(out)
     with jax.set_mesh(job.mesh()):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.eval import likelihood, multiple_choice, retrieval
+from kvjax.eval import likelihood, multiple_choice, needle_retrieval as retrieval
 from kvjax.eval.stats import bootstrap_ci, paired_bootstrap_ci
 from kvjax.models.decoder import forward
 
@@ -340,7 +340,7 @@ def test_reading_gap_splits_the_kl(params):
 def test_run_config_eval_is_the_registry():
     from kvjax import config_flags
     from kvjax.eval import suite
-    from kvjax.run_config import EvalConfig, RunConfig
+    from kvjax.run.config import EvalConfig, RunConfig
     fields = [f.name for f in __import__("dataclasses").fields(EvalConfig)]
     assert fields == [*suite.NAMES, "bootstrap"]
     for e in suite.EVALUATIONS:  # every evaluation's settings: defaults as its dataclass, overridable by name
@@ -368,7 +368,7 @@ def test_evaluation_modules_import_no_jax():
                 assert mod.split(".")[0] not in ("jax", "flax", "optax", "orbax"), f"{name} imports {mod}"
                 if mod.startswith("kvjax.") and (REPO / (mod.replace(".", "/") + ".py")).is_file():
                     todo.append(mod)
-    assert "kvjax.eval.suite.kl" in seen and "kvjax.gate" in seen
+    assert "kvjax.eval.suite.kl" in seen and "kvjax.eval.gate" in seen
 
 
 def test_adding_an_evaluation_is_one_module_and_one_registry_line(monkeypatch, tmp_path):
@@ -376,11 +376,11 @@ def test_adding_an_evaluation_is_one_module_and_one_registry_line(monkeypatch, t
     Evaluation record alone."""
     import dataclasses
 
-    from kvjax import launch
+    from kvjax.job.stages import plan
     from kvjax.config_flags import build
     from kvjax.eval import suite
-    from kvjax.gate import GateConfig, check
-    from kvjax.run_config import RunConfig
+    from kvjax.eval.gate import GateConfig, check
+    from kvjax.run.config import RunConfig
 
     @dataclasses.dataclass(frozen=True)
     class EchoEval:
@@ -406,9 +406,9 @@ def test_adding_an_evaluation_is_one_module_and_one_registry_line(monkeypatch, t
                                            for f in dataclasses.fields(base.eval)})
     cfg = dataclasses.replace(base, eval=eval_cfg)
     assert eval_cfg.echo == EchoEval()
-    stage = launch.plan(cfg)["echo"]
+    stage = plan(cfg)["echo"]
     assert stage.settings == {"echo": {"enabled": True, "scale": 2.0}, "final": "residual", "seed": 0}
-    assert "echo" in [s.name for s in launch.plan(cfg)["report"].upstream]
+    assert "echo" in [s.name for s in plan(cfg)["report"].upstream]
     assert suite.preflight(dataclasses.replace(cfg, eval=dataclasses.replace(eval_cfg, echo=EchoEval(scale=0.0)))) \
         == ["eval.echo.scale must be > 0"]
     ctx = suite.EvalContext(cfg, source=None, target=None, map=None, fitted=("ridge", "residual"), heldout=None,
@@ -546,7 +546,7 @@ def test_throughput_reserves_both_devices_and_gates_end_to_end_latency():
     """Reserved accelerator seconds count every device a path holds for the whole request (the split path: two), and
     the gate's latency check is the worst prefix length's split-path / source latency."""
     from kvjax.eval.suite import MetricsContext, throughput
-    from kvjax.gate import GateConfig
+    from kvjax.eval.gate import GateConfig
 
     def row(mapped_latency):
         return {"decode_tps": {"target": 100.0, "source": 50.0, "mapped": 99.0},

@@ -223,7 +223,7 @@ def test_metrics_of_a_hand_made_record():
 
 def test_report_summary_gate_and_chart(tmp_path):
     from kvjax.eval.suite.evaluation import ChartContext, ReportContext
-    from kvjax.gate import GateConfig
+    from kvjax.eval.gate import GateConfig
     m = ruler.metrics(record(), None)
     ctx = ReportContext({}, {"ruler": "ruler.png"}, "residual", "src", "tgt")
     text = "\n".join(ruler.report(m, ctx))

@@ -330,3 +330,25 @@ def test_every_entry_point_prepares_prompts_alike_and_pads_with_a_pad_id_of_0(mo
                  lambda: kvjax.speculative_generate(model, "lookup", bad, 2)):
         with pytest.raises(ValueError, match=f"token ids must be in \\[0, {cfg.vocab_size}\\)"):
             call()
+
+
+def test_sample_rows_draws_each_row_by_its_own_settings_and_key():
+    """A server's rows sample by their own temperature, top_p and key: a row's token does not depend on the rows
+    beside it, a top_p below the top token's mass keeps only it, and many keys draw softmax(logits / T) restricted to
+    top_p (the distribution `sample` draws from)."""
+    from kvjax.generation import Sampling, sample_rows, sampling_probs
+    logits = jax.random.normal(jax.random.key(0), (4, 12)) * 2
+    temperature, top_p = jnp.array([1.0, 0.7, 2.0, 1.0]), jnp.array([1e-6, 1.0, 0.6, 1.0])
+    keys = jax.random.split(jax.random.key(1), 4)
+    out = np.asarray(sample_rows(logits, temperature, top_p, keys))
+    assert out[0] == int(jnp.argmax(logits[0]))
+    np.testing.assert_array_equal(np.asarray(sample_rows(logits[1:3], temperature[1:3], top_p[1:3], keys[1:3])),
+                                  out[1:3])
+    n = 4000
+    for row in (1, 2):
+        draws = sample_rows(jnp.broadcast_to(logits[row], (n, 12)), jnp.full((n,), temperature[row]),
+                            jnp.full((n,), top_p[row]), jax.random.split(jax.random.key(2 + row), n))
+        freq = np.bincount(np.asarray(draws), minlength=12) / n
+        want = np.asarray(sampling_probs(logits[row:row + 1], Sampling(float(temperature[row]), float(top_p[row]))))[0]
+        assert np.all(freq[want == 0] == 0)
+        np.testing.assert_allclose(freq, want, atol=0.03)

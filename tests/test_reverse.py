@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import config_flags, launch
+from kvjax import config_flags
+from kvjax.job.stages import plan
 from kvjax.builders import Mapped, NativePrefill, PartialRecompute
 from kvjax.mapper.injection import injection_map
 from kvjax.fitting.residual_config import ADDED_LATER
-from kvjax.run_config import RunConfig
+from kvjax.run.config import RunConfig
 from test_launch import REPO, TOKENIZER, lookup, run_job, write_mc_sets
 
 
@@ -102,7 +103,7 @@ def test_forward_default_job_is_unchanged():
     """The default (toy) job plans the same stages with the same residual settings as before these evaluations and
     the teacher setting existed (hashes of existing run directories still match)."""
     cfg = config_flags.build("toy", [], RunConfig)
-    stages = launch.plan(dataclasses.replace(cfg, source=dataclasses.replace(cfg.source, path=os.path.join(
+    stages = plan(dataclasses.replace(cfg, source=dataclasses.replace(cfg.source, path=os.path.join(
         REPO, cfg.source.path)), target=dataclasses.replace(cfg.target, path=os.path.join(REPO, cfg.target.path))))
     assert list(stages) == ["calibrate", "ridge", "residual", "distances", "kl", "agreement", "mc", "retrieval",
                             "throughput", "report"]
@@ -111,7 +112,7 @@ def test_forward_default_job_is_unchanged():
     assert not cfg.eval.native_kl.enabled and not cfg.eval.ttft.enabled
     rev = config_flags.build("toy_reverse", [], RunConfig)
     assert rev.residual.teacher == "target" and rev.eval.native_kl.enabled and rev.eval.ttft.enabled
-    assert "teacher" in launch.plan(dataclasses.replace(rev, source=dataclasses.replace(
+    assert "teacher" in plan(dataclasses.replace(rev, source=dataclasses.replace(
         rev.source, path=os.path.join(REPO, rev.source.path)), target=dataclasses.replace(
         rev.target, path=os.path.join(REPO, rev.target.path))))["residual"].settings["residual"]
 

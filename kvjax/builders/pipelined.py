@@ -21,7 +21,7 @@ from kvjax.builders.base import CacheBuilder, Clock
 from kvjax.cache import KVCache
 from kvjax.kernels.map_insert import map_layer
 from kvjax.mapper.kvmap import KVMap, MapSpec, check_models
-from kvjax.models.config import Qwen3Config
+from kvjax.models.family import DecoderConfig
 from kvjax.models.decoder import LayerTap, prefill_jit
 from kvjax.models.params import Params
 
@@ -79,7 +79,7 @@ class MapTap(LayerTap):
                        lengths=jnp.minimum(lengths, self.length), origin="mapped")
 
 
-def pipelined_prefill_map(source: tuple[Qwen3Config, Params], kvmap: KVMap, tokens, lengths=None, *,
+def pipelined_prefill_map(source: tuple[DecoderConfig, Params], kvmap: KVMap, tokens, lengths=None, *,
                           capacity: int | None = None, dtype=None, impl: str = "auto", interpret: bool = False,
                           block_t: int | None = None) -> KVCache:
     """Prefill the source on `tokens` int [B, T] (right-padded; `lengths` [B] real tokens per row, default T) and

@@ -42,7 +42,7 @@ from kvjax.cache import KVCache, cache_jit
 from kvjax.eval.arm_settings import ArmSettings
 from kvjax.eval.likelihood import bucket, continuation_logprobs, fit_capacity
 from kvjax.eval.multiple_choice import MCItem, MCResult, PrefixFn, encode
-from kvjax.eval.retrieval import RetrievalItem, RetrievalResult
+from kvjax.eval.needle_retrieval import RetrievalItem, RetrievalResult
 from kvjax.generation import pad_prompts
 from kvjax.models.model import Model
 from kvjax.mapper.kvmap import KVMap

@@ -26,7 +26,7 @@ import optax
 from kvjax import aot
 from kvjax.mapper.kl import kl
 from kvjax.mapper.kvmap import KVMap, apply_map
-from kvjax.models.audio import AudioLM, prompt_embeddings_jit
+from kvjax.models.audio_lm import AudioLM, prompt_embeddings_jit
 from kvjax.models.decoder import forward, prefill_jit
 from kvjax.models.model import Model
 

@@ -316,7 +316,7 @@ def forward(params: Params, cfg, inputs: jax.Array, cache: KVCache | None = None
             features: tuple[int, ...] = (), tap: LayerTap | None = None, depth: int | None = None,
             remat: bool = False) -> Forward:
     """The model over `inputs` (traceable): token ids int [B, T], or input embeddings float [B, T, D] (e.g. an
-    audio-language prompt's, kvjax.models.audio), right-padded with `lengths` [B] real tokens per row (default T).
+    audio-language prompt's, kvjax.models.audio_lm), right-padded with `lengths` [B] real tokens per row (default T).
     Every option but `lengths` (and `tap`'s arrays) is static.
 
     The cache:

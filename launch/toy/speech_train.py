@@ -65,7 +65,7 @@ def tokenize_set(tok, items: list[dict]) -> tuple[list[list[int]], np.ndarray, n
 def batch(idx, ctx, cont, feats, offsets, stack: int, eos: int, newline: int, repeat=None) -> dict:
     """Host arrays of one batch: features padded to a bucket, the student's rows [EOS][audio][\\n][continuation]
     and the teacher's [EOS][transcript][\\n][continuation], each padded to a fixed width (one compile per bucket)."""
-    from kvjax.models.audio import audio_token_count
+    from kvjax.models.audio_lm import audio_token_count
     from launch.toy.speech import dequantize
     frames = np.asarray([offsets[i + 1] - offsets[i] for i in idx], np.int32)
     t = next(b for b in BUCKETS if b >= frames.max())
@@ -109,7 +109,7 @@ def make_fns(lm, ecfg, pcfg, frozen_encoder: bool = False):
     import jax
     import jax.numpy as jnp
 
-    from kvjax.models.audio import audio_token_count, merge_audio, project_forward
+    from kvjax.models.audio_lm import audio_token_count, merge_audio, project_forward
     from kvjax.models.decoder import prefill_forward
     from kvjax.models.whisper import encode_forward
 
@@ -175,7 +175,8 @@ def main(argv=None) -> None:
 
     from kvjax import checkpointing
     from kvjax.hf import load_hf, load_tokenizer
-    from kvjax.models.audio import Projector, ProjectorConfig, init_projector, save_ultravox
+    from kvjax.models.audio_lm import Projector, ProjectorConfig, init_projector
+    from kvjax.hf.ultravox import save_ultravox
     from kvjax.models.whisper import AudioEncoder, WhisperEncoderConfig, init_encoder
     from launch.toy.config import EOS
     from launch.toy.speech import load_set
@@ -206,7 +207,7 @@ def main(argv=None) -> None:
     projector = init_projector(pcfg, k2).params
     continues, encoder_history = None, ""
     if args.init_from:  # a continued run: the adapter's encoder and projector, a new optimizer and schedule
-        from kvjax.models.audio import load_ultravox
+        from kvjax.hf.ultravox import load_ultravox
         alm = load_ultravox(args.init_from, jnp.float32, lm=lm)
         if (alm.encoder.cfg, alm.projector.cfg) != (ecfg, pcfg):
             raise SystemExit(f"speech_train: the adapter in {args.init_from} has other shapes "

@@ -90,7 +90,7 @@ def time_maps(maps: list, source, tokens: np.ndarray, repeats: int) -> list[list
 
 
 def run(ec: RankSweepEval, ctx) -> dict:
-    from kvjax.eval.distances import map_distances
+    from kvjax.eval.cache_distances import map_distances
     from kvjax.fitting import rank_sweep as rs
     from kvjax.fitting.residual import evaluate_kl
     cfg, (scfg, tcfg) = ctx.cfg, (ctx.source[0], ctx.target[0])
