@@ -156,7 +156,7 @@ def plan_job(cfg, slice_name: str, compile: bool = True, only: tuple[str, ...] =
     plan = Plan(cfg.name, "job", sl, plans, b.sources, dict(b.mesh.shape), time.perf_counter() - t0)
     plan.notes["compiled_at"] = "sampled depths" if sampled and compile else "full depth"
     if peaks:
-        plan.notes["compiled"] = f"each stage's {peaks} largest programs by shape; the others lowered"
+        plan.notes["compiled"] = f"each stage's {peaks} largest programs by shape; the others left out"
     return plan
 
 

@@ -185,7 +185,8 @@ def _plan(cfg, sl: str, opts: dict):
     if opts["serve"]:
         from kvjax.plan.serve import plan_serve
         return plan_serve(cfg, sl, slots=opts["slots"], context=opts["context"], compile=opts["compile"],
-                          cpu_memory_gb=opts["cpu_memory_gb"], sampled=opts["depth"] == "sampled", jobs=opts["jobs"])
+                          cpu_memory_gb=opts["cpu_memory_gb"], sampled=opts["depth"] == "sampled", jobs=opts["jobs"],
+                          peaks=opts["peaks"])
     return kvplan.plan_job(cfg, sl, compile=opts["compile"], cpu_memory_gb=opts["cpu_memory_gb"],
                            sampled=opts["depth"] == "sampled", jobs=opts["jobs"], peaks=opts["peaks"])
 
