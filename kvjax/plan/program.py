@@ -123,4 +123,6 @@ def compile_program(p: Program, compile: bool = True) -> Compiled:
     cost = cost or {}
     out.xla_flops = float(cost.get("flops", 0.0))
     out.xla_bytes = float(cost.get("bytes accessed", 0.0))
+    del lowered, compiled
+    jax.clear_caches()  # a plan compiles each program once: the traces and executables JAX keeps would pile up (GBs)
     return out
