@@ -40,6 +40,7 @@ import numpy as np
 from kvjax.serve import programs
 from kvjax.serve.config import EngineConfig
 from kvjax.serve.metrics import Metrics
+from kvjax.serve.placement import Placement
 from kvjax.serve.scheduler import DraftPolicy
 
 NARROW = (1, 2, 3, 5, 9, 17, 33, 65)  # the verify widths compiled for a variable-length drafter (and g + 1)
@@ -78,12 +79,12 @@ class Drafting:
         self.cfg, self.params = target
         self.config, self.device, self.metrics = config, device, metrics
         self.kind = config.speculative
-        self.drafter = jax.device_put(build_drafter(config, target), device)
+        self.drafter = self._put(build_drafter(config, target))
         self.g = self.drafter.draft_len
         self.layers = tuple(self.drafter.feature_layers)
         self.widths = verify_widths(self.g, bool(getattr(self.drafter, "variable_length", False)))
         # the verify pass's target (on CPU a tied head as an explicit [D, V] copy: kvjax.speculative.api says why)
-        self.round_params = jax.device_put(loop_verifier(Model(self.cfg, self.params)).params, device)
+        self.round_params = self._put(loop_verifier(Model(self.cfg, self.params)).params)
         self.state = self._fresh(config.slots)
         self.policy = DraftPolicy(config.draft_policy)
         self.rounds = 0
@@ -133,7 +134,12 @@ class Drafting:
                                   lookup_rows=jnp.zeros((rows,), jnp.int32))
         else:
             state = parts.get("lookup", parts.get("block"))
-        return jax.device_put(state, self.device)
+        return self._put(state)
+
+    def _put(self, tree):
+        """`tree` on the decode slots' devices: a Placement's (kvjax.serve.placement: replicated over its devices), or
+        one jax.Device."""
+        return self.device.put(tree) if isinstance(self.device, Placement) else jax.device_put(tree, self.device)
 
     def insert(self, placed: list[tuple[int, int, list[int]]], cache) -> None:
         """Start the drafter state of a prefilled batch's requests: `placed` holds (slot, row of `cache`, prompt)
