@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import pytest
 
 from kvjax import aot
-from kvjax.cache import init_cache
 from kvjax.config_flags import build, parse_argv
 from kvjax.models.config import load_config
 from kvjax.models.decoder import decode_jit
@@ -204,3 +203,28 @@ def test_the_stages_by_name_are_the_jobs_plan():
         n, overrides, _ = parse_argv([f"--config={name}"])
         cfg = build(n, overrides, RunConfig)
         assert stage_names(cfg) == tuple(plan(cfg)), name
+
+
+def test_a_stopped_plan_resumes_from_the_programs_it_kept(tmp_path, monkeypatch):
+    """compile_all keeps each compiled program's result in the store and a second plan reads it back instead of
+    compiling; a change to kvjax's source (the store's code version) compiles again."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from kvjax import plan as kvplan
+    from kvjax.plan import program, store
+    from kvjax.sharding import make_mesh
+    mesh = make_mesh(1, 1, jax.devices()[:1])
+    x = jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=NamedSharding(mesh, P()))
+    square = aot.jit(lambda a: a @ a.T)
+    stages = lambda: {"s": [program.Program("s", "gram 64 x 32", square, (x,), {}, mesh, 2 * 64 * 64 * 32, 0)]}  # noqa: E731
+    first = kvplan.compile_all(stages(), {}, store=str(tmp_path))[0].programs[0]
+    assert first.compiled and first.output_bytes == 64 * 64 * 4 and len(list(tmp_path.glob("*.json"))) == 1
+
+    def refuse(*a, **k):
+        raise AssertionError("compiled again")
+    monkeypatch.setattr(program, "compile_program", refuse)
+    again = kvplan.compile_all(stages(), {}, store=str(tmp_path))[0].programs[0]
+    assert again.compiled and (again.output_bytes, again.compile_seconds) == (first.output_bytes, first.compile_seconds)
+    monkeypatch.setattr(store, "code_version", lambda: "edited")
+    with pytest.raises(AssertionError, match="compiled again"):
+        kvplan.compile_all(stages(), {}, store=str(tmp_path))

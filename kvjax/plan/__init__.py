@@ -36,7 +36,7 @@ def peak_candidates(stages: dict, n: int) -> set:
 
 
 def compile_all(stages: dict, held: dict, compile: bool = True, jobs: int = 1, rebuild=None,
-                peaks: int = 0) -> list[StagePlan]:
+                peaks: int = 0, store: str | None = None) -> list[StagePlan]:
     """Compile every stage's programs (one compile per distinct program: a later stage calling the same program
     at the same shapes reuses it) into StagePlans. `held`: stage -> {model: weight bytes per device}. Without
     `compile`, the programs are lowered only (no memory or cost analysis; a quick check that they build).
@@ -46,7 +46,11 @@ def compile_all(stages: dict, held: dict, compile: bool = True, jobs: int = 1, r
     device handles, do not travel); XLA compiles one program on one core, so this is what more cores buy.
 
     `peaks` > 0 compiles only each stage's `peaks` largest programs by their shapes (`peak_candidates`) and leaves
-    the others out: the stage peaks in a fraction of the time (docs/planning.md measures how close)."""
+    the others out: the stage peaks in a fraction of the time (docs/planning.md measures how close).
+
+    `store`: a folder keeping each compiled program's result (kvjax.plan.store), so that a plan stopped halfway
+    resumes: a program found there is not compiled again."""
+    from kvjax.plan import store as kept
     from kvjax.plan.program import Compiled, compile_program
     from tqdm import tqdm
     first: dict = {}  # key -> (stage index, program index) of its first occurrence
@@ -57,9 +61,13 @@ def compile_all(stages: dict, held: dict, compile: bool = True, jobs: int = 1, r
     wanted = lambda i, j: compile and (chosen is None or (i, j) in chosen)  # noqa: E731
     results: dict = {}
     skipped = lambda i, j: chosen is not None and (i, j) not in chosen  # noqa: E731
-    if jobs > 1 and rebuild is not None and len(first) > 1:
-        results = _compile_in_workers([(i, j, wanted(i, j)) for i, j in sorted(first.values()) if not skipped(i, j)],
-                                      jobs, rebuild)
+    flat = list(stages.values())
+    for i, j in first.values():
+        if wanted(i, j) and (fields := kept.get(store, flat[i][j])) is not None:
+            results[(i, j)] = {f: fields[f] for f in COMPILED}
+    todo = [(i, j, wanted(i, j)) for i, j in sorted(first.values()) if not skipped(i, j) and (i, j) not in results]
+    if jobs > 1 and rebuild is not None and len(todo) > 1:
+        results |= _compile_in_workers(todo, jobs, rebuild, store)
     done: dict = {}
     out = []
     total = sum(len(ps) for ps in stages.values())
@@ -76,6 +84,7 @@ def compile_all(stages: dict, held: dict, compile: bool = True, jobs: int = 1, r
                     c = Compiled(p)  # left out (peaks): neither lowered nor compiled
                 else:
                     c = done[key] = compile_program(p, compile=wanted(i, j))
+                    kept.put(store, p, {f: getattr(c, f) for f in kept.FIELDS})
                     _progress(bar, c)
                 compiled.append(c)
                 bar.set_postfix_str(p.name[:40])
@@ -84,7 +93,7 @@ def compile_all(stages: dict, held: dict, compile: bool = True, jobs: int = 1, r
     return out
 
 
-def _compile_in_workers(where: list, jobs: int, rebuild) -> dict:
+def _compile_in_workers(where: list, jobs: int, rebuild, store: str | None = None) -> dict:
     import concurrent.futures
     import multiprocessing
     ctx = multiprocessing.get_context("spawn")  # JAX is not fork-safe
@@ -93,20 +102,22 @@ def _compile_in_workers(where: list, jobs: int, rebuild) -> dict:
     parts = [order[w::jobs] for w in range(jobs)]
     out = {}
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-        for part in pool.map(_worker, [(rebuild, part) for part in parts if part]):
+        for part in pool.map(_worker, [(rebuild, part, store) for part in parts if part]):
             out.update(part)
     return out
 
 
 def _worker(task) -> dict:
     """In a fresh process: rebuild the stages, compile the programs at the given (stage, program) indices."""
-    (fn, args), where = task
+    (fn, args), where, store = task
     compile_only_environment()
+    from kvjax.plan import store as kept
     from kvjax.plan.program import compile_program
     stages = list(fn(*args).values())
     out = {}
     for i, j, compile in where:
         c = compile_program(stages[i][j], compile)
+        kept.put(store, stages[i][j], {f: getattr(c, f) for f in kept.FIELDS})  # kept at once: a killed run resumes
         _progress(None, c)
         out[(i, j)] = {f: getattr(c, f) for f in COMPILED}
     return out
@@ -134,7 +145,8 @@ def job_stages(cfg, slice_name: str, cpu_memory_gb: float, only: tuple, depths):
 
 
 def plan_job(cfg, slice_name: str, compile: bool = True, only: tuple[str, ...] = (),
-             cpu_memory_gb: float = 16.0, sampled: bool = False, jobs: int = 1, peaks: int = 0) -> Plan:
+             cpu_memory_gb: float = 16.0, sampled: bool = False, jobs: int = 1, peaks: int = 0,
+             store: str | None = None) -> Plan:
     """The main job of `cfg` (a RunConfig) on a slice: every stage's programs compiled, fitted and priced.
     `sampled`: compile each program at reduced depths and extrapolate its memory and XLA counts to the models' own
     depth (`extrapolate`: a program's buffers are per-layer buffers times the layers plus the rest, and unrolled
@@ -152,7 +164,7 @@ def plan_job(cfg, slice_name: str, compile: bool = True, only: tuple[str, ...] =
                             jobs=jobs, rebuild=[(job_stages, (cfg, slice_name, cpu_memory_gb, only, d)) for d in points])
     else:
         plans = compile_all(stages, held, compile, jobs, (job_stages, (cfg, slice_name, cpu_memory_gb, only, None)),
-                            peaks)
+                            peaks, store)
     plan = Plan(cfg.name, "job", sl, plans, b.sources, dict(b.mesh.shape), time.perf_counter() - t0)
     plan.notes["compiled_at"] = "sampled depths" if sampled and compile else "full depth"
     if peaks:

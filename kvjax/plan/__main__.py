@@ -17,9 +17,12 @@ slice, DIR/NAME[-serve]-SLICE.{md,json,png} (DIR: --out, default runs/plan) and 
   --compile=all|peaks           all (default): every program; peaks: only each stage's two largest programs by
                                 their shapes (the stage peaks in a fraction of the time)
   --jobs=N                      compile in N processes (default: the cores, at most 4; each holds a compile of
-                                up to a few GB)
+                                up to 14 GB: a Qwen3-32B prefill of 16K tokens)
   --no-compile                  lower only (seconds instead of minutes; no memory or cost analysis)
   --cpu-memory-gb=G             the memory a cpu:N device stands for (default 16)
+
+Each compiled program's result is kept in DIR/compiled/ as soon as it compiles, so a plan stopped halfway resumes
+where it stopped (a result is reused only under the same kvjax source, jax and libtpu; kvjax.plan.store).
 
 Exit status: 0 when every slice asked for fits (for a generation: when one of its slices fits), 1 when one does not,
 2 for a mistake in the command.
@@ -182,13 +185,14 @@ def _one(cfg, topology: str, opts: dict, summary: list) -> bool:
 
 def _plan(cfg, sl: str, opts: dict):
     from kvjax import plan as kvplan
+    store = os.path.join(opts["out"], "compiled")  # each program's result as it compiles: a stopped plan resumes
     if opts["serve"]:
         from kvjax.plan.serve import plan_serve
         return plan_serve(cfg, sl, slots=opts["slots"], context=opts["context"], compile=opts["compile"],
                           cpu_memory_gb=opts["cpu_memory_gb"], sampled=opts["depth"] == "sampled", jobs=opts["jobs"],
-                          peaks=opts["peaks"])
+                          peaks=opts["peaks"], store=store)
     return kvplan.plan_job(cfg, sl, compile=opts["compile"], cpu_memory_gb=opts["cpu_memory_gb"],
-                           sampled=opts["depth"] == "sampled", jobs=opts["jobs"], peaks=opts["peaks"])
+                           sampled=opts["depth"] == "sampled", jobs=opts["jobs"], peaks=opts["peaks"], store=store)
 
 
 def _write(plan, out: str) -> None:

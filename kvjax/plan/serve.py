@@ -129,7 +129,7 @@ def serve_stages(cfg, slice_name: str, cpu_memory_gb: float, slots: int, context
 
 def plan_serve(cfg, slice_name: str, slots: int = 0, context: int = 0, compile: bool = True,
                cpu_memory_gb: float = 16.0, split: bool = True, sampled: bool = False, jobs: int = 1,
-               peaks: int = 0) -> Plan:
+               peaks: int = 0, store: str | None = None) -> Plan:
     """The server of `cfg` on a slice: the capacity table, and every engine program at (slots, context) compiled
     (default: 128 slots — the conversation workload's 128 clients — at the longest context that holds them)."""
     from kvjax.plan import compile_all, extrapolate, job, sample_depths
@@ -157,7 +157,7 @@ def plan_serve(cfg, slice_name: str, slots: int = 0, context: int = 0, compile: 
         runs = [serve_stages(cfg, slice_name, cpu_memory_gb, slots, context, split, d) for d in points]
         plans = extrapolate(stages, held_by, runs, points, real, jobs, [rebuild(d) for d in points])
     else:
-        plans = compile_all(stages, held_by, compile, jobs, rebuild(None), peaks)
+        plans = compile_all(stages, held_by, compile, jobs, rebuild(None), peaks, store)
     plan = Plan(cfg.name, "serve", sl, plans, b.sources, dict(b.mesh.shape), time.perf_counter() - t0)
     plan.notes = {"slots": slots, "context": context, "capacity_table": table}
     if peaks:
