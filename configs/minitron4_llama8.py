@@ -1,5 +1,5 @@
-"""Llama-3.1-Minitron-4B-Width reads, Llama-3.1-8B answers (small reads, large answers: the seed's "learned KV
-handoff" pair), from local HF checkpoint directories, sharded over every device present.
+"""Llama-3.1-Minitron-4B-Width reads, Llama-3.1-8B answers (small reads, large answers: the pair of the method's
+"learned KV handoff" claim), from local HF checkpoint directories, sharded over every device present.
 
     KVJAX_SOURCE=/ckpt/Llama-3.1-Minitron-4B-Width-Base KVJAX_TARGET=/ckpt/Llama-3.1-8B \\
         python -m kvjax.launch --config=minitron4_llama8
@@ -21,12 +21,13 @@ transferred cache), `mc` (the 8B model answering from each cache vs natively), `
 learns the 8B model's own predictions (residual.teacher="target"). The gate holds the answerer's multiple-choice
 accuracy from the mapped cache to >= 95% of its native accuracy.
 
-Offline defaults as configs/qwen32_8.py: calibration on the train split of the Python standard library files in
-checkpoints/toy/data/manifest.json, held-out windows from its held-out split (tokenized with the Llama 3 tokenizer
-the checkpoints carry). Point data.train_text / data.heldout_text at a general corpus and eval.mc.hellaswag /
-eval.mc.piqa at local JSONL copies when the machine has no network.
+Data as configs/qwen32_8.py: FineWeb-Edu (sample-10BT) streamed from the hub for calibration, residual training and
+the held-out windows (tokenized with the Llama 3 tokenizer the checkpoints carry); without network, a local copy
+(hf:/path/to/copy) or stdlib:train / stdlib:heldout, and local JSONL copies for eval.mc.hellaswag / eval.mc.piqa
+(docs/real_pairs.md).
 """
 
+from configs.qwen32_8 import FINEWEB_EDU
 from kvjax.eval.arm_settings import ArmSettings
 from kvjax.gate import GateConfig
 from kvjax.fitting.residual_config import ResidualConfig
@@ -37,10 +38,12 @@ from kvjax.run_config import (DataConfig, DistancesEval, EvalConfig, KLEval, Map
 def get_config() -> RunConfig:
     return RunConfig(
         name="minitron4_llama8",
-        source=ModelConfig(env="KVJAX_SOURCE", name="Llama-3.1-Minitron-4B-Width", dtype="bfloat16"),
-        target=ModelConfig(env="KVJAX_TARGET", name="Llama-3.1-8B", dtype="bfloat16"),
+        source=ModelConfig(env="KVJAX_SOURCE", name="Llama-3.1-Minitron-4B-Width", dtype="bfloat16",
+                           shapes="configs/models/Llama-3.1-Minitron-4B-Width-Base"),
+        target=ModelConfig(env="KVJAX_TARGET", name="Llama-3.1-8B", dtype="bfloat16",
+                           shapes="configs/models/Llama-3.1-8B"),
         output_dir="runs/minitron4_llama8",
-        data=DataConfig(train_text=("stdlib:train",), heldout_text=("stdlib:heldout",), heldout_window_len=2049,
+        data=DataConfig(train_text=(FINEWEB_EDU,), heldout_text=(FINEWEB_EDU,), heldout_window_len=2049,
                         max_train_tokens=4_000_000, max_heldout_tokens=1_000_000),
         map=MapConfig(calib_windows=512, select_windows=64, window_len=1024, batch_size=4, pairing="depth",
                       residual_rank=16),

@@ -3,11 +3,13 @@
     KVJAX_SOURCE=/ckpt/Qwen3-32B KVJAX_TARGET=/ckpt/Qwen3-8B python -m kvjax.launch --config=qwen32_8
     python -m kvjax.launch --config=qwen32_8 --config.source.path=/ckpt/Qwen3-32B --config.target.path=/ckpt/Qwen3-8B
 
-Offline defaults: calibration on the train split of the Python standard library files listed in
-checkpoints/toy/data/manifest.json, held-out windows and needle haystacks from its held-out split (both tokenized
-with the Qwen3 tokenizer). Point data.train_text / data.heldout_text at a general corpus (.jsonl with a "text" field,
-e.g. a FineWeb-Edu sample) for the seed's setting, and eval.mc.hellaswag / eval.mc.piqa at local JSONL copies when
-the machine has no network (the defaults are hub dataset names).
+Data: calibration, residual training, held-out windows and needle haystacks come from FineWeb-Edu (sample-10BT,
+FINEWEB_EDU), general prose: streamed from the Hugging Face hub, only the tokens asked for (data.max_train_tokens,
+data.max_heldout_tokens), its documents split into calibration and held-out ones by a hash of their text
+(kvjax.corpus), tokenized once and cached in the run directory. Without network, pass a local copy the same way
+(--config.data.train_text=hf:/path/to/copy --config.data.heldout_text=hf:/path/to/copy) or, for a smoke run,
+stdlib:train / stdlib:heldout; the multiple-choice sets (eval.mc.hellaswag / eval.mc.piqa) are hub names too: local
+JSONL copies stand in for them. docs/real_pairs.md says what is fetched and how much.
 """
 
 from kvjax.gate import GateConfig
@@ -16,13 +18,18 @@ from kvjax.run_config import (DataConfig, DistancesEval, EvalConfig, KLEval, Map
                               RetrievalEval, RunConfig, ThroughputEval)
 
 
+FINEWEB_EDU = "hf:HuggingFaceFW/fineweb-edu:sample-10BT:train"  # the real configs' text: general educational prose
+
+
 def get_config() -> RunConfig:
     return RunConfig(
         name="qwen32_8",
-        source=ModelConfig(env="KVJAX_SOURCE", name="Qwen3-32B", dtype="bfloat16"),
-        target=ModelConfig(env="KVJAX_TARGET", name="Qwen3-8B", dtype="bfloat16"),
+        source=ModelConfig(env="KVJAX_SOURCE", name="Qwen3-32B", dtype="bfloat16",
+                           shapes="configs/models/Qwen3-32B"),
+        target=ModelConfig(env="KVJAX_TARGET", name="Qwen3-8B", dtype="bfloat16",
+                           shapes="configs/models/Qwen3-8B"),
         output_dir="runs/qwen32_8",
-        data=DataConfig(train_text=("stdlib:train",), heldout_text=("stdlib:heldout",), heldout_window_len=2049,
+        data=DataConfig(train_text=(FINEWEB_EDU,), heldout_text=(FINEWEB_EDU,), heldout_window_len=2049,
                         max_train_tokens=4_000_000, max_heldout_tokens=1_000_000),
         map=MapConfig(calib_windows=512, select_windows=64, window_len=1024, batch_size=4, pairing="depth",
                       residual_rank=16),

@@ -42,8 +42,8 @@ def get_config():
         eval=dataclasses.replace(base.eval, kl=dataclasses.replace(base.eval.kl, windows=128),
                                  mc=dataclasses.replace(base.eval.mc, limit=1000,
                                                         arms=(*base.eval.mc.arms, "perhead", "bridge"))),
-        # the per-head ridge peer (Heo et al.) as an arm: issue 22's peer table; the bridge map (issue 40: each target
-        # KV head on its 2 best-matched source KV heads, attention-weighted) beside it
+        # the per-head ridge peer (Heo et al.) as an arm, for the peer table; the bridge map (each target KV head on
+        # its 2 best-matched source KV heads, attention-weighted) beside it
         peers=PeerConfig(perhead_topk=3, bridge_topk=2),
         gate=GateConfig(min_key_cos=0.9, min_value_cos=0.6, max_kl_vs_target=1.0, min_kl_reduction=0.2,
                         min_mc_retention=1.0, min_mc_gap_recovered=0.6, min_mc_gain_ci_lo=0.0, cos_arm="ridge"),

@@ -13,13 +13,13 @@ multiple-choice set the mapped target ahead of the native one (paired 95% interv
 target-to-source gap, and the mapped target retrieving >= 50% of 1K-token needles (the source retrieves 97.5%, the
 native target nothing).
 
-Retrieval through the map (issue 22; docs/method.md, "Retrieval through the mapped cache"): a residual trained only on 256
+Retrieval through the map (docs/method.md, "Retrieval through the mapped cache"): a residual trained only on 256
 + 64-token windows retrieves nothing at 1K (0/200), since those windows never hold a copy from far back and the pruned
 target lost the source layer whose previous-token information its reader layer needs. So every residual step also reads
 `residual.copy_batch` = 4 fact-copy windows (kvjax.fitting.copy_windows): 1,024 tokens of training text with a 16-token
 "key = digits" fact written 64-960 tokens back, then repeated, scored by KL to the source on the repeat, beside 8
 ordinary windows from the pool. `residual.copy_weight` (the copies' share of the loss) trades retrieval against the
-ordinary KL; measured on this pair (2026-12-01 at 238a274: retrieval on the shipped 1K set, 200 items; MC 300 items per
+ordinary KL; measured on this pair (2026-12-01: retrieval on the shipped 1K set, 200 items; MC 300 items per
 set and KL 64 windows, paired by item against the 400-step residual without copies, HellaSwag 50.3 / PIQA 76.3 / KL
 0.6903):
 
@@ -30,7 +30,7 @@ set and KL 64 windows, paired by item against the 400-step residual without copi
 
 (a rerun of the 0.15 row: 66.5%, HellaSwag / PIQA 52.0 / 77.0%). The copies double the residual stage (800 steps,
 the copy windows' source pass ~50 s: 314 vs 164 CPU s). `--config.residual.copy_windows=0 --config.residual.steps=400
---config.gate.min_retrieval=none` is the default before ec8110c (no retrieval through the map).
+--config.gate.min_retrieval=none` is the default as it was before 2026-12-01 (no retrieval through the map).
 
 Where the minutes go and why these sizes (the full-size config spends 35 of its 50 minutes training the residual):
   - residual: 800 steps with the copy windows above (without them the full run's KL curve flattens after ~400-600

@@ -1,4 +1,4 @@
-"""Small reads, large answers: the toy pair reversed (issue 19). The 2-layer toy model prefills the prompt, the map
+"""Small reads, large answers: the toy pair reversed. The 2-layer toy model prefills the prompt, the map
 turns its cache into the 6-layer model's, and the 6-layer model answers; optionally repaired by recomputing some of
 the 6-layer model's own layers (kvjax.builders.PartialRecompute, RunConfig.arms).
 
@@ -10,7 +10,7 @@ the 6-layer model's own layers (kvjax.builders.PartialRecompute, RunConfig.arms)
 one KV head of 32) and target = checkpoints/toy/source (6 layers x 256, two KV heads of 64).
 
 The reader: the 2-layer model, not the pruned one (3 of the 6-layer model's layers at its width, so its cache is
-already in nearly the right coordinates). Measured side by side on 2026-11-30 at 1d8d794 (shared, noisy machine: ridge
+already in nearly the right coordinates). Measured side by side on 2026-11-30 (shared, noisy machine: ridge
 maps on 64 x 512 calibration tokens, depth pairing, KL over 32 held-out windows of 256 + 64 tokens, TTFT of one 4K
 prompt, medians of 3 rounds); this job's `ttft` and `native_kl` sections measure the same, e.g. the two commands above
 with `--config.residual.steps=0 --config.map.calib_windows=64 --config.eval.native_kl.windows=32`:
@@ -36,7 +36,7 @@ evaluation (source-teacher KL: the reader as teacher) and `throughput` (the forw
 the residual learns the 6-layer model's own predictions (residual.teacher="target"). The gate holds the answerer's
 multiple-choice accuracy from the mapped cache to >= 95% of its native accuracy.
 
-Measured (2026-12-01 at c403113, `taskset -c 1 python -m kvjax.launch --config=toy_reverse`, one pinned core): TTFT
+Measured (2026-12-01, `taskset -c 1 python -m kvjax.launch --config=toy_reverse`, one pinned core): TTFT
 at 4K 11.6x faster from the 2-layer prefill + map than the 6-layer prefill (7.5x at 1K), 1.46x with the bottom-4
 repair; KL to the 6-layer model's own predictions (64 windows) 0.413 from the residual map vs 0.554 from direct reuse
 (paired 95% CI of the difference [-0.157, -0.126]), 0.022 repaired. Multiple choice from the mapped cache collapses
@@ -58,19 +58,20 @@ is 7-37% slower end to end than native decoding (it agrees with the 6-layer mode
 verify round costs 1.7-2.6 decode steps on CPU); the 6-layer model drafting for itself by prompt lookup (lookup@G) is
 11-22% faster end to end at 1K and at most 7% faster at 4000 tokens, where the prefill is most of the time.
 
-The other repair, along positions (the `tail` arm, kvjax.builders.NativeTail, `arms.tail_tokens` = 64): the mapped
-cache with the prompt's last 64 tokens read by the 6-layer model itself. Measured 2026-12-06 at ea55acf (this job;
-docs/method.md, "The answerer reads the prompt's end itself"): TTFT at 4K 8.0x the 6-layer prefill (the map alone
-10.1x, bottom 4 1.3x); HellaSwag -8.0 [-12.0, -4.5] and PIQA -7.0 [-11.0, -3.5] points vs native (bottom 4: -4.0 /
--2.0, the map alone: -29.5 / -19.5) on ~200-token contexts, of which 64 tokens are a third; at 4K they close 36% of
-the map's KL gap to native predictions (76% at 256 tokens); retrieval 0/10 (the needle is in the mapped part).
+The other repair, along positions (the `tail` arm, kvjax.builders.NativeTail, `arms.tail_tokens` = 64): the mapped cache
+with the prompt's last 64 tokens read by the 6-layer model itself. Measured 2026-12-06 (this job; docs/method.md, "Small
+reads, large answers (the reverse direction)", the tail arm): TTFT at 4K 8.0x the 6-layer prefill (the map alone 10.1x,
+bottom 4 1.3x); HellaSwag -8.0 [-12.0, -4.5] and PIQA -7.0 [-11.0, -3.5] points vs native (bottom 4: -4.0 / -2.0, the
+map alone: -29.5 / -19.5) on ~200-token contexts, of which 64 tokens are a third; at 4K they close 36% of the map's KL
+gap to native predictions (76% at 256 tokens); retrieval 0/10 (the needle is in the mapped part).
 
 Both repairs (the `partial_tail` arm: bottom 4 recomputed, then the last 64 tokens read natively; measured 2026-12-06
-by this job, docs/method.md "Both repairs at once"): the same ending as native on 200 / 200 HellaSwag and 199 / 200
-PIQA items (0.0 [0.0, 0.0] and -0.5 [-1.5, 0.0] points), KL to native 0.0017 (bottom 4: 0.022), retrieval 10/10,
-TTFT at 4K 1.2x the 6-layer prefill (bottom 4: 1.3x): native accuracy and a faster first token together. As
-speculative KV transfer (tail@4) it is 0.96x native end to end at 4000 tokens (repaired@4 0.89x): the closer the
-verifier's answers are to its own, the fewer of the 2-layer drafter's tokens it accepts (1.20 a round against 1.55).
+by this job, docs/method.md "Small reads, large answers (the reverse direction)"): the same ending as native on 200 /
+200 HellaSwag and 199 / 200 PIQA items (0.0 [0.0, 0.0] and -0.5 [-1.5, 0.0] points), KL to native 0.0017 (bottom 4:
+0.022), retrieval 10/10, TTFT at 4K 1.2x the 6-layer prefill (bottom 4: 1.3x): native accuracy and a faster first token
+together. As speculative KV transfer (tail@4) it is 0.96x native end to end at 4000 tokens (repaired@4 0.89x): the
+closer the verifier's answers are to its own, the fewer of the 2-layer drafter's tokens it accepts (1.20 a round against
+1.55).
 
 Sizes: the forward toy job's calibration (128 x 512 tokens) and residual (100 steps of 8 x (256 + 64)), 64 native-KL
 windows, 200 items per multiple-choice set, 10 retrieval items, TTFT 5 timed rounds; about 9 minutes on 2 CPU cores

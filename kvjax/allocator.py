@@ -1,13 +1,13 @@
 """The host allocator settings kvjax's programs run under on CPU.
 
-XLA:CPU allocates each execution's temporaries afresh (the attention window's K/V slice of every layer, the logits)
-and frees them at its end. Under glibc's defaults a block above the mmap threshold (at most 32 MB) is an mmap of its
-own, each XLA worker thread allocates from a separate arena that shrinks when freed, and the main heap is trimmed back
-to the OS: so every decode step page-faults its temporaries back in, at ~2 GB/s instead of the ~20 GB/s the same bytes
-read at from memory already mapped. At batch 64 and 512 tokens a row, that was 2/3 of the step (355 vs 112 ms on the
-foundation model; `git show 74bbc21:WORKSPACE.md`, "Speed"). Keeping freed memory in one heap (no mmap'd blocks, no
-trimming, one arena) removes the faults; the single arena costs ~10% at batch 1 (its lock), which is why tcmalloc,
-where installed and preloaded (LD_PRELOAD; docs/performance.md), is better still and is left alone.
+XLA:CPU allocates each execution's temporaries afresh (the attention window's K/V slice of every layer, the logits) and
+frees them at its end. Under glibc's defaults a block above the mmap threshold (at most 32 MB) is an mmap of its own,
+each XLA worker thread allocates from a separate arena that shrinks when freed, and the main heap is trimmed back to the
+OS: so every decode step page-faults its temporaries back in, at ~2 GB/s instead of the ~20 GB/s the same bytes read at
+from memory already mapped. At batch 64 and 512 tokens a row, that was 2/3 of the step (355 vs 112 ms on the foundation
+model, 2026-12-01; docs/performance.md, "The host allocator"). Keeping freed memory in one heap (no mmap'd blocks, no
+trimming, one arena) removes the faults; the single arena costs ~10% at batch 1 (its lock), which is why tcmalloc, where
+installed and preloaded (LD_PRELOAD; docs/performance.md), is better still and is left alone.
 
 `tune()` applies this with glibc's mallopt. It changes the whole process (memory freed is kept for reuse, so the
 resident size stays at its peak), which is right for the programs kvjax runs (the main job, the server, the
@@ -18,7 +18,7 @@ Transparent huge pages. A decode step streams every weight once; on 4 KiB pages 
 of weights: ~30,000 page walks a token). Where the kernel gives huge pages only on request (THP "madvise", the common
 default), glibc's malloc asks for them when the process starts with the tunable GLIBC_TUNABLES=glibc.malloc.hugetlb=1
 (glibc >= 2.35): measured on the foundation model, one core, decode at 512 / 2,000 tokens of context +16% / +41% (the
-generate loop), the same logits (2026-12-01 at 74bbc21, `python -m launch.bench.foundation --cpus 1`). Tunables are read
+generate loop), the same logits (2026-12-01, `python -m launch.bench.foundation --cpus 1`). Tunables are read
 once, when a process starts, so mallopt cannot set this one: `environ()` is the environment to start a kvjax program (or
 a benchmark's worker) under, and `reexec()`, called by a program's entry point before any work (the main job and the
 server first check their command line, which needs no JAX, so a mistake is reported without a restart), restarts the

@@ -10,15 +10,15 @@ each recompile the answerer's programs: a third of the compile time of the defau
 Why one buffer per layer (as the params are, kvjax.models.params): on XLA:CPU a dot cannot read a slice of a larger
 buffer in place, so a stacked [L, B, Hkv, C, hd] cache made every decode step copy each layer's attention window
 out of it first; at batch 16-64 that copy was about a quarter of the step (1.33-1.39x faster without it, `python -m
-launch.research.cache_layout`). A layer's own buffer whose window is the whole capacity is read where it lies.
+experiments.cache_layout`). A layer's own buffer whose window is the whole capacity is read where it lies.
 `k` / `v` still give the stacked [L, ...] view (a copy: for inspection, tests and the map's whole-cache stages).
 
 Keys may be held transposed, [B, Hkv, hd, T] per layer (`keys_transposed`, static): the layout kvjax.generate's decode
 loop and the server's slots run on. Why: decode's scores q . k^T read a layer's keys with the head dimension contracted; from [T, hd] rows
 XLA:CPU's batched dot repacks (transposes) the keys on every step, from [hd, T] it reads them as they lie: the eight
-layers' decode attention 1.334 -> 1.073 ms a step at batch 1 (`python -m launch.research.cache_layout --batches 1
---profile --rounds 2`), decode at batch 16 / 64 1.47x / 1.65x (`python -m launch.research.cache_layout --batches 1 4
-16 64 --rounds 4`; 2026-12-02 at 271a433). The loop converts once on entry and back on exit (one pass over the keys);
+layers' decode attention 1.334 -> 1.073 ms a step at batch 1 (`python -m experiments.cache_layout --batches 1
+--profile --rounds 2`), decode at batch 16 / 64 1.47x / 1.65x (`python -m experiments.cache_layout --batches 1 4
+16 64 --rounds 4`; 2026-12-02). The loop converts once on entry and back on exit (one pass over the keys);
 the map, the builders and the evaluation helpers hand over and read [B, Hkv, T, hd].
 """
 
@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from kvjax import aot
 from kvjax.sharding import shard
 
 LAYOUT = "LBHTD"  # the stacked view: [layers, batch, kv_heads, time, head_dim]; each layer's buffer is BHTD
@@ -215,7 +216,7 @@ class cache_jit:  # noqa: N801 (used as jax.jit is)
     own attributes (`lower`, ...) are the jitted function's."""
 
     def __init__(self, fn: Callable, **jit_kwargs):
-        self.jitted = jax.jit(fn, **jit_kwargs)
+        self.jitted = aot.jit(fn, **jit_kwargs)
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):

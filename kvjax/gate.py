@@ -41,11 +41,11 @@ class GateConfig:
     # of the target's margin over guessing the mapped cache keeps (undefined where the target is at chance)
     min_chance_retention: float | None = None
     # next-token agreement with the source's argmax of the target reading the gated map's cache / that of the target
-    # reading direct injection (evaluation `agreement`; the seed's "30x over direct injection")
+    # reading direct injection (evaluation `agreement`; the method's "30x over direct injection")
     min_agreement_vs_direct: float | None = None
     # end-to-end latency of a request on the split path (source prefill, map, target decode of the throughput
     # evaluation's new tokens) / the native source's, worst prefix length: above 1 the split path answers later than
-    # the source would have (the seed's "integrated end-to-end latency" gate)
+    # the source would have (the method's "integrated end-to-end latency" gate)
     max_latency_vs_source: float | None = None
     # the arm whose cache distances min_key_cos / min_value_cos check (None: the gated map). A KL-trained residual
     # moves the cache away from the native target's on purpose, so a gate may hold the ridge to the cosine bounds

@@ -1,7 +1,7 @@
 """`python -m kvjax.launch [--config=NAME] [--config.FIELD=VALUE ...] [--redo=STAGE,...]`: the end-to-end job.
 
 The source model reads, a fitted map translates its KV cache, the target model answers; this job fits the map and
-measures what the seed paper reports. Stages (kvjax.stages), each skipped when its artifact already exists in the run
+measures what the method claims. Stages (kvjax.stages), each skipped when its artifact already exists in the run
 directory (config.output_dir) with the same settings:
 
   calibrate   tokenize the calibration text; draw calibration, lambda-selection and held-out windows   data/
@@ -15,8 +15,12 @@ recomputes the named stages and every stage after them. `--help` lists every con
 
 This module is the command only, and imports no JAX: it reads the flags and the config and runs the checks that
 need no JAX (kvjax.preflight.check_fast: fields, types, paths, checkpoint headers), so such a mistake is reported
-in well under a second with nothing written; then it restarts under the allocator settings (kvjax.allocator), sets
-up logging and hands over to kvjax.stages.job, which imports JAX, runs the remaining checks and the stages.
+in well under a second with nothing written; then it locks the run directory (kvjax.stages.lock: one job per
+directory, a second one refused at once naming the holder), restarts under the allocator settings
+(kvjax.allocator; the lock is kept across), sets up logging and hands over to kvjax.stages.job, which imports JAX,
+runs the remaining checks (and the free space against what the stages will write: kvjax.stages.disk) and the
+stages. A write the disk refuses mid-stage (full, read-only) ends the job with one line (exit 1), the stage
+unfinished; the same command resumes once the disk takes writes again.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from kvjax.config_flags import (ConfigFlagError, LaunchFlags, available_configs,
                                 split_launch_flags)
 from kvjax.preflight import LaunchError, check_fast, resolve_models, validate
 from kvjax.run_config import RunConfig
+from kvjax.stages import lock as run_lock
 from kvjax.stages.plan import EVALS, MAP_DIRS, STAGES, final_arm, fitted_maps, plan  # noqa: F401  (the job's plan)
 
 log = logging.getLogger("kvjax.launch")
@@ -58,6 +63,36 @@ one to many hosts (every process runs this same command; the mesh is --config.me
 
 
 
+class _RunLog(logging.FileHandler):
+    """The run directory's log file. A disk that refuses its writes (full, read-only) costs the file's lines, said
+    once, not a traceback per line: the stage that hits the same disk reports it (kvjax.stages.disk)."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if not getattr(self, "_failed", False):
+            self._failed = True
+            print(f"kvjax.launch: warning: cannot write {self.baseFilename} ({sys.exc_info()[1]}); logging to "
+                  "stderr only", file=sys.stderr)
+
+
+def _not_a_refused_write(record: logging.LogRecord) -> bool:
+    """On stderr, leave out a library's own report of a write the disk refused (orbax logs its background writes'
+    errors with their tracebacks): the job's one line says it (kvjax.stages.disk)."""
+    from kvjax.stages.disk import failed_write
+    return not (record.exc_info and record.exc_info[1] is not None and failed_write(record.exc_info[1]))
+
+
+def _unraisable(unraisable) -> None:
+    """sys.unraisablehook, less one report: a callback posted to an asyncio loop already closed. TensorStore's writes
+    that finish after orbax gave up on a checkpoint whose other writes failed (a full disk) report that, one
+    traceback each, while the failure itself reaches the job (kvjax.stages.disk)."""
+    tb = unraisable.exc_traceback
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if not (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"
+            and tb is not None and tb.tb_frame.f_code.co_name == "_check_closed"):
+        sys.__unraisablehook__(unraisable)
+
+
 def setup_logging(run_dir: str, process_index: int = 0) -> None:
     """Log to stderr and to the run directory: run.log (process 0) or run.pI.log (process I)."""
     os.makedirs(run_dir, exist_ok=True)
@@ -72,12 +107,16 @@ def setup_logging(run_dir: str, process_index: int = 0) -> None:
             if getattr(h, "_kvjax_launch", False):
                 h.close()
     name = "run.log" if process_index == 0 else f"run.p{process_index}.log"  # the others log beside process 0
-    for handler in (logging.StreamHandler(sys.stderr), logging.FileHandler(os.path.join(run_dir, name))):
+    stderr = logging.StreamHandler(sys.stderr)
+    stderr.addFilter(_not_a_refused_write)
+    for handler in (stderr, _RunLog(os.path.join(run_dir, name), delay=True)):
         handler.setFormatter(fmt)
         handler._kvjax_launch = True
         root.addHandler(handler)
     for noisy in ("absl", "jax._src", "orbax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if sys.unraisablehook is sys.__unraisablehook__:
+        sys.unraisablehook = _unraisable
 
 
 def read(argv: list[str], check=check_fast) -> tuple[RunConfig | None, tuple[str, ...]]:
@@ -138,32 +177,85 @@ def main(argv: list[str] | None = None, restart: bool = False) -> int:
         return _error(e, 2)
     if cfg is None:  # --help
         return 0
-    if restart:
-        kvjax_allocator.reexec()  # huge pages for the weights: a restart, once (kvjax.allocator says why)
-    return run(cfg, redo, flags, allocator)
+    index = writer_index(flags)
+    try:  # before JAX starts: a second job on this run directory is refused in a fraction of a second
+        held = run_lock.acquire(cfg.output_dir) if index == 0 else None
+    except LaunchError as e:
+        return _error(e, 2)
+    try:
+        if restart:
+            if held:
+                held.keep_over_exec()
+            kvjax_allocator.reexec()  # huge pages for the weights: a restart, once (kvjax.allocator says why)
+            if held:
+                held.stay()
+        return run(cfg, redo, flags, allocator, lock_later=index is None)
+    finally:
+        if held:
+            held.release()
 
 
-def run(cfg: RunConfig, redo: tuple[str, ...], flags: LaunchFlags, allocator: str = "") -> int:
-    """main() from a config that passed the command line's checks: the stages take over (JAX starts here)."""
+def writer_index(flags: LaunchFlags) -> int | None:
+    """This process's index in the job as known before JAX starts (0: the one that writes the run directory and holds
+    its lock), from the flags or JAX's environment variables; None when only jax.distributed can tell (--distributed=on
+    on a cluster JAX detects): the lock is taken once it has started."""
+    if flags.distributed == "off":
+        return 0
+    coordinator = flags.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if flags.distributed == "auto" and not coordinator:
+        return 0  # one process (kvjax.distributed.initialize starts nothing)
+    index = flags.process_id if flags.process_id is not None else os.environ.get("JAX_PROCESS_ID")
+    try:
+        return None if index in (None, "") else int(index)
+    except ValueError:
+        return None  # reported by kvjax.distributed.initialize
+
+
+def run(cfg: RunConfig, redo: tuple[str, ...], flags: LaunchFlags, allocator: str = "",
+        lock_later: bool = False) -> int:
+    """main() from a config that passed the command line's checks: the stages take over (JAX starts here).
+    `lock_later`: whether this process writes the run directory is known only once jax.distributed has started; it
+    locks the directory then (kvjax.stages.job.start)."""
     from kvjax.stages import job as stages
     try:
-        job = stages.start(cfg, redo, flags)
+        job = stages.start(cfg, redo, flags, lock=lock_later)
     except stages.BAD_INPUT as e:
         return _error(e, 2)
-    setup_logging(cfg.output_dir, job.process_index)
-    log.info("kvjax.launch --config=%s -> %s (%s)", cfg.name, cfg.output_dir, job.placement())
-    log.info("host allocator: %s", allocator)
-    log.info("settings:\n%s", describe_config(cfg))
+    try:  # before any weights are read: the stages' programs by their shapes against the devices' memory
+        check_fits(cfg)
+    except LaunchError as e:
+        if job.lock is not None:
+            job.lock.release()
+        return _error(e, 2)
     try:
-        summary = job.execute()
-    except stages.BAD_INPUT as e:
-        log.error("%s", e)
-        return _error(e, 1)
+        setup_logging(cfg.output_dir, job.process_index)
+        log.info("kvjax.launch --config=%s -> %s (%s)", cfg.name, cfg.output_dir, job.placement())
+        log.info("host allocator: %s", allocator)
+        log.info("settings:\n%s", describe_config(cfg))
+        try:
+            summary = job.execute()
+        except stages.BAD_INPUT as e:
+            log.error("%s", e)
+            return _error(e, 1)
+    finally:
+        if job.lock is not None:
+            job.lock.release()
     print(f"report: {os.path.join(cfg.output_dir, 'report.md')}  metrics: "
           f"{os.path.join(cfg.output_dir, 'metrics.json')}  quality gate: "
           f"{'PASS' if summary['gate']['passed'] else 'FAIL'}  ({summary['seconds']:.1f}s, "
           f"{len(summary['ran'])} stages run, {len(summary['reused'])} reused)")
     return 0
+
+
+def check_fits(cfg: RunConfig) -> None:
+    """Before any weights are read: the stages' programs on these devices, by their shapes (kvjax.plan.check), against
+    the devices' memory (--config.mesh.device_memory_gb, else what the device reports; CPU devices report none)."""
+    from kvjax.plan.check import check_job
+    from kvjax.plan.hardware import PlanError
+    try:
+        check_job(cfg, memory_bytes=cfg.mesh.device_memory_gb * 1e9 or None)
+    except PlanError as e:
+        raise LaunchError(str(e)) from None
 
 
 def __getattr__(name: str):

@@ -3,9 +3,11 @@
 `check_fast` needs no JAX: the commands (python -m kvjax.launch, python -m kvjax.serve) run it before they import
 JAX or restart under the allocator settings, so a wrong path is reported in well under a second. It covers the
 model paths (flags or environment, `resolve_models`), each checkpoint's header (config.json readable and of a
-model_type kvjax reads, the safetensors weights present, the target's tokenizer.json), the dtypes and the data files
-the config names. `validate` runs every check: these and those that read a model's config or a registry (layer
-counts, the pair's tokenizer, the arms, each evaluation's settings and sets). `make_mesh` builds the device mesh.
+model_type kvjax reads, the safetensors weights present, the target's tokenizer.json), the dtypes, the data files
+the config names and, for a hub dataset the run has not cached yet, whether the hub can be reached (kvjax.corpus:
+the offline settings, or a connection within 1.5 s). `validate` runs every check: these and those that read a
+model's config or a registry (layer counts, the pair's tokenizer, the arms, each evaluation's settings and sets).
+`make_mesh` builds the device mesh.
 """
 
 from __future__ import annotations
@@ -132,14 +134,29 @@ def model_problems(cfg: RunConfig) -> list[str]:
 def fast_problems(cfg: RunConfig) -> list[str]:
     """The problems `check_fast` reports (no JAX, nothing read beyond headers and file listings): the models'
     (`model_problems`) and the data files'."""
-    from kvjax.corpus import CorpusError, check_source
+    from kvjax import corpus
     problems = model_problems(cfg)
     d = cfg.data
-    for source in d.train_text + (d.heldout_text if not d.heldout_windows else ()):
-        try:
-            check_source(source, d.manifest)
-        except CorpusError as e:
-            problems.append(f"data: {e}")
+    reads = [("data.train_text", "train", d.train_text, d.max_train_tokens)]
+    if not d.heldout_windows:
+        reads.append(("data.heldout_text", "heldout", d.heldout_text, d.max_heldout_tokens))
+    bad = False
+    for _, _, sources, _ in reads:
+        for source in sources:
+            try:
+                corpus.check_source(source, d.manifest)
+            except corpus.CorpusError as e:
+                problems.append(f"data: {e}")
+                bad = True
+    if not 0.0 < d.heldout_share < 1.0:
+        problems.append(f"data.heldout_share={d.heldout_share}: must be in (0, 1) (the share of an hf: dataset's "
+                        "documents held out)")
+    elif not bad:  # a hub dataset the run's cache lacks, with the hub out of reach: one line, in at most ~1.5 s
+        cache = corpus.Split(heldout_share=d.heldout_share, split_seed=d.split_seed,
+                             cache_dir=os.path.join(cfg.output_dir, corpus.CACHE),
+                             tokenizer_id=corpus.tokenizer_id(cfg.target.path))
+        if why := corpus.hub_problem(reads, d.text_field, cache):
+            problems.append(f"data: {why}")
     if not d.train_text:
         problems.append("data.train_text is empty: give the calibration text (e.g. stdlib:train)")
     if d.heldout_windows and not os.path.isfile(d.heldout_windows):

@@ -20,6 +20,7 @@ import optax
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
+from kvjax import aot
 from kvjax import checkpointing
 from kvjax.models.config import Qwen3Config
 from kvjax.models.params import Params, init_params
@@ -123,11 +124,11 @@ def make_train_step(cfg: Qwen3Config, tc: TrainConfig):
         params = optax.apply_updates(state.params, updates)
         return TrainState(params, opt_state, state.step + 1), {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
-    return jax.jit(step_fn, donate_argnums=0)
+    return aot.jit(step_fn, donate_argnums=0)
 
 
 def evaluate(params: Params, cfg: Qwen3Config, batches: list[np.ndarray]) -> float:
-    loss = jax.jit(lm_loss, static_argnums=(1,))
+    loss = aot.jit(lm_loss, static_argnums=(1,))
     return float(np.mean([loss(params, cfg, b) for b in batches]))
 
 

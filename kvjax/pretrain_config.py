@@ -49,6 +49,5 @@ class TrainConfig:
     copy_sep: tuple[int, ...] = ()
     # this fraction of windows is replaced by the pure induction task: `repeat_span` tokens drawn at random from the
     # data, repeated until the window is full, so everything after the first period is predictable only by copying
-    # (`python -m launch.research.copy_probe` trains a shape on this task alone)
     repeat_prob: float = 0.0
     repeat_span: int = 128

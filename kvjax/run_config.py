@@ -32,25 +32,43 @@ class ModelConfig:
     env: str = ""  # environment variable that supplies the directory when `path` is empty
     name: str = ""  # display name in the report, e.g. "Qwen3-32B" (default: the directory name)
     dtype: str = "float32"  # parameter and cache dtype: float32 (CPU) or bfloat16 (accelerators)
+    # a directory holding the model's config.json alone (e.g. configs/models/Qwen3-32B): its shapes, for a
+    # compile-only plan (kvjax.plan) on a machine without the checkpoint; the checkpoint's own config.json wins
+    shapes: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     # text the map is calibrated and its residual trained on; each entry is "stdlib:train" / "stdlib:heldout" (this
     # machine's Python standard library, split by `manifest`), "pydoc:..." (the documentation the toy models read
-    # besides code, Debian's python3.11-doc), "corpus:..." (both, mixed: all the toy models read; kvjax.corpus), a
-    # local .txt file (one document), a .jsonl file (one document per record, field `text_field`) or a .npy array of
-    # token ids
+    # besides code, Debian's python3.11-doc), "corpus:..." (both, mixed: all the toy models read), a local .txt file
+    # (one document), a .jsonl file (one document per record, field `text_field`), a .npy array of token ids, or a
+    # dataset "hf:NAME[:CONFIG[:SPLIT]]" (a hub name such as HuggingFaceFW/fineweb-edu, or a local copy: a
+    # save_to_disk directory or .parquet / .jsonl files), streamed, its calibration documents (see heldout_share);
+    # kvjax.corpus
     train_text: tuple[str, ...] = ("stdlib:train",)
     # held-out text: cut into the evaluation windows when `heldout_windows` is empty, and the haystacks of generated
-    # retrieval items
+    # retrieval items; an hf: dataset gives its held-out documents here, never one of its calibration documents
     heldout_text: tuple[str, ...] = ("stdlib:heldout",)
     heldout_windows: str = ""  # .npy int [N, T] held-out token windows (distances, KL, throughput prompts)
     heldout_window_len: int = 1025  # length of the windows cut from `heldout_text`
     manifest: str = "checkpoints/toy/data/manifest.json"  # train / held-out split of the stdlib files
-    text_field: str = "text"  # the field of .jsonl records
+    text_field: str = "text"  # the field of .jsonl and hf: records
     max_train_tokens: int = 1_000_000  # tokens read from `train_text`
     max_heldout_tokens: int = 300_000  # tokens read from `heldout_text`
+    # hf: sources: the share of documents held out, each decided by a hash of its text salted with `split_seed`
+    # (kvjax.corpus.is_heldout); the tokens read are cached in the run directory's corpus/
+    heldout_share: float = 0.2
+    split_seed: int = 0
+
+    def hashed(self) -> dict:
+        """The settings as the calibrate stage's hash records them: fields added later only when they differ from
+        their default, so that runs made before those fields existed keep their hashes."""
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if k not in DATA_ADDED_LATER or v != DATA_ADDED_LATER[k]}
+
+
+DATA_ADDED_LATER = {"heldout_share": 0.2, "split_seed": 0}  # field -> its default (see DataConfig.hashed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +106,9 @@ EvalConfig = eval_config_type()
 class MeshConfig:
     data: int = 1  # batch-parallel mesh axis
     model: int = 0  # head/FFN-parallel mesh axis; 0 = every device not used by `data`
+    # memory per device the job may use, GB; 0: what the device reports (TPU, GPU). A CPU device reports none, so
+    # the fit check before loading weights (kvjax.plan.check) runs on CPU only when this is set
+    device_memory_gb: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,6 +6,13 @@ Tests run with 8 fake CPU devices, so the sharding tests and the single-device t
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# the test extra brings the TPU compiler (libtpu) for the compile-only plans (tests/test_plan.py): the tests run on
+# CPU devices, and planning processes share libtpu without a TPU to guard (kvjax.plan.hardware)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # (kvjax.plan.hardware.compile_only_environment says why)
+os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-8")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # the programs kvjax runs tune glibc's allocator to keep freed memory (kvjax.allocator); the test process runs
 # hundreds of programs, so it keeps the C library's defaults (tests/test_allocator.py checks the tuning in a fresh

@@ -1,4 +1,4 @@
-"""The audio front end (issue 39, part 1): the Whisper encoder against transformers' WhisperEncoder (full window,
+"""The audio front end: the Whisper encoder against transformers' WhisperEncoder (full window,
 shorter inputs as Ultravox feeds them, a batch of different lengths, bfloat16), log-mel features by transformers'
 WhisperFeatureExtractor, Ultravox's projector against a numpy reference written here from its formulas, Ultravox's
 checkpoint layout, and the audio-language prefill against transformers' LlamaForCausalLM run on the same input

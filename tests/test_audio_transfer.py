@@ -1,5 +1,5 @@
 """Audio cache transfer: the audio builders, the audio map's training, the evaluation's statistics and report, and the
-shipped toy adapters (issue 39, parts 2-4)."""
+shipped toy adapters."""
 
 import dataclasses
 import json
@@ -332,7 +332,7 @@ def test_ultravox8_1_runs_end_to_end_on_an_identity_pair(tmp_path):
     a few steps from zero) move nothing."""
     from pathlib import Path
 
-    from test_launch import SMALL, run_job
+    from test_launch import SMALL, STDLIB_TEXT, run_job
     from test_llama import REPO, tiny_llama_pair
     reader, _ = tiny_llama_pair(str(tmp_path))
     lm = kvjax.load_hf(reader)
@@ -352,7 +352,7 @@ def test_ultravox8_1_runs_end_to_end_on_an_identity_pair(tmp_path):
     small = [a for a in SMALL if not a.startswith(("--config.eval.mc", "--config.eval.retrieval",
                                                    "--config.eval.throughput", "--config.eval.distances"))]
     argv = ["--config=ultravox8_1", f"--config.output_dir={out}", "--config.source.dtype=float32",
-            "--config.target.dtype=float32", *small, "--config.eval.audio.open_id=0",
+            "--config.target.dtype=float32", *small, *STDLIB_TEXT, "--config.eval.audio.open_id=0",
             "--config.eval.audio.map_valid=4", "--config.eval.audio.map_steps=3", "--config.eval.audio.map_cont=4",
             "--config.eval.audio.batch_size=3", "--config.eval.audio.speed_tokens=4",
             "--config.eval.audio.speed_rounds=1", "--config.eval.audio.paired_decode=2",
@@ -423,8 +423,9 @@ def test_ultravox_config_without_adapters_fails_fast_naming_what_to_pass(tmp_pat
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVJAX_")}
     env.update(KVJAX_SOURCE=reader, KVJAX_TARGET=answerer)
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "kvjax.launch", f"--config={config}", f"--config.output_dir={out}"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    from test_launch import STDLIB_TEXT
+    proc = subprocess.run([sys.executable, "-m", "kvjax.launch", f"--config={config}", f"--config.output_dir={out}",
+                           *STDLIB_TEXT], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and not out.exists()
     assert "eval.audio.source_adapter" in proc.stderr and "launch.toy.speech" in proc.stderr
 

@@ -1,4 +1,4 @@
-"""Issue 40: the bridge map (kvjax.fitting.bridge): weighted ridge statistics, the target's attention-mass weights,
+"""The bridge map (kvjax.fitting.bridge): weighted ridge statistics, the target's attention-mass weights,
 head matching, the fit against an independent weighted ridge, and the map as a job stage and arm on tiny models."""
 
 import os

@@ -1,4 +1,4 @@
-"""Issue 22 item 4: the residual's fact-copy windows (kvjax.fitting.copy_windows, ResidualConfig.copy_*), on tiny
+"""The residual's fact-copy windows (kvjax.fitting.copy_windows, ResidualConfig.copy_*), on tiny
 models with a character-level tokenizer, and the toy pair's own tokenizer for the default fact format."""
 
 import dataclasses
@@ -119,7 +119,7 @@ def test_several_separators_are_drawn_per_fact_and_one_keeps_its_windows():
         counts[found[0]] += 1
     assert min(counts.values()) >= 15, counts  # each drawn about a third of the time
     one, at1 = fact_windows(TOKENS, 50, 160, 12, FMT, seed=7)
-    # the windows (and fact starts) that one separator made before several existed (6fff26d's fact_windows)
+    # the windows (and fact starts) that one separator made before several existed (fact_windows as of 2026-12-04)
     assert hashlib.sha256(one.tobytes() + at1.tobytes()).hexdigest()[:16] == "1efc601985db60bb"
     with pytest.raises(ValueError, match="tokenizes to nothing"):
         fact_format(tok, " = ||", "0123456789")

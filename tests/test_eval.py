@@ -275,6 +275,15 @@ def test_shipped_windows_and_meta():
     assert meta["args"] == json.loads(json.dumps(defaults))
 
 
+def test_evalsets_refuses_a_needle_format_it_cannot_place(capsys):
+    from launch.toy.evalsets import parse_args
+    assert parse_args(["--needle", "{key}: {value}\n", "--query", "{key}:"]).query == "{key}:"
+    for bad in (["--needle", "{key}: {value}"], ["--query", "{key} =\n"], ["--depth", "0.3", "0.2"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+        assert "--needle must end with a newline, --query must not" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(not (REPO / "work/toy/data/heldout.npy").is_file(), reason="needs python -m launch.toy.data")
 def test_shipped_windows_are_heldout_slots():
     heldout = np.load(REPO / "work/toy/data/heldout.npy")
@@ -435,7 +444,7 @@ def _spec_arm(latency: float, native: float, tau, matches: float, prefix: float,
 
 
 def test_summaries_rank_by_speed_only_arms_with_the_native_answer():
-    """Issue 43: the fastest speculative arm (a transfer, answering from the mapped cache, 0% of requests equal to
+    """The fastest speculative arm (a transfer, answering from the mapped cache, 0% of requests equal to
     native greedy) is not the summary's best arm; the fastest arm whose output equals native greedy is, and every
     arm answering from another cache is quoted with its latency beside its agreement and its cache's quality. The
     same for dflash (a faster method that answered differently), TTFT and throughput (the mapped cache's quality

@@ -1,4 +1,4 @@
-"""Issue 40, part 2: the `agreement` evaluation (every arm's next-token agreement with the source and the native
+"""The `agreement` evaluation (every arm's next-token agreement with the source and the native
 target, against direct injection) on tiny random models, its metrics / gate / report / chart on hand-made records,
 and chance-normalised retention in the `mc` evaluation's metrics."""
 

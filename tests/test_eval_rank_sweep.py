@@ -1,4 +1,4 @@
-"""Evaluation `rank_sweep` (issue 40): reduced-rank ridge maps at ten ranks from one collection of statistics
+"""Evaluation `rank_sweep`: reduced-rank ridge maps at ten ranks from one collection of statistics
 (kvjax.fitting.rank_sweep), measured on held-out KL, reconstruction, attention similarity, map time and size."""
 
 import dataclasses

@@ -70,6 +70,19 @@ def test_a_broken_checkpoint_is_reported_from_its_header_before_jax(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_an_unreachable_hub_corpus_is_reported_before_jax_and_datasets(tmp_path):
+    """The real configs stream their text from the hub: offline, and without a cached or local copy, the command
+    says so from the fast checks, importing neither JAX nor `datasets` (whose import alone takes about a second)."""
+    out = tmp_path / "run"
+    rc, err, imported = cli("kvjax.launch", "--config=qwen32_8", f"--config.output_dir={out}",
+                            env={"HF_HUB_OFFLINE": "1", "KVJAX_SOURCE": os.path.join(TOY, "source"),
+                                 "KVJAX_TARGET": os.path.join(TOY, "pruned")})
+    assert rc == 2 and "Traceback" not in err, err
+    assert "hf:HuggingFaceFW/fineweb-edu:sample-10BT:train (data.train_text and data.heldout_text)" in err, err
+    assert not imported & {*HEAVY, "datasets", "huggingface_hub"}, imported & {*HEAVY, "datasets", "huggingface_hub"}
+    assert not out.exists()
+
+
 def test_the_command_lines_check_functions_import_no_jax(tmp_path):
     """The checks themselves, called as the commands call them, in a fresh interpreter: the error is raised with JAX
     never imported, and a good config passes them likewise."""

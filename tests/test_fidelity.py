@@ -1,7 +1,6 @@
-"""Issue 22: the residual's teacher pool, the per-head ridge peer and attention-output fidelity, on tiny models."""
+"""The residual's teacher pool, the per-head ridge peer and attention-output fidelity, on tiny models."""
 
 import dataclasses
-import json
 
 import jax
 import jax.numpy as jnp
@@ -142,7 +141,7 @@ def test_attention_fidelity_is_one_on_the_native_cache_and_drops_with_a_worse_ma
 
 
 def test_mc_metrics_pair_the_final_map_with_each_peer_map():
-    """Issue 22's peer table: the final map against the per-head peer and the ridge, paired by item, in metrics.json,
+    """The peer table: the final map against the per-head peer and the ridge, paired by item, in metrics.json,
     the summary and the report (a peer that did not run is left out, not reported as zero)."""
     from types import SimpleNamespace
 
@@ -163,71 +162,3 @@ def test_mc_metrics_pair_the_final_map_with_each_peer_map():
     assert "mapped - perhead [+" in mc.summary({"hellaswag": m}, ctx)[0]
     table = "\n".join(mc.report({"hellaswag": m}, ctx))
     assert "mapped - perhead |" in table and "mapped - ridge" not in table
-
-
-def test_fidelity_predictors_reads_runs_dedupes_reused_maps_and_correlates(tmp_path):
-    """launch.research.fidelity_predictors: one row per map (a ridge copied into a second run counts once), the raw
-    source layers matched to the MC table's "direct" arm, and rank correlations with the kept measures."""
-    from launch.research import fidelity_predictors as fp
-
-    def run(name, arms, gaps, kls):
-        d = tmp_path / name
-        d.mkdir()
-        dist = {k: dict(zip(arms, vals)) for k, vals in
-                {"key_cos": [0.3, 0.9, 0.6][:len(arms)], "attn_cos": [0.3, 0.95, 0.5][:len(arms)]}.items()}
-        mc_arms = [fp.MC_NAME.get(a, a) for a in arms]
-        (d / "metrics.json").write_text(json.dumps({
-            "distances": dist, "kl": dict(zip(mc_arms, kls)),
-            "mc": {"hellaswag": {"gap_recovered_by_arm": dict(zip(mc_arms, gaps))}}}))
-        return str(d)
-    a = run("a", ["raw", "ridge", "residual"], [-0.5, 0.0, 0.8], [1.2, 0.8, 0.6])
-    b = run("b", ["raw", "ridge"], [-0.5, 0.0], [1.2, 0.8])  # the same maps again (copied stages)
-    rows = fp.dedupe([r for path in (a, b) for r in fp.maps_of(path)])
-    assert [(r["run"], r["arm"]) for r in rows] == [("a", "raw"), ("a", "residual"), ("a", "ridge")]
-    assert rows[0]["gap_hellaswag"] == -0.5 and rows[0]["kl"] == 1.2  # raw = the "direct" arm
-    corr = fp.correlations(rows, ["gap_hellaswag"])["gap_hellaswag"]
-    assert corr["kl"]["spearman"] == pytest.approx(-1.0) and corr["kl"]["n"] == 3
-    assert corr["key_cos"]["spearman"] == pytest.approx(0.5)
-    with pytest.raises(SystemExit, match="no metrics.json"):
-        fp.maps_of(str(tmp_path))
-
-
-def test_compare_runs_pairs_items_and_refuses_different_ones(tmp_path, capsys):
-    """launch.research.compare_runs: RUN's arm minus BASE's arm per item with a paired interval, the gap share each
-    recovers, and a measure whose items differ reported as not compared (never paired wrongly)."""
-    from launch.research import compare_runs
-
-    def run(name, residual, kl, piqa_items=4, colon=(0, 0)):
-        d = tmp_path / name
-        (d / "eval").mkdir(parents=True)
-        (d / "metrics.json").write_text("{}")
-        mc = {"hellaswag": {"items": 4, "source": "hs.jsonl", "arms": {
-                  "target": {"correct": [0, 0, 1, 0]}, "source": {"correct": [1, 1, 1, 0]},
-                  "residual": {"correct": residual}}},
-              "piqa": {"items": piqa_items, "source": "piqa.jsonl",
-                       "arms": {"residual": {"correct": [1] * piqa_items}}}}
-        (d / "eval" / "mc.json").write_text(json.dumps(mc))
-        (d / "eval" / "kl.json").write_text(json.dumps({"per_window": {"residual": kl}}))
-        needles = {"1024": {"items": 2, "source": "r.jsonl", "arms": {"residual": {"correct": residual[:2]}}}}
-        (d / "eval" / "retrieval.json").write_text(json.dumps(needles))
-        ruler = {"1024": {"niah_single_colon": {"items": 2, "answers": [" 12", " 34"][: len(colon)],
-                                                "arms": {"residual": {"correct": colon}}}}}
-        (d / "eval" / "ruler.json").write_text(json.dumps(ruler))
-        return str(d)
-    base = run("base", [0, 1, 1, 0], [0.5, 0.7])
-    better = run("better", [1, 1, 1, 0], [0.4, 0.7], piqa_items=3, colon=(1, 0))
-    other = run("other", [1, 1, 1, 0], [0.4, 0.7], colon=(1,))
-    rows = {r["measure"]: r for r in compare_runs.compare(base, better)}
-    hs = rows["mc.hellaswag"]
-    assert hs["n"] == 4 and hs["delta"] == pytest.approx(0.25) and hs["ci95"][0] >= 0.0
-    assert hs["gap_base"] == pytest.approx(0.5) and hs["gap_run"] == pytest.approx(1.0)  # target 0.25, source 0.75
-    assert rows["kl"]["delta"] == pytest.approx(-0.05)
-    assert rows["retrieval.1024"]["delta"] == pytest.approx(0.5) and "gap_base" not in rows["retrieval.1024"]
-    assert "different items" in rows["mc.piqa"]["skipped"]
-    assert rows["ruler.1024.niah_single_colon"]["delta"] == pytest.approx(0.5)
-    assert "different items" in {r["measure"]: r for r in compare_runs.compare(base, other)}[
-        "ruler.1024.niah_single_colon"]["skipped"]
-    compare_runs.main([base, better])
-    assert "gap 50.0% -> 100.0%" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="no metrics.json"):
-        compare_runs.main([base, str(tmp_path / "missing")])

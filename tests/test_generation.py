@@ -185,7 +185,7 @@ def test_decode_updates_each_layers_cache_buffer_in_place(model, hf_checkpoints)
     # One buffer per layer (kvjax.cache): when decode's attention window is the whole capacity, no layer's keys or
     # values are sliced or copied before attention reads them, and the donated cache is written in place. With one
     # stacked [L, ...] buffer XLA copied every layer's window out of it on every step (about a quarter of a
-    # batch-16/64 step: launch.research.cache_layout).
+    # batch-16/64 step: experiments.cache_layout).
     from kvjax.models.decoder import decode, decode_jit
     cfg, params = model
     tokens = jnp.ones((2,), jnp.int32)
@@ -301,22 +301,6 @@ def test_prefill_rejects_bad_lengths(model):
     cfg, params = model
     with pytest.raises(ValueError, match=r"lengths must be \[B\] = \[2\] integers in 0..4"):
         kvjax.prefill(params, cfg, np.zeros((2, 4), np.int32), kvjax.init_cache(cfg, 2, 16), [4, 5])
-
-
-def test_decode_roofline_probe_splits_a_token_into_products_attention_and_rest(hf_checkpoints, capsys):
-    # launch.research.decode_roofline reads XLA's operation names from a profile: weight products ("dot.N") and the
-    # per-layer attention conditionals ("cond..."); a rename in XLA would silently zero them.
-    import argparse
-    from launch.research import decode_roofline
-    path, _ = hf_checkpoints["gqa2_untied_odd"]
-    args = argparse.Namespace(ckpt=path, rounds=1, context=200, new=4)  # > 128: windows to choose from
-    (row,) = decode_roofline.run(args)
-    cfg, params = kvjax.load_hf(path)
-    # one operation per weight matrix a token (q, k, v, o, gate, up, down per layer, the untied lm_head), and one
-    # attention conditional per layer
-    assert params.lm_head is not None and row["weight_products_per_token"] == 7 * cfg.num_layers + 1
-    assert row["attention_conditionals_per_token"] == cfg.num_layers
-    assert "weight products" in capsys.readouterr().out
 
 
 def test_every_entry_point_prepares_prompts_alike_and_pads_with_a_pad_id_of_0(model):

@@ -6,8 +6,10 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -55,6 +57,43 @@ REQUIRED = [  # metrics.json paths the issue fixes; "*" = every key at that leve
     "gate.passed", "gate.thresholds.min_key_cos", "gate.thresholds.min_kl_reduction",
     "gate.thresholds.min_mc_retention", "gate.thresholds.max_kl_vs_target",
 ]
+
+
+STDLIB_TEXT = ["--config.data.train_text=stdlib:train", "--config.data.heldout_text=stdlib:heldout"]  # no hub text
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+PROSE_CHARS = 120_000  # the local FineWeb-Edu-format copy's text: more than SMALL's token counts need of each part
+
+
+def stdlib_prose(chars: int) -> list[str]:
+    """English prose made here: the docstrings of this Python's standard library modules, classes and functions of
+    at least 200 characters, one document each, in file-name order, until they hold `chars` characters."""
+    import ast
+    import sysconfig
+    root, docs, total = sysconfig.get_paths()["stdlib"], [], 0
+    for name in sorted(os.listdir(root)):
+        if not name.endswith(".py") or total >= chars:
+            continue
+        try:
+            with open(os.path.join(root, name), encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        for node in ast.walk(tree):
+            text = ast.get_docstring(node) if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef)) else None
+            if text and len(text) >= 200 and text not in docs:
+                docs.append(text)
+                total += len(text)
+    return docs
+
+
+def fineweb_copy(root) -> list[str]:
+    """A local copy of a FineWeb-Edu-format dataset (its fields, its parquet files as sample-10BT lays them out)
+    holding prose made here, and the flags that make a real config calibrate and measure on it, as docs/real_pairs.md
+    says to name a downloaded part of the hub's."""
+    from test_corpus import fineweb_repo
+    fineweb_repo(root, stdlib_prose(PROSE_CHARS))
+    source = f"hf:{os.path.join(root, 'fineweb-edu', 'sample', '10BT', '*.parquet')}"
+    return [f"--config.data.train_text={source}", f"--config.data.heldout_text={source}"]
 
 
 def write_mc_sets(root) -> list[str]:
@@ -241,7 +280,7 @@ def test_toy_pruned_config_runs_the_shipped_pruned_target_and_gates_on_the_map_g
 
 
 def test_default_config_is_the_pruned_pair_with_the_method_goals_in_its_gate():
-    """The default run shows the map working (issue 22): the pruned target, the full-size config's pairing and
+    """The default run shows the map working: the pruned target, the full-size config's pairing and
     residual width, a teacher pool, the per-head peer, and a gate on cosines, attention fidelity, KL and MC gain."""
     cfg = config_flags.build(launch.DEFAULT_CONFIG, [], RunConfig)
     full = config_flags.build("toy_pruned", [], RunConfig)
@@ -313,6 +352,36 @@ def test_missing_qwen_checkpoints_fail_fast_naming_what_to_set(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "kvjax.launch", "--config=qwen32_8", f"--config.output_dir={out}"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "(from $KVJAX_SOURCE) does not exist" in proc.stderr and not out.exists()
+
+
+def test_offline_without_a_copy_of_the_hub_corpus_refuses_naming_it_and_what_to_pass(tmp_path, monkeypatch):
+    """The real configs read FineWeb-Edu from the hub: offline, with the models there and no cached or local copy,
+    the job stops in the fast checks (no JAX) with one line naming the corpus and the flags that replace it."""
+    out = tmp_path / "run"
+    env = {**{k: v for k, v in os.environ.items() if k not in ("KVJAX_SOURCE", "KVJAX_TARGET")}, **OFFLINE}
+    env.update(KVJAX_SOURCE=os.path.join(TOY, "source"), KVJAX_TARGET=os.path.join(TOY, "pruned"))
+    proc = subprocess.run([sys.executable, "-m", "kvjax.launch", "--config=qwen32_8", f"--config.output_dir={out}"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and not out.exists()
+    line = next(x for x in proc.stderr.splitlines() if "fineweb-edu" in x)
+    assert "hf:HuggingFaceFW/fineweb-edu:sample-10BT:train (data.train_text and data.heldout_text)" in line
+    assert "HF_HUB_OFFLINE=1 is set" in line and "--config.data.train_text=hf:/path/to/copy" in line
+    assert "--config.data.train_text=stdlib:train --config.data.heldout_text=stdlib:heldout" in line
+    cfg = config_flags.build("qwen32_8", [("output_dir", str(out))], RunConfig)
+    for k in ("KVJAX_SOURCE", "KVJAX_TARGET", *OFFLINE):
+        monkeypatch.setenv(k, env[k])
+    start = time.perf_counter()
+    with pytest.raises(preflight.LaunchError, match="must be streamed from the Hugging Face hub"):
+        preflight.check_fast(preflight.resolve_models(cfg))
+    assert time.perf_counter() - start < 2.0
+    for k in (*OFFLINE, "TRANSFORMERS_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.invalid")  # no network: the probe says so as quickly
+    start = time.perf_counter()
+    with pytest.raises(preflight.LaunchError, match=r"hub.invalid:443 cannot be reached"):
+        preflight.check_fast(preflight.resolve_models(cfg))
+    assert time.perf_counter() - start < 2.0
+    assert not out.exists()
 
 
 # ---- the gate and split_generate's fallback ------------------------------------------------------------------------
@@ -473,11 +542,13 @@ def stage_mtimes(out) -> dict:
 
 @pytest.fixture(scope="module")
 def qwen_run(pair, tmp_path_factory):
-    """--config=qwen32_8 with tiny checkpoints standing in for 32B / 8B (through KVJAX_SOURCE / KVJAX_TARGET)."""
+    """--config=qwen32_8 with tiny checkpoints standing in for 32B / 8B (through KVJAX_SOURCE / KVJAX_TARGET), on
+    the standard library's text (test_qwen32_8_calibrates_on_a_local_copy_of_fineweb_edu_offline reads the
+    config's own corpus)."""
     out = str(tmp_path_factory.mktemp("qwen_run") / "run")
     env = {"KVJAX_SOURCE": pair[0], "KVJAX_TARGET": pair[1]}
     argv = ["--config=qwen32_8", f"--config.output_dir={out}", "--config.source.dtype=float32",
-            "--config.target.dtype=float32", *SMALL, *write_mc_sets(os.path.dirname(out))]
+            "--config.target.dtype=float32", *SMALL, *write_mc_sets(os.path.dirname(out)), *STDLIB_TEXT]
     rc = run_job(argv, env)
     return out, argv, env, rc
 
@@ -510,6 +581,70 @@ def test_qwen32_8_path_end_to_end_writes_the_report(qwen_run, pair):
                     "## Residual", "## Long-context retrieval", "## Quality gate", "![KL slope chart](kl_slope.png)"):
         assert heading in report
     assert "8 x cpu" in report  # sharded over the fake devices
+
+
+def test_qwen32_8_calibrates_on_a_local_copy_of_fineweb_edu_offline(pair, tmp_path, monkeypatch):
+    """The real config's text is FineWeb-Edu; a local copy in its format (made here) stands in for the hub's,
+    offline: the calibrate stage takes the copy's calibration documents for the training text and its held-out ones
+    for the held-out windows, caches their tokens in the run directory, and a rerun reads the cache, not the copy.
+    Read under the config's hub name (the copy standing in for the hub's stream), it gives the same tokens, and the
+    run's cache lets the offline checks pass."""
+    from kvjax import corpus
+    from kvjax.windows import consecutive
+    for k, v in {**OFFLINE, "KVJAX_SOURCE": pair[0], "KVJAX_TARGET": pair[1]}.items():
+        monkeypatch.setenv(k, v)
+    out = tmp_path / "run"
+    text = fineweb_copy(str(tmp_path))
+    cfg, _, _ = launch.parse(["--config=qwen32_8", f"--config.output_dir={out}", "--config.source.dtype=float32",
+                              "--config.target.dtype=float32", *SMALL, *write_mc_sets(str(tmp_path)), *text])
+    assert cfg.data.train_text == cfg.data.heldout_text == (text[0].split("=", 1)[1],)
+    job = launch.Job(cfg)
+    job.check()
+    os.makedirs(out)
+    with jax.set_mesh(job.mesh()):
+        job.stage_calibrate(job.stages["calibrate"])
+    # the same arrays made here from the copy's documents: the calibration ones, then the held-out ones
+    tok, docs = kvjax.load_tokenizer(TOKENIZER), stdlib_prose(PROSE_CHARS)
+
+    def tokens(held, n):
+        ids = [i for t in docs if corpus.is_heldout(t, 0.2, 0) == held
+               for i in tok.encode(t, add_special_tokens=False).ids + [0]]  # the tiny pair's EOS: 0
+        assert len(ids) > n  # more than the run read: it stopped at what it needed
+        return np.asarray(ids[:n], np.int32)
+    train, heldout = np.load(out / "data" / "train_tokens.npy"), np.load(out / "data" / "heldout.npy")
+    np.testing.assert_array_equal(train, tokens(False, 6000))
+    np.testing.assert_array_equal(heldout, consecutive(tokens(True, 3000), 80))
+    cached = sorted(f for f in os.listdir(out / corpus.CACHE) if f.endswith(".json"))
+    assert [f.split("-")[0] for f in cached] == ["heldout", "train"]
+    real_open = corpus._open
+    monkeypatch.setattr(corpus, "_open", lambda ds: pytest.fail(f"{ds.source} was read again"))
+    shutil.rmtree(out / "data")
+    with jax.set_mesh(job.mesh()):
+        job.stage_calibrate(job.stages["calibrate"])  # --redo=calibrate: the cached tokens
+    np.testing.assert_array_equal(np.load(out / "data" / "train_tokens.npy"), train)
+    np.testing.assert_array_equal(np.load(out / "data" / "heldout.npy"), heldout)
+
+    # the config's own hub name, its stream stood in for by the copy while "online": the same tokens; then, offline,
+    # the fast checks pass on the run's cache alone, and refuse once it is gone
+    copy, real_probe = corpus.dataset(cfg.data.train_text[0]), corpus.hub_unreachable
+    monkeypatch.setattr(corpus, "_open", lambda ds: real_open(copy))
+    monkeypatch.setattr(corpus, "hub_unreachable", lambda timeout=1.5: None)
+    hub_out = tmp_path / "hub_run"
+    cfg, _, _ = launch.parse(["--config=qwen32_8", f"--config.output_dir={hub_out}", "--config.source.dtype=float32",
+                              "--config.target.dtype=float32", *SMALL, *write_mc_sets(str(tmp_path))])
+    assert cfg.data.train_text == cfg.data.heldout_text == ("hf:HuggingFaceFW/fineweb-edu:sample-10BT:train",)
+    job = launch.Job(cfg)
+    job.check()
+    os.makedirs(hub_out)
+    with jax.set_mesh(job.mesh()):
+        job.stage_calibrate(job.stages["calibrate"])
+    np.testing.assert_array_equal(np.load(hub_out / "data" / "train_tokens.npy"), train)
+    monkeypatch.setattr(corpus, "hub_unreachable", real_probe)
+    monkeypatch.setattr(corpus, "_open", lambda ds: pytest.fail("the hub was read"))
+    preflight.check_fast(cfg)  # HF_HUB_OFFLINE=1: the cache serves
+    shutil.rmtree(hub_out / corpus.CACHE)
+    with pytest.raises(preflight.LaunchError, match="HF_HUB_OFFLINE=1 is set"):
+        preflight.check_fast(cfg)
 
 
 def test_second_run_reuses_every_stage(qwen_run):

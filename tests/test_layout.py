@@ -1,6 +1,8 @@
 """The layout as a checked rule (README, "Layout"): kvjax/ is built in floors and a module imports only from its own
-floor or below; launch/ is split into rooms that share no private names; configs/ holds only run configs of the main
-job. The import checks read the source (ast), so they run nothing and take well under a second."""
+floor or below; launch/ is split into rooms that share no private names and import one another without a cycle;
+experiments/ stands apart (nothing in kvjax/, launch/ or tests/ imports it); tests check the library and the commands
+users run, never an experiment's internals; configs/ holds only run configs of the main job. The import checks read
+the source (ast), so they run nothing and take well under a second."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ FLOORS = {
     # 0 base: the vocabulary every floor uses; knows no kvjax type. Logical-axis rules and meshes, processes,
     # token windows, safetensors files, text sources, dataclass <-> flags, the host allocator, orbax checkpoints
     "kvjax.sharding": 0, "kvjax.distributed": 0, "kvjax.windows": 0, "kvjax.tensorfile": 0, "kvjax.corpus": 0,
-    "kvjax.config_flags": 0, "kvjax.allocator": 0, "kvjax.checkpointing": 0,
+    "kvjax.config_flags": 0, "kvjax.allocator": 0, "kvjax.checkpointing": 0, "kvjax.aot": 0,
     # 1 models: the families (config, params, rope, forward, the one prefill program, decode), the KVCache pytree
     # they read and write, HF checkpoints <-> params
     "kvjax.models": 1, "kvjax.cache": 1, "kvjax.hf": 1,
@@ -41,6 +43,7 @@ FLOORS = {
     # 9 job: `python -m kvjax.launch` (its config, flags, preflight, stages) and the package's public API (kvjax)
     "kvjax.launch": 9, "kvjax.run_config": 9, "kvjax.preflight": 9, "kvjax.stages": 9,
     "kvjax.serve": 9,  # `python -m kvjax.serve`: the OpenAI-compatible server over a run's map
+    "kvjax.plan": 9,  # `python -m kvjax.plan`: every program of the job and the server compiled ahead of time
     "kvjax.audio": 9,  # the audio front end's public names (a facade over kvjax.models.whisper / .audio)
 }
 # floors whose units are peers: a unit there imports no other unit of its floor (only lower floors)
@@ -48,8 +51,13 @@ STRICT = tuple(range(2, 8))
 FACADE = "kvjax"  # kvjax/__init__.py re-exports every floor: only the job may import names from it
 FACADE_FLOOR = 9
 
-# launch/: entry points outside the library, one room per purpose
-ROOMS = ("cluster", "bench", "toy", "research")
+# launch/: what users run outside the library, one room per purpose
+ROOMS = ("cluster", "bench", "toy")
+# the measurements behind the docs' findings that are no benchmark: a room of its own, outside launch/, that nothing
+# in kvjax/, launch/ or tests/ imports (git keeps the probes no current number needs)
+EXPERIMENTS = "experiments"
+# what no test may import: an experiment is checked by the number it gives, not by a test of its internals
+NOT_FOR_TESTS = (EXPERIMENTS, "launch.research")
 
 # modules that hold settings only: they must not import JAX (or optax, orbax, flax), directly or through what they
 # import, so that a config can be built and checked without the machinery that runs it
@@ -113,9 +121,9 @@ def floor_violations(root: pathlib.Path) -> list[str]:
                        "(and to the README's Layout section)")
             continue
         for line, target, what, _ in imports(name, path, set(mods)):
-            if target.split(".")[0] in ("launch", "configs", "tests"):
+            if target.split(".")[0] in ("launch", "configs", "tests", EXPERIMENTS):
                 out.append(f"{path.relative_to(root)}:{line}: {name} imports {target}: the library must not "
-                           "depend on entry points, run configs or tests")
+                           "depend on entry points, experiments, run configs or tests")
             if target.split(".")[0] != "kvjax":
                 continue
             theirs = floor_of(target)
@@ -130,10 +138,10 @@ def floor_violations(root: pathlib.Path) -> list[str]:
     return out
 
 
-def import_cycles(root: pathlib.Path) -> list[list[str]]:
-    """The module-level import cycles of the library (lazy imports included), each as its modules sorted; a package
-    importing its own submodules (a re-exporting __init__) is no cycle."""
-    mods = modules(root, "kvjax")
+def import_cycles(root: pathlib.Path, packages: tuple[str, ...] = ("kvjax",)) -> list[list[str]]:
+    """The import cycles among the modules of `packages` (lazy imports included), each as its modules sorted; a
+    package importing its own submodules (a re-exporting __init__) is no cycle."""
+    mods = {name: path for package in packages for name, path in modules(root, package).items()}
     graph = {name: {t for _, t, _, _ in imports(name, path, set(mods))
                     if t in mods and t != name and not name.startswith(t + ".") and t != FACADE}
              for name, path in mods.items()}
@@ -168,12 +176,15 @@ def import_cycles(root: pathlib.Path) -> list[list[str]]:
 
 def room_of(module: str) -> str:
     parts = module.split(".")
+    if parts[0] == EXPERIMENTS:
+        return EXPERIMENTS
     return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in ROOMS) else ""
 
 
 def private_crossings(root: pathlib.Path) -> list[str]:
-    """`from launch.a.m import _x` (or `m._x` after importing m) where launch.a.m is in another room."""
-    mods = modules(root, "launch")
+    """`from launch.a.m import _x` (or `m._x` after importing m) where launch.a.m is in another room (experiments/
+    is one room more)."""
+    mods = {**modules(root, "launch"), **modules(root, EXPERIMENTS)}
     out = []
     for name, path in mods.items():
         bound = {}  # local name -> launch module it refers to
@@ -191,6 +202,14 @@ def private_crossings(root: pathlib.Path) -> list[str]:
                 out.append(f"{path.relative_to(root)}:{node.lineno}: {name} uses {bound[node.value.id]}.{node.attr}, "
                            "a private name of another room; make it public or move it to kvjax")
     return out
+
+
+def forbidden_imports(root: pathlib.Path, package: str, forbidden: tuple[str, ...]) -> list[str]:
+    """Every import (lazy ones included) in `package`'s modules of a module named by `forbidden` or under it."""
+    mods = modules(root, package)
+    return [f"{path.relative_to(root)}:{line}: {name} imports {target}{'.' + what if what else ''}"
+            for name, path in mods.items() for line, target, what, _ in imports(name, path, set(mods))
+            if any(target == f or target.startswith(f + ".") for f in forbidden)]
 
 
 def heavy_imports(root: pathlib.Path, module: str) -> list[str]:
@@ -264,28 +283,72 @@ def test_the_check_catches_a_lazy_upward_import(tmp_path):
     assert "kvjax/windows.py:2: kvjax.windows (floor 0 base) imports kvjax.eval.report (floor 8 eval)" in problems[2]
 
 
+def test_no_import_cycles_inside_launch_and_experiments():
+    cycles = import_cycles(REPO, ("launch", EXPERIMENTS))
+    assert not cycles, ("import cycles (function-level imports included; move what both need into the lower module, "
+                        "or into kvjax where it is library behaviour): " + "; ".join(" <-> ".join(c) for c in cycles))
+
+
+def test_nothing_in_launch_imports_an_experiment():
+    problems = forbidden_imports(REPO, "launch", (EXPERIMENTS,))
+    assert not problems, "launch/ holds what users run; move what both need into launch/ or kvjax:\n" + "\n".join(
+        problems)
+
+
+def test_no_test_imports_an_experiment():
+    problems = forbidden_imports(REPO, "tests", NOT_FOR_TESTS)
+    assert not problems, ("tests check the library and the commands users run: test the library behaviour in kvjax, "
+                          "or run the command as a user does (subprocess):\n" + "\n".join(problems))
+
+
+def test_the_launch_checks_catch_a_cycle_and_an_experiment_import(tmp_path):
+    for pkg in ("launch", "launch/toy", "launch/bench", EXPERIMENTS, "tests"):
+        (tmp_path / pkg).mkdir(parents=True, exist_ok=True)
+        if pkg != "tests":
+            (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / "launch" / "toy" / "a.py").write_text("def f():\n    from launch.toy.b import g\n")  # lazy, still
+    (tmp_path / "launch" / "toy" / "b.py").write_text("from launch.toy import a\ng = 1\n")
+    (tmp_path / "launch" / "bench" / "c.py").write_text("from launch.toy.b import g\n")  # downward: fine
+    (tmp_path / "launch" / "bench" / "d.py").write_text("def f():\n    from experiments import probe\n")
+    (tmp_path / EXPERIMENTS / "probe.py").write_text("from launch.bench import c\nfrom launch.toy.b import g\n")
+    (tmp_path / "tests" / "test_x.py").write_text(
+        "import subprocess\nfrom launch.bench import c\n\ndef test_f():\n    from experiments.probe import g\n"
+        "    import launch.research.old\n")
+    assert import_cycles(tmp_path, ("launch", EXPERIMENTS)) == [["launch.toy.a", "launch.toy.b"]]
+    assert forbidden_imports(tmp_path, "launch", (EXPERIMENTS,)) == [
+        "launch/bench/d.py:2: launch.bench.d imports experiments.probe"]
+    assert forbidden_imports(tmp_path, "tests", NOT_FOR_TESTS) == [
+        "tests/test_x.py:5: tests.test_x imports experiments.probe.g", "tests/test_x.py:6: tests.test_x imports "
+        "launch.research.old"]
+
+
 def test_launch_rooms_share_no_private_names():
     problems = private_crossings(REPO)
     assert not problems, "\n".join(problems)
 
 
 def test_the_room_check_catches_a_private_import(tmp_path):
-    for room in ("toy", "research"):
-        (tmp_path / "launch" / room).mkdir(parents=True)
-        (tmp_path / "launch" / room / "__init__.py").write_text("")
+    for room in ("launch/toy", "launch/bench", EXPERIMENTS):
+        (tmp_path / room).mkdir(parents=True)
+        (tmp_path / room / "__init__.py").write_text("")
     (tmp_path / "launch" / "__init__.py").write_text("")
     (tmp_path / "launch" / "toy" / "train.py").write_text("def _load():\n    pass\n")
     (tmp_path / "launch" / "toy" / "pruned.py").write_text("from launch.toy.train import _load\n")  # same room
-    (tmp_path / "launch" / "research" / "probe.py").write_text(
+    (tmp_path / "launch" / "bench" / "probe.py").write_text(
         "from launch.toy.train import _load\nfrom launch.toy import train\ntrain._load()\n")
+    (tmp_path / EXPERIMENTS / "probe.py").write_text("from launch.toy.train import _load\n")
     problems = private_crossings(tmp_path)
-    where = [p.split(":")[:2] for p in problems]
-    assert where == [["launch/research/probe.py", "1"], ["launch/research/probe.py", "3"]], problems
+    where = sorted(p.split(":")[:2] for p in problems)
+    assert where == [["experiments/probe.py", "1"], ["launch/bench/probe.py", "1"], ["launch/bench/probe.py", "3"]], \
+        problems
 
 
 def test_launch_holds_rooms_only():
     loose = [p.name for p in (REPO / "launch").glob("*.py") if p.name != "__init__.py"]
     assert not loose, f"launch/{loose}: put each entry point in a room ({', '.join(ROOMS)}) and say so in the README"
+    rooms = sorted(p.name for p in (REPO / "launch").iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert rooms == sorted(ROOMS), (f"launch/ holds the rooms {', '.join(ROOMS)}; a measurement that is no benchmark "
+                                    f"belongs in {EXPERIMENTS}/ (found {rooms})")
 
 
 def test_settings_modules_do_not_import_jax():

@@ -348,7 +348,7 @@ def test_minitron4_llama8_runs_end_to_end_on_an_identity_pair(tmp_path, capsys):
     unmapped layers are the answerer's own cache, the fitted maps reproduce it, every arm answers as the native
     answerer does item for item, and the reader drafts exactly what the answerer would say. (Real pairs: the qwen32_8
     and qwen30a3_sibling jobs, whose relations test_launch.check_real_pair_relations checks.)"""
-    from test_launch import SMALL, run_job, write_mc_sets
+    from test_launch import SMALL, STDLIB_TEXT, run_job, write_mc_sets
     from kvjax import launch
     reader, answerer = tiny_llama_pair(str(tmp_path))
     out = str(tmp_path / "run")
@@ -363,7 +363,7 @@ def test_minitron4_llama8_runs_end_to_end_on_an_identity_pair(tmp_path, capsys):
                          "--config.eval.speculative.lengths=32", "--config.eval.speculative.new_tokens=4",
                          "--config.eval.speculative.repeats=1", "--config.arms.partial_k=1"]
         argv = ["--config=minitron4_llama8", f"--config.output_dir={out}", "--config.source.dtype=float32",
-                "--config.target.dtype=float32", *small, *write_mc_sets(str(tmp_path))]
+                "--config.target.dtype=float32", *small, *write_mc_sets(str(tmp_path)), *STDLIB_TEXT]
         assert run_job(argv, {"KVJAX_SOURCE": reader, "KVJAX_TARGET": reader}) == 0
         metrics = json.load(open(os.path.join(out, "metrics.json")))
         assert metrics["run"]["config"] == "minitron4_llama8"
@@ -382,7 +382,7 @@ def test_minitron4_llama8_runs_end_to_end_on_an_identity_pair(tmp_path, capsys):
         json.dump(tok, open(other / "tokenizer.json", "w"))
         capsys.readouterr()
         assert launch.main([*argv[:1], f"--config.output_dir={tmp_path / 'refused'}", f"--config.source.path={other}",
-                            f"--config.target.path={answerer}"]) == 2
+                            f"--config.target.path={answerer}", *STDLIB_TEXT]) == 2
         assert "tokenizers differ" in capsys.readouterr().err and not (tmp_path / "refused").exists()
     finally:
         os.chdir(old)

@@ -149,8 +149,8 @@ def test_streamed_ridge_recovers_a_linear_map_and_heldout_mse_is_exact():
 
 
 def test_heldout_mse_stays_within_its_bound_where_float32_cancellation_is_worst():
-    """var(y) is 1.5e7 times the held-out MSE (noise 1e-3, features offset by 5). Statistics of y itself (the code
-    before issue 24) missed the MSE here by 310% (and by 0.02-0.3% at the previous test's noise 0.05, depending on
+    """var(y) is 1.5e7 times the held-out MSE (noise 1e-3, features offset by 5). Statistics of y itself (as the
+    code once kept them) missed the MSE here by 310% (and by 0.02-0.3% at the previous test's noise 0.05, depending on
     the machine's vector width); their bound exceeds the MSE itself, i.e. they guaranteed no digit."""
     _, x, y = linear_data(noise=1e-3)
     train = f32_stats(x[:1000], y[:1000], 250)

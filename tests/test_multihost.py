@@ -1,7 +1,8 @@
 """`python -m kvjax.launch --config=toy` on two JAX processes (2 fake CPU devices each, gloo collectives) through
 launch.cluster.multihost: its map equals the one-process run's; a dead peer ends the job quickly, with a clear
-message; the rerun resumes to the same map as an uninterrupted run; a crash in the middle of a checkpoint save leaves
-the previous checkpoint usable.
+message; the rerun resumes to the same map as an uninterrupted run; a process killed mid-evaluation leaves a job that
+one process finishes with the two-process run's metrics; a crash in the middle of a checkpoint save leaves the
+previous checkpoint usable.
 
 Every subprocess runs under a hard timeout, on a free port, and is killed by the test if it outlives it."""
 
@@ -52,12 +53,13 @@ def toy_job(out, extra=()):
     return [*TOY, f"--config.output_dir={out}", *extra]
 
 
-def start(args, log_path, procs=2):
-    """The main job: `procs` processes x 2 fake devices through the local launcher, or one plain process (1 device)."""
+def start(args, log_path, procs=2, devices=1):
+    """The main job: `procs` processes x 2 fake devices through the local launcher, or one plain process (`devices`
+    devices)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
     env.pop("XLA_FLAGS", None)
     if procs == 1:
-        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
         cmd = [sys.executable, "-m", "kvjax.launch", *args]
     else:
         cmd = [sys.executable, "-m", "launch.cluster.multihost", "--procs", str(procs), "--devices-per-proc", "2",
@@ -192,6 +194,45 @@ def test_dead_peer_ends_the_job_and_the_rerun_resumes_to_the_same_map(runs):
     assert f"resumed from step {steps_done[-1]}" in read(moved_log)
     for want, got in zip(mapped_caches(runs / "run1", "map"), mapped_caches(elsewhere, "map")):
         assert np.abs(got - want).max() / np.abs(want).max() <= CACHE_RTOL
+
+
+def test_a_process_killed_mid_evaluation_and_the_job_finished_on_one_gives_the_same_metrics(runs):
+    """The two-process job with its evaluation still to run (run2's directory as the job leaves it once the residual
+    is done): process 0, which evaluates alone on its 2 devices while process 1 waits, is SIGKILLed in the middle of
+    the evaluation; at once (the kernel released its lock) the job is restarted as one process on 2 devices, the
+    part of the mesh process 0 evaluated on (mesh 1 x 2). Its metrics.json equals the uninterrupted two-process
+    run's but for wall-clock fields and where it ran (run.devices, the mesh's data axis)."""
+    from test_rundir import compare_metrics
+    out, log_path = runs / "run_eval_killed", runs / "run_eval_killed.log"
+    shutil.copytree(runs / "run2", out)
+    for name in ("stages/distances.json", "stages/report.json", "eval", "metrics.json", "report.md", "gate.json",
+                 "distances.png"):
+        shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink()
+    seconds = json.loads(read(runs / "run2" / "stages" / "distances.json"))["seconds"]
+    proc = start(toy_job(out, DISTANCES), log_path)
+    try:
+        deadline = time.monotonic() + HARD_TIMEOUT
+        while not re.search(r"\[p0\].*stage distances +running", read(log_path)):
+            assert proc.poll() is None, f"launcher ended before the evaluation:\n{read(log_path)[-6000:]}"
+            assert time.monotonic() < deadline, "no evaluation within the time limit"
+            time.sleep(0.01)
+        time.sleep(0.1 * seconds)  # a tenth of its (first, compiling) run: inside the evaluation
+        os.kill(child_pids(log_path)[0], signal.SIGKILL)
+        assert not re.search(r"\[p0\].*stage distances +done", read(log_path))
+        assert re.search(r"\[p1\].*stage distances +runs on process 0; waiting", read(log_path))
+        one_log = runs / "run_eval_killed_one.log"
+        one = start(toy_job(out, DISTANCES + ["--config.mesh.data=1", "--config.mesh.model=2"]), one_log, procs=1,
+                    devices=2)
+        assert finish(one) == 0, read(one_log)[-6000:]
+    finally:
+        if proc.poll() is None:  # process 1 outlives its coordinator until JAX's heartbeats end it: not waited for
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    rerun = read(one_log)
+    assert re.search(r"stage residual +reused", rerun) and re.search(r"stage distances +running", rerun)
+    placement = {("run", "devices"), ("run", "settings", "mesh", "data")}
+    numbers = compare_metrics(out / "metrics.json", runs / "run2" / "metrics.json", lambda p: p in placement)
+    print(f"{numbers} numbers equal the uninterrupted two-process run's")
 
 
 CRASH_CHILD = textwrap.dedent("""

@@ -145,19 +145,6 @@ def test_second_phase_starts_from_given_weights(tmp_path):
     assert abs(p2[0]["heldout_loss"] - p1[-1]["heldout_loss"]) < 0.05 < p1[0]["heldout_loss"] - p1[-1]["heldout_loss"]
 
 
-def test_copy_probe_batches_repeat_and_losses_split_at_the_repeat():
-    from launch.research.copy_probe import half_losses, repeated_batch
-    tokens = np.arange(1000, dtype=np.uint16) % 64
-    seqs = repeated_batch(tokens, 0, 3, 40, seed=0)
-    assert seqs.shape == (3, 80) and seqs.dtype == np.int32
-    assert np.array_equal(seqs[:, :40], seqs[:, 40:])
-    params = kvjax.init_params(CFG, jax.random.key(0), std=0.3)
-    logp = jax.nn.log_softmax(forward_nocache(params, CFG, seqs[:, :-1]).astype(np.float32))
-    nll = -np.take_along_axis(np.asarray(logp), seqs[:, 1:, None], -1)[..., 0]  # nll[:, t] predicts token t + 1
-    first, repeat = half_losses(params, CFG, seqs)
-    np.testing.assert_allclose([first, repeat], [nll[:, :39].mean(), nll[:, 40:].mean()], rtol=1e-5)
-
-
 def test_repeat_prob_replaces_windows_by_random_tokens_repeated():
     data = np.arange(50_000)
     kw = dict(copy_prob=0.5, copy_len=(8, 16))

@@ -47,7 +47,7 @@ def test_without_checkpoints_fails_fast_naming_what_to_pass(tmp_path):
 
 @pytest.mark.slow  # a whole main job (every stage of qwen32_8's plan, tiny sizes)
 def test_runs_end_to_end_on_tiny_moe_and_dense_checkpoints(tmp_path, capsys):
-    from test_launch import SMALL, check_real_pair_relations, run_job, write_mc_sets
+    from test_launch import SMALL, STDLIB_TEXT, check_real_pair_relations, run_job, write_mc_sets
     from kvjax import launch
     reader, answerer = tiny_sibling_pair(str(tmp_path))
     out = str(tmp_path / "run")
@@ -61,7 +61,7 @@ def test_runs_end_to_end_on_tiny_moe_and_dense_checkpoints(tmp_path, capsys):
                       "residual.steps", "eval.kl.enabled", "gate.min_key_cos", "data.train_text"):
             assert field in shown, field
         argv = ["--config=qwen30a3_sibling", f"--config.output_dir={out}", "--config.source.dtype=float32",
-                "--config.target.dtype=float32", *SMALL, *write_mc_sets(str(tmp_path))]
+                "--config.target.dtype=float32", *SMALL, *write_mc_sets(str(tmp_path)), *STDLIB_TEXT]
         assert run_job(argv, {"KVJAX_SOURCE": reader, "KVJAX_TARGET": answerer}) == 0
         metrics = check_real_pair_relations(out, reader, answerer)  # values, not just keys (test_launch says which)
     finally:

@@ -1,4 +1,4 @@
-"""Small reads, large answers (issue 19): the map fitted from a reader with fewer, narrower layers into a deeper, wider
+"""Small reads, large answers: the map fitted from a reader with fewer, narrower layers into a deeper, wider
 answerer; the residual trained on the answerer's own predictions; the main job in that direction end to end on tiny
 random checkpoints (native_kl and ttft evaluations, the repaired arm); the forward default job unchanged."""
 

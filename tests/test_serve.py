@@ -1,7 +1,7 @@
-"""kvjax.serve: the OpenAI-compatible server. Tiny random source/target models (with the toy tokenizer's vocabulary)
-and a map fitted on random windows, served in-process by uvicorn on a free localhost port; the official `openai`
-client and raw httpx talk to it. Every greedy answer is compared token for token with offline
-`kvjax.split_generate` on the same prompt; each fault of issue 21 is a test after which the next request succeeds."""
+"""kvjax.serve: the OpenAI-compatible server. Tiny random source/target models (with the toy tokenizer's vocabulary) and
+a map fitted on random windows, served in-process by uvicorn on a free localhost port; the official `openai` client and
+raw httpx talk to it. Every greedy answer is compared token for token with offline `kvjax.split_generate` on the same
+prompt; each fault the server must survive is a test after which the next request succeeds."""
 
 import json
 import os

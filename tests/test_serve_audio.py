@@ -1,4 +1,4 @@
-"""kvjax.serve with audio input (issue 39 part 5): `python -m kvjax.serve --config=toy_audio` answers OpenAI-style
+"""kvjax.serve with audio input: `python -m kvjax.serve --config=toy_audio` answers OpenAI-style
 `input_audio` chat parts through the source's audio adapter and the run's audio map.
 
 The server is built as the command builds it (kvjax.serve.cli.parse + build_server with --config=toy_audio) on a run

@@ -143,25 +143,6 @@ def test_an_oracle_drafts_the_greedy_decode_and_every_draft_is_accepted(verifier
     assert stats.rounds.max() == 6 and stats.widths[4] == 6  # rounds at full width, each accepting 1: 2 tokens
 
 
-def test_accept_cost_probe_smoke():
-    """launch.research.accept_cost on a tiny random model: both loops exact (checked inside), the oracle accepting
-    every draft (tau = b + 1 but for the last round), a cost per round and their ratio for every b; lookup's widths
-    replayed by a width schedule beside each width alone (every loop exact, checked inside)."""
-    from launch.research import accept_cost
-    res = accept_cost.main(["--smoke", "--blocks", "2", "3"])
-    assert sorted(res["blocks"]) == ["2-fixed-1", "2-fixed-2", "2-variable-1", "2-variable-2", "3-fixed-1",
-                                     "3-fixed-3", "3-variable-1", "3-variable-3"]
-    for r in res["blocks"].values():
-        assert len(r["ratio"]) == 2 and min(r["null"]) > 0 and min(r["oracle"]) > 0
-        assert r["median"]["oracle_tau"] == pytest.approx(12 / -(-12 // (r["accepted"] + 1)))
-        assert r["ratio"][0] == pytest.approx(r["oracle"][0] / r["null"][0])
-    # lookup's widths replayed: the smoke's first prompt repeats a motif, so lookup drafts there (a mix of widths)
-    assert sorted(res["mix"]) == ["mix-2", "mix-3"]
-    for r in res["mix"].values():
-        assert len(r["widths"]) == 2 and sum(r["widths"][0][2:]) > 0
-        assert r["replay_ratio"][0] == pytest.approx(r["replay"][0] / r["alone"][0]) and min(r["alone"]) > 0
-
-
 def test_acceptance_by_draft_position():
     """Rounds that accepted 0 / 1 / 2 drafts: 2 / 1 / 3. Position 1 was accepted in 4 of 6 rounds, position 2 in 3
     of those 4; tau = 1 + 4/6 + 4/6 x 3/4 = 13/6, as (accepted + rounds) / rounds counts it."""
@@ -178,19 +159,3 @@ def test_a_replay_draws_the_runs_widths_tiled_to_one_length():
     w = np.asarray(d.width)
     assert d.variable_length and w.shape == (16,) and sorted(np.bincount(w[:8], minlength=4).tolist()) == [0, 0, 3, 5]
     assert np.array_equal(w[8:], w[:8]) and not np.array_equal(w[:8], np.sort(w[:8]))
-
-
-def test_round_starts_probe():
-    """launch.research.round_starts: a row's rounds start where the previous one's accepted drafts and the verifier's
-    token end; a margin falls in its bucket; on a tiny random model every output position is counted once, every
-    round start at most once, every miss at a start (each drafter's output equal to greedy, checked inside)."""
-    from launch.research import round_starts as rs
-    starts, acc = rs.round_starts(np.asarray([2, 0, 3, -1, -1]))
-    assert starts.tolist() == [0, 3, 4] and acc.tolist() == [2, 0, 3]
-    t = rs.tabulate([(np.asarray([0.05, 0.3, 3.0, 9.0, 0.7]), starts, acc)])
-    assert t["positions"] == [1, 1, 1, 0, 1, 1] and t["starts"] == [1, 0, 1, 0, 0, 1] and t["misses"] == [0] * 5 + [1]
-    assert "0 - 0.1 | 20.0% | 33.3% | 0.0% |" in rs.report("x", t)
-    out = rs.main(["--smoke", "--blocks", "2", "--sets", "windows", "--kinds", "block", "lookup"])
-    for t in out["windows"].values():
-        assert sum(t["positions"]) == 2 * 12 and 0 < sum(t["starts"]) <= 24
-        assert all(m <= s for m, s in zip(t["misses"], t["starts"]))

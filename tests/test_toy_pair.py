@@ -93,60 +93,6 @@ def test_source_retrieves_needles_the_target_cannot():
     assert hits["target"] == 0 and hits["source"] >= 16, hits  # the issue's goal: source >= 80%
 
 
-def test_reading_gap_command(capsys):
-    from launch.research import reading_gap
-    reading_gap.main(["--toy-dir", TOY, "--prefix", "64", "--short", "8", "--cont", "16", "--windows", "4"])
-    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 64 | 8 |")]
-    assert len(row) == 1, row
-    with pytest.raises(SystemExit, match="windows' length"):
-        reading_gap.main(["--toy-dir", TOY, "--prefix", "1020", "--cont", "64"])
-    with pytest.raises(SystemExit, match="--short must be"):
-        reading_gap.main(["--toy-dir", TOY, "--prefix", "64", "--short", "65"])
-    with pytest.raises(SystemExit, match="no map at"):
-        reading_gap.main(["--toy-dir", TOY, "--map", os.path.join(TOY, "no-such-map")])
-    with pytest.raises(SystemExit, match="give it one with --map"):
-        reading_gap.main(["--toy-dir", TOY, "--by-position"])
-
-
-def test_reading_gap_command_scores_a_map_by_position(tmp_path, capsys):
-    from launch.research import reading_gap
-    source, target = (kvjax.load_hf(os.path.join(TOY, r)) for r in ROLES[::-1])
-    heldout = np.load(os.path.join(TOY, "eval", "heldout_windows.npy"))
-    kvmap, _ = kvjax.fit_map(source, target, heldout[200:216, :64], heldout[216:224, :64], batch_size=8,
-                             residual_rank=4)  # a quick ridge map (residual at zero) on windows the command skips
-    kvjax.save_map(tmp_path / "map", kvmap)
-    reading_gap.main(["--toy-dir", TOY, "--prefix", "64", "--short", "8", "--cont", "16", "--windows", "4",
-                      "--map", str(tmp_path / "map"), "--by-position"])
-    out = capsys.readouterr().out
-    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| 64 |")]
-    assert [r[1].strip() for r in rows[2:]] == ["0", "1", "2-3", "4-7", "8-15"], rows  # gap row, map row, buckets
-    for r in rows[2:]:  # residual at zero: ridge + residual == ridge, position by position
-        assert r[3] == r[4] and r[5].strip().startswith("+0.0%"), r
-
-
-def test_needle_probe_command(capsys):
-    from launch.research import needle_probe
-    from launch.toy.data import DataError
-    source = os.path.join(TOY, "source")
-    try:
-        needle_probe.main(["--n", "3", "--models", f"src={source}", "--needle", "{key}: {value}\n",
-                           "--query", "{key}:"])
-    except DataError as e:  # the held-out stdlib files of this machine's Python differ from the manifest's
-        pytest.skip(str(e).splitlines()[0])
-    out = capsys.readouterr().out
-    assert ": " in out.split("e.g. ...")[1].splitlines()[0]  # the example prompt ends with the new format
-    row = [line for line in out.splitlines() if line.startswith("| src |")]
-    assert len(row) == 1 and row[0].split("|")[2].strip().endswith("/3"), out
-    with pytest.raises(SystemExit):  # evalsets' own check: a needle must end with a newline
-        needle_probe.main(["--n", "3", "--models", f"src={source}", "--needle", "{key}: {value}"])
-    assert "--needle must end with a newline" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        needle_probe.main(["--models", os.path.join(TOY, "no-such-model")])
-    assert "NAME=DIR pairs" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="no HF checkpoint"):
-        needle_probe.main(["--models", f"x={os.path.join(TOY, 'no-such-model')}"])
-
-
 def test_prune_layers_keeps_the_chosen_layers():
     import jax.numpy as jnp
 
@@ -198,38 +144,3 @@ def test_pruned_command_builds_a_checkpoint(tmp_path, monkeypatch):
     assert params.embed.dtype == np.float32  # stored in bfloat16, loaded in float32
     assert json.load(open(tmp_path / "out" / "config.json"))["torch_dtype"] == "bfloat16"
     pruned.main(["--shipped", os.path.abspath(TOY)])  # finished: resumes at the last step and re-exports
-
-
-def test_mc_context_command(capsys):
-    from launch.research.mc_context import cut_context, main
-    tok = kvjax.load_tokenizer(os.path.join(TOY, "target"))
-    items = kvjax.eval.load_mc(os.path.join(TOY, "eval", "hellaswag.jsonl"), schema="hellaswag", limit=3)
-    cut = cut_context(items, tok, 4)
-    assert [tok.encode(c.context).ids for c in cut] == [tok.encode(i.context).ids[-4:] for i in items]
-    assert [c.options for c in cut] == [i.options for i in items]
-    main(["--toy-dir", TOY, "--short", "1", "--limit", "4", "--sets", "piqa"])
-    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| piqa")]
-    assert len(rows) == 2 and "| full |" in rows[0] and "| last 1 |" in rows[1]
-    with pytest.raises(SystemExit):
-        main(["--models", "nonsense"])
-
-
-def test_spoken_ceiling_command(tmp_path, capsys):
-    """launch.research.spoken_ceiling: one model as reader and answerer through the identity map scores the same on
-    every column, so there is no lead; a run without a map is refused with the fix."""
-    import json
-
-    from kvjax.mapper.injection import injection_map
-    from launch.research import spoken_ceiling
-    cfg, _ = kvjax.load_hf(os.path.join(TOY, "target"))
-    kvjax.save_map(tmp_path / "map", injection_map(cfg, cfg))
-    model = {"path": os.path.join(TOY, "target"), "dtype": "float32"}
-    (tmp_path / "config.json").write_text(json.dumps({"source": model, "target": model}))
-    assert spoken_ceiling.main(["--run", str(tmp_path), "--items", "8", "--open", "eos", "newline",
-                                "--hellaswag", "16", "--limit", "8"]) == 0
-    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
-    assert len(rows) == 3, rows
-    for r in rows:
-        assert r[1] == r[2] == r[3] and r[4].strip().startswith("+0.0%") and r[6].strip() == "no lead", r
-    assert spoken_ceiling.main(["--run", str(tmp_path / "none")]) == 2
-    assert "run the main job first" in capsys.readouterr().err

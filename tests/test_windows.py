@@ -8,7 +8,7 @@ import pytest
 from kvjax.windows import consecutive, read, sample, sample_starts, step_batch, step_starts
 
 # computed with the draws as they were before kvjax.windows gathered them (pretrain.batch_at / residual.batch_starts
-# and mapper.data.windows_from_tokens at 38594a0)
+# and mapper.data.windows_from_tokens, 2026-11-30)
 STEP_5_SEED_2 = [3776, 4076, 103, 3365, 2959, 2553, 1694, 4075]  # step_starts(5000, 5, 8, 32, seed=2)
 # sample_starts(5000, 12, 64, seed=4)
 SAMPLE_SEED_4 = [399, 1397, 1858, 2239, 2524, 2998, 3586, 4351, 4642, 4655, 4790, 4819]

@@ -11,14 +11,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kvjax import aot
 from kvjax.builders.base import CacheBuilder, Clock, Resumable
 from kvjax.builders.native import prefill_cache
 from kvjax.cache import KVCache, init_cache
 from kvjax.mapper.kvmap import KVMap, apply_map, check_models, map_span
 from kvjax.models.decoder import prefill_jit
 
-map_jit = jax.jit(apply_map, static_argnames=("capacity", "dtype", "length", "impl", "interpret"))
-span_jit = jax.jit(map_span, static_argnames=("width",), donate_argnames=("target_cache",))
+map_jit = aot.jit(apply_map, static_argnames=("capacity", "dtype", "length", "impl", "interpret"))
+span_jit = aot.jit(map_span, static_argnames=("width",), donate_argnames=("target_cache",))
 
 
 class SourcePrefill(CacheBuilder):

@@ -1,7 +1,7 @@
 """Partial recomputation: the target recomputes some of its layers natively, the rest of its cache comes from a map.
 
-Seed 004: "Recomputing two target layers removed the nonlinear ceiling of an affine cache map". A linear map cannot
-reproduce what the target's own nonlinear layers would have written; letting the target run a few layers over the
+The method's claim: "Recomputing two target layers removed the nonlinear ceiling of an affine cache map". A linear map
+cannot reproduce what the target's own nonlinear layers would have written; letting the target run a few layers over the
 prompt itself repairs that at a fraction of its prefill. Two placements:
 
   bottom k   the target's layers 0..k-1 run natively over the prompt; layers k.. come from the map. Costs k target
@@ -22,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kvjax import aot
 from kvjax.builders.base import CacheBuilder, Clock
 from kvjax.builders.mapped import Mapped, SourcePrefill
 from kvjax.cache import KVCache
@@ -73,7 +74,7 @@ def recompute(params, cfg, tokens: jax.Array, lengths: jax.Array, mapped: KVCach
                           origin=f"partial{list(layers)}:{mapped.origin}")
 
 
-recompute_jit = jax.jit(recompute, static_argnames=("cfg", "layers"), donate_argnames=("mapped",))
+recompute_jit = aot.jit(recompute, static_argnames=("cfg", "layers"), donate_argnames=("mapped",))
 
 
 class PartialRecompute(CacheBuilder):

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from kvjax import aot
 from kvjax.cache import KVCache
 from kvjax.drafter.config import DrafterConfig
 from kvjax.drafter.io import DrafterError, load_drafter
@@ -93,7 +94,7 @@ class _Embedding:
     embed: jax.Array
 
 
-_extend_jit = jax.jit(extend_context, static_argnames=("dcfg",))
+_extend_jit = aot.jit(extend_context, static_argnames=("dcfg",))
 
 
 def block_drafter(verifier, dcfg: DrafterConfig, params: DrafterParams, draft_len: int | None = None,

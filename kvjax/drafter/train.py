@@ -34,6 +34,7 @@ import optax
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
+from kvjax import aot
 from kvjax import checkpointing
 from kvjax.drafter.config import DrafterConfig
 from kvjax.drafter.model import DrafterParams, draft_head, init_drafter, target_features, train_logits, with_vocab
@@ -122,7 +123,7 @@ def make_features(model, tokens: np.ndarray, feature_layers: tuple[int, ...], ba
         return np.load(path, mmap_mode="r")
     feats = (np.lib.format.open_memmap(path, mode="r+") if done else
              np.lib.format.open_memmap(path, mode="w+", dtype=np.float16, shape=(n, s, f)))
-    fn = jax.jit(target_features, static_argnums=(1, 3))
+    fn = aot.jit(target_features, static_argnums=(1, 3))
     for lo in tqdm(range(done, n, batch), desc="verifier features", unit="batch", initial=done // batch,
                    total=-(-n // batch)):
         rows = np.arange(lo, lo + batch) % n
@@ -244,13 +245,13 @@ def train_drafter(model, dcfg: DrafterConfig, tc: DrafterTrainConfig, data: dict
         state = manager.restore(start, args=ocp.args.StandardRestore(state))
         log.info("drafter: resumed from step %d", start)
 
-    @jax.jit
+    @aot.jit
     def step_fn(state, batch):
         (loss, m), grads = jax.value_and_grad(block_loss, has_aux=True)(state.params, dcfg, tparams, head, batch)
         updates, opt_state = opt.update(grads, state.opt_state, state.params)
         return TrainState(optax.apply_updates(state.params, updates), opt_state, state.step + 1), {"loss": loss, **m}
 
-    eval_fn = jax.jit(lambda p, b: block_loss(p, dcfg, tparams, head, b))
+    eval_fn = aot.jit(lambda p, b: block_loss(p, dcfg, tparams, head, b))
     eval_batches = [batch_at(data, feats, eval_rows, dcfg, tc, i, 10_000 + tc.seed, vocab_index, eval_mode=True)
                     for i in range(max(1, len(eval_rows) // tc.batch_size))]
     metrics_path = os.path.join(wdir, "metrics.jsonl")

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import aot
 from kvjax.builders import CacheBuilder, Mapped
 from kvjax.cache import cache_jit
 from kvjax.mapper.kl import kl
@@ -18,7 +19,7 @@ from kvjax.mapper.kvmap import KVMap
 from kvjax.models.decoder import forward, forward_nocache
 
 
-@functools.partial(jax.jit, static_argnames=("source_cfg", "target_cfg", "prefix"))
+@functools.partial(aot.jit, static_argnames=("source_cfg", "target_cfg", "prefix"))
 def _references(source_params, target_params, source_cfg, target_cfg, tokens, prefix: int):
     """The source's (teacher) and the native target's logits at the continuation positions."""
     teacher = forward_nocache(source_params, source_cfg, tokens[:, :-1])[:, prefix - 1 :]
@@ -32,7 +33,7 @@ def _student(params, cfg, cache, continuation):
     return forward(params, cfg, continuation, cache)[0]
 
 
-@jax.jit
+@aot.jit
 def _compare(teacher, native, student):
     pick = student.argmax(-1)
     return {"with_source": (pick == teacher.argmax(-1)).mean(-1),

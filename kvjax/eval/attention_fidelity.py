@@ -6,7 +6,7 @@ Per target layer, the target's own queries (its native forward pass over the win
 queries whichever cache is scored) attend causally over the window's keys and values twice, once from the native
 cache and once from the mapped one; the score is the cosine of the two attention outputs per token (all query heads
 flattened, before the output projection). Public reports find this cosine predicts task retention where per-entry
-cosines and calibration R^2 do not (issue 22).
+cosines and calibration R^2 do not.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kvjax import aot
 from kvjax.models.decoder import causal_attention, embed, finish, head_angles, qkv
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@functools.partial(aot.jit, static_argnames=("cfg",))
 def native_attention(params, cfg, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The target's queries q [L, B, T, Hq, hd] and attention outputs [L, B, T, Hq, hd] of its own forward pass over
     tokens int [B, T] (from position 0)."""
@@ -35,7 +36,7 @@ def native_attention(params, cfg, tokens: jax.Array) -> tuple[jax.Array, jax.Arr
     return jnp.stack(qs), jnp.stack(outs)
 
 
-@jax.jit
+@aot.jit
 def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Causal attention outputs [L, B, T, Hq, hd] of queries q [L, B, T, Hq, hd] over a cache's k / v
     [L, B, Hkv, C >= T, hd] (keys after RoPE, as the cache holds them)."""

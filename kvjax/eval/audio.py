@@ -1,5 +1,5 @@
 """Audio transfer, evaluated: a sealed spoken multiple-choice test scored through every way of giving a model the
-spoken context (seed 004: "An 8B model listened once. A 1B model answered").
+spoken context (the method's speech claim: "An 8B model listened once. A 1B model answered").
 
 Items (launch/toy/speech.py's sealed set): a context spoken (log-mel features), its transcript, four text endings.
 Prompts (the toy adapters' template, launch/toy/speech_train.py): [EOS][audio tokens][\\n] for a listening model,

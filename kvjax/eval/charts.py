@@ -1,6 +1,6 @@
 """What every chart of the report shares (matplotlib, Agg): the pyplot handle, atomic saving, and the log-scaled
 prefix-length axis. Each evaluation draws its own charts (kvjax.eval.suite.*, `Chart`), from metrics.json alone, in
-the seed's forms; colours and labels of the arms come from kvjax.eval.arms.TABLE."""
+the forms of the method's own charts; colours and labels of the arms come from kvjax.eval.arms.TABLE."""
 
 from __future__ import annotations
 

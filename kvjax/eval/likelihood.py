@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from kvjax import aot
 from kvjax.builders.base import bucket
 from kvjax.builders import NativePrefill
 from kvjax.cache import KVCache, cache_jit, check_compatible, init_cache
@@ -95,7 +96,7 @@ def continuation_logprobs(params: Params, cfg: Qwen3Config, prefix_cache: KVCach
     return (*out, np.asarray(per_token)[:, :c]) if return_tokens else out
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@functools.partial(aot.jit, static_argnames=("cfg",))
 def _window_losses(params, cfg, windows):
     logits = forward_nocache(params, cfg, windows[:, :-1]).astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:]).mean(axis=1)

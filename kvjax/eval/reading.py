@@ -21,17 +21,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import aot
 from kvjax.mapper.kl import kl
 from kvjax.models.decoder import forward_nocache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "cont"))
+@functools.partial(aot.jit, static_argnames=("cfg", "cont"))
 def _cont_logits(params, cfg, tokens, cont: int):
     """Logits [B, cont, V] predicting tokens[:, -cont:], reading everything before them."""
     return forward_nocache(params, cfg, tokens[:, :-1])[:, -cont:].astype(jnp.float32)
 
 
-@jax.jit
+@aot.jit
 def _ce(logits, targets):
     return -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), targets[..., None], -1)[..., 0]
 

@@ -1,4 +1,4 @@
-"""Rollout divergence of a built cache (seed 004's "32-step KV-transfer divergence"): the target greedily generates n
+"""Rollout divergence of a built cache (the method's "32-step KV-transfer divergence"): the target greedily generates n
 tokens from the cache a builder made of a prefix, and at every step the source, having read the same prefix and the
 same continuation itself, scores the target's next-token distribution: KL(source teacher || target), per step.
 
@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import aot
 from kvjax.builders import CacheBuilder, Mapped, SourcePrefill
 from kvjax.cache import KVCache
 from kvjax.mapper.kl import kl
@@ -22,7 +23,7 @@ from kvjax.mapper.kvmap import KVMap
 from kvjax.models.decoder import forward
 
 
-@functools.partial(jax.jit, static_argnames=("target_cfg", "source_cfg", "n"))
+@functools.partial(aot.jit, static_argnames=("target_cfg", "source_cfg", "n"))
 def rollout_kl(target_params, source_params, target_cfg, source_cfg, cache: KVCache, source_cache: KVCache,
                last: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
     """(KL [B, n] per step, the greedy tokens [B, n]): the target reads `last` [B] (each prefix's last token) after

@@ -1,4 +1,4 @@
-"""Throughput vs prefix length, measured as the seed does.
+"""Throughput vs prefix length, measured the way the method's report does.
 
 For each prefix length the same prompt goes through three arms, each generating a fixed number of new tokens
 (EOS never stops them):
@@ -11,8 +11,8 @@ first_token (the prompt's last token: its logits give the first new token), deco
   decode tok/s = (new tokens - 1) x batch / decode seconds       (tokens after the first / their time)
   TTFT         = prefill (+ map + transfer) + first_token
   active s     = native: prefill + first_token + decode; mapped: source prefill + first token + decode counted
-                 once, map and transfer counted on both participating devices (x2), as in the seed's accounting.
-                 Here both models share the same devices, so transfer is 0 and the x2 is the seed's convention.
+                 once, map and transfer counted on both participating devices (x2), as in the method's accounting.
+                 Here both models share the same devices, so transfer is 0 and the x2 is the method's convention.
 
 Every arm is compiled in a warm-up round; then `repeats` timed rounds run the arms interleaved (rotating order) and
 the medians are reported. A decode of a small model takes milliseconds, so within a round the decode phase is re-run
@@ -35,7 +35,7 @@ from kvjax.mapper.kvmap import KVMap
 from kvjax.split import native_generate, paired_decode_seconds, split_generate
 
 ARMS = ("target", "source", "mapped")
-MAP_DEVICES = 2  # devices the map and transfer phases are counted on (the seed's accounting)
+MAP_DEVICES = 2  # devices the map and transfer phases are counted on (the method's accounting)
 
 
 def ttft_seconds(arm: str, phases: dict) -> float:

@@ -1,5 +1,5 @@
 """Train a cache map on audio-prompt caches: the residual of a text map, trained further on what a listening source
-writes, against the source's own predictions (seed 004's audio transfer: "a mapper plus rank-16 residual translated
+writes, against the source's own predictions (the method's audio transfer: "a mapper plus rank-16 residual translated
 it into the frozen 1B decoder").
 
 The ridge part cannot be refitted on audio: it regresses the target's native cache on the source's at the same
@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from kvjax import aot
 from kvjax.mapper.kl import kl
 from kvjax.mapper.kvmap import KVMap, apply_map
 from kvjax.models.audio import AudioLM, prompt_embeddings_jit
@@ -118,9 +119,29 @@ def student_kl(kvmap: KVMap, target: Model, cache, teacher: jax.Array, text: jax
     return kl(teacher, _student_logits(kvmap, target, cache, text)).mean()
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg",))
+@functools.partial(aot.jit, static_argnames=("tcfg",))
 def _kl_jit(kvmap, tcfg, tparams, cache, teacher, text):
     return student_kl(kvmap, (tcfg, tparams), cache, teacher, text)
+
+
+def audio_optimizer(kvmap: KVMap, steps: int, lr: float, train_ridge: bool = False):
+    """The text residual's optimizer (only its TRAINABLE leaves move; with `train_ridge` the ridge too, at the text
+    residual's ridge_lr scale), with a 5% warmup."""
+    from kvjax.fitting.residual import make_optimizer
+    from kvjax.fitting.residual_config import ResidualConfig
+    return make_optimizer(ResidualConfig(steps=steps, lr=lr, warmup_steps=max(1, steps // 20), grad_clip=1.0,
+                                         train_ridge=train_ridge), kvmap)
+
+
+def training_step(opt, tcfg):
+    """The compiled step train_audio_map runs: (map, optimizer state, answerer params, pool cache, teacher logits,
+    text) -> (map, state, loss); the answerer's config is closed over (static)."""
+    @aot.jit
+    def step(kvmap, state, tparams, cache, teacher, text):
+        loss, g = jax.value_and_grad(student_kl)(kvmap, (tcfg, tparams), cache, teacher, text)
+        upd, state = opt.update(g, state, kvmap)
+        return optax.apply_updates(kvmap, upd), state, loss
+    return step
 
 
 def train_audio_map(kvmap: KVMap, target: Model, pool: AudioPool, steps: int, lr: float, seed: int = 0,
@@ -130,18 +151,9 @@ def train_audio_map(kvmap: KVMap, target: Model, pool: AudioPool, steps: int, lr
     step in a seeded order; returns (the map, the loss per step)."""
     from tqdm import tqdm
 
-    from kvjax.fitting.residual import make_optimizer
-    from kvjax.fitting.residual_config import ResidualConfig
-    # the text residual's optimizer (only its TRAINABLE leaves move), with a 5% warmup
-    opt = make_optimizer(ResidualConfig(steps=steps, lr=lr, warmup_steps=max(1, steps // 20), grad_clip=1.0,
-                                        train_ridge=train_ridge), kvmap)
+    opt = audio_optimizer(kvmap, steps, lr, train_ridge)
     state = opt.init(kvmap)
-
-    @jax.jit
-    def step(kvmap, state, tparams, cache, teacher, text):  # the answerer's config is closed over (static)
-        loss, g = jax.value_and_grad(student_kl)(kvmap, (target[0], tparams), cache, teacher, text)
-        upd, state = opt.update(g, state, kvmap)
-        return optax.apply_updates(kvmap, upd), state, loss
+    step = training_step(opt, target[0])
 
     order = np.random.default_rng(seed).permutation(np.resize(np.arange(len(pool.caches)), steps))
     losses = []
@@ -152,7 +164,7 @@ def train_audio_map(kvmap: KVMap, target: Model, pool: AudioPool, steps: int, lr
     return kvmap, losses
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg",))
+@functools.partial(aot.jit, static_argnames=("tcfg",))
 def _nll_jit(kvmap, tcfg, tparams, cache, text):
     return _nll(_student_logits(kvmap, (tcfg, tparams), cache, text), text)
 

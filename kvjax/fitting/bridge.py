@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from kvjax import aot
 from kvjax.fitting.calibrate import batches_of, collect_stats
 from kvjax.fitting.perhead import sub_stats
 from kvjax.kernels.features import layer_features, paired_features
@@ -69,7 +70,7 @@ def _received(q: jax.Array, k: jax.Array, block: int = _BLOCK) -> jax.Array:
     return acc
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@functools.partial(aot.jit, static_argnames=("cfg",))
 def attention_mass(params, cfg, tokens: jax.Array) -> jax.Array:
     """float32 [L, B, Hkv, T]: in the model's own prefill of tokens int [B, T] (from position 0), per layer and KV
     head the mean attention probability position j receives from the queries at or after it (i >= j: the last
@@ -110,7 +111,7 @@ def head_columns(layers: int, src_kv: int, src_hd: int, heads: tuple[int, ...]) 
     return np.concatenate([c * src_hd + np.arange(src_hd) for c in heads])
 
 
-@functools.partial(jax.jit, static_argnames=("scfg", "tcfg", "pairing", "columns", "weighted", "clip"))
+@functools.partial(aot.jit, static_argnames=("scfg", "tcfg", "pairing", "columns", "weighted", "clip"))
 def _head_stats(sparams, tparams, scfg, tcfg, pairing: Pairing, columns: Columns, weighted: bool, clip, tokens, mask,
                 refs):
     """Per target layer, kind and head: the chunk statistics of its chosen source columns -> its features, weighted

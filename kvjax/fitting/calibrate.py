@@ -12,6 +12,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
+from kvjax import aot
 from kvjax import distributed, sharding
 from kvjax.kernels.features import layer_features, paired_features
 from kvjax.mapper.pairing import Pairing
@@ -35,7 +36,7 @@ def pairs_of(pairing: Pairing, targets: tuple[int, ...] | None = None) -> Pairs:
     return tuple(zip(targets, (tuple(int(s) for s in layers) for layers in pairing)))
 
 
-@functools.partial(jax.jit, static_argnames=("scfg", "tcfg", "pairs"))
+@functools.partial(aot.jit, static_argnames=("scfg", "tcfg", "pairs"))
 def _window_stats(sparams, tparams, scfg, tcfg, pairs: Pairs, tokens, mask, refs):
     src = prefill_forward(sparams, scfg, tokens, logits=False).cache  # the models' own caches
     tgt = prefill_forward(tparams, tcfg, tokens, logits=False).cache
@@ -167,7 +168,7 @@ def _sharded_stats_fn(scfg, tcfg, pairs: Pairs, mesh: Mesh, s_shardings, t_shard
             res.append((stats(split(xk), split(yk), m, rk), stats(split(xv), split(yv), m, rv)))
         return res
 
-    return jax.jit(fn, in_shardings=(s_shardings, t_shardings, batch, batch, sharding.replicated(mesh)),
+    return aot.jit(fn, in_shardings=(s_shardings, t_shardings, batch, batch, sharding.replicated(mesh)),
                    out_shardings=out)
 
 

@@ -6,7 +6,7 @@ the target itself having read the prefix natively (small reads, large answers: t
 behave as after its own prefill). The target reads the continuation from the *mapped* cache of the prefix
 (the student). Only the residual parameters (down, res_bias, up; a context map's down_prev, a cross-position map's
 attention) move; the ridge part stays frozen, unless `train_ridge` trains the whole map end to end. With
-`rollout`, the continuation is the target's own greedy rollout from the mapped cache (seed 004's rollout-aware
+`rollout`, the continuation is the target's own greedy rollout from the mapped cache (the method's rollout-aware
 correction), so the residual learns on the states it will actually decode from.
 """
 
@@ -27,6 +27,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 from tqdm import tqdm
 
+from kvjax import aot
 from kvjax import checkpointing, distributed, sharding
 from kvjax.distributed import TokenWindows
 from kvjax.generation import Sampling, decode_loop
@@ -109,13 +110,13 @@ def rollout_windows(kvmap: KVMap, source: Model, target: Model, prefix_tokens: j
     return jnp.concatenate([prefix_tokens, out], axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("source_cfg", "target_cfg", "prefix", "teacher"))
+@functools.partial(aot.jit, static_argnames=("source_cfg", "target_cfg", "prefix", "teacher"))
 def heldout_window_kl(kvmap, source_params, target_params, source_cfg, target_cfg, tokens, prefix: int,
                       teacher: str = "source"):
     return window_kl(kvmap, (source_cfg, source_params), (target_cfg, target_params), tokens, prefix, teacher)
 
 
-@functools.partial(jax.jit, static_argnames=("source_cfg", "target_cfg", "prefix", "teacher"))
+@functools.partial(aot.jit, static_argnames=("source_cfg", "target_cfg", "prefix", "teacher"))
 def heldout_position_kl(kvmap, source_params, target_params, source_cfg, target_cfg, tokens, prefix: int,
                         teacher: str = "source"):
     return position_kl(kvmap, (source_cfg, source_params), (target_cfg, target_params), tokens, prefix, teacher)
@@ -310,7 +311,7 @@ def ema_update(decay: float, names: tuple[str, ...] = TRAINABLE):
         return avg.replace(**{n: decay * getattr(avg, n) + (1.0 - decay) * getattr(live, n) for n in names
                               if getattr(avg, n) is not None})
 
-    @jax.jit
+    @aot.jit
     def update(avg: KVMap, live: KVMap) -> KVMap:
         return avg.replace(keys=tuple(map(mix, avg.keys, live.keys)), values=tuple(map(mix, avg.values, live.values)))
     return update
@@ -361,6 +362,29 @@ def _logged(step: int, losses: dict) -> dict:
     return {"step": step, **{k: float(v) for k, v in losses.items()}}
 
 
+def training_step(kvmap: KVMap, source: Model, target: Model, rc: ResidualConfig, opt: optax.GradientTransformation,
+                  mesh: Mesh | None = None, pooled: bool = False, copies: bool = False):
+    """The compiled training step `train_residual` runs, and its shardings: (step, None) on one device, or
+    (step, (map, optimizer state, batch shardings)) data-parallel on `mesh`, where the step takes and returns the
+    map and optimizer state placed by their logical axes and the models as they are placed (their shardings are
+    read from `source` / `target`, arrays or ShapeDtypeStructs: kvjax.plan compiles it without weights). `pooled`:
+    the step reads a teacher pool's batch (kvjax.fitting.teacher_pool); `copies`: it also reads fact-copy windows."""
+    scfg, tcfg = source[0], target[0]
+    if copies:
+        step_fn = _copy_step_fn(opt, rc, scfg, tcfg, pooled=pooled)
+    else:
+        step_fn = (_pooled_step_fn if pooled else _step_fn)(opt, rc, scfg, tcfg)
+    if mesh is None:
+        return aot.jit(step_fn), None
+    map_sh = kvmap_shardings(kvmap, mesh)
+    opt_sh = sharding.optimizer_shardings(opt, kvmap, map_sh, mesh)
+    batch_sh = sharding.data_sharding(mesh, (rc.batch_size, rc.prefix_len + rc.cont_len))
+    params_sh = lambda p: jax.tree.map(lambda x: x.sharding, p)  # noqa: E731
+    step = aot.jit(step_fn, in_shardings=(map_sh, opt_sh, params_sh(source[1]), params_sh(target[1]), batch_sh),
+                   out_shardings=(map_sh, opt_sh, sharding.replicated(mesh)))
+    return step, (map_sh, opt_sh, batch_sh)
+
+
 def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarray, rc: ResidualConfig,
                    workdir: str | None = None, stop_at: int | None = None,
                    mesh: Mesh | None = None, tokenizer=None) -> tuple[KVMap, list[dict]]:
@@ -387,7 +411,7 @@ def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarra
     identity = None if workdir is None else run_identity(kvmap, rc)  # before any placement on a mesh
     opt = make_optimizer(rc, kvmap)
     window = rc.prefix_len + rc.cont_len
-    (scfg, sparams), (tcfg, tparams) = source, target
+    (_, sparams), (_, tparams) = source, target
     pool = copies = None
     pooled = [n for n in ("pool_windows", "copy_windows") if getattr(rc, n)]
     if pooled and (rc.rollout or jax.process_count() > 1):
@@ -401,11 +425,12 @@ def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarra
         pool = build_pool(source, target, tokens, rc.pool_windows, rc.prefix_len, rc.cont_len, rc.seed, rc.teacher)
     if rc.copy_windows:
         copies = copy_pool(source, target, tokens, rc, tokenizer)
-        step_fn = _copy_step_fn(opt, rc, scfg, tcfg, pooled=pool is not None)
-    else:
-        step_fn = (_step_fn if pool is None else _pooled_step_fn)(opt, rc, scfg, tcfg)
+    if mesh is not None:
+        source, target = model_on_mesh(source, mesh), model_on_mesh(target, mesh)
+        (_, sparams), (_, tparams) = source, target
+    step, shardings = training_step(kvmap, source, target, rc, opt, mesh=mesh, pooled=pool is not None,
+                                    copies=copies is not None)
     if mesh is None:
-        step = jax.jit(step_fn)
         opt_state = opt.init(kvmap)
         first = jax.tree.leaves(kvmap)[0]
         if getattr(first, "committed", False):
@@ -413,15 +438,9 @@ def train_residual(kvmap: KVMap, source: Model, target: Model, tokens: np.ndarra
             # map makes the step compile a second time at step 2 (~100 s on a loaded 2-core machine)
             opt_state = jax.device_put(opt_state, first.sharding)
     else:
-        (_, sparams), (_, tparams) = model_on_mesh(source, mesh), model_on_mesh(target, mesh)
-        map_sh = kvmap_shardings(kvmap, mesh)
+        map_sh, opt_sh, batch_sh = shardings
         kvmap = sharding.place(kvmap, map_sh)
-        opt_sh = sharding.optimizer_shardings(opt, kvmap, map_sh, mesh)
-        opt_state = jax.jit(opt.init, out_shardings=opt_sh)(kvmap)
-        batch_sh = sharding.data_sharding(mesh, (rc.batch_size, window))
-        params_sh = lambda p: jax.tree.map(lambda x: x.sharding, p)  # noqa: E731
-        step = jax.jit(step_fn, in_shardings=(map_sh, opt_sh, params_sh(sparams), params_sh(tparams), batch_sh),
-                       out_shardings=(map_sh, opt_sh, sharding.replicated(mesh)))
+        opt_state = aot.jit(opt.init, out_shardings=opt_sh)(kvmap)
 
     # with rc.ema the average rides along in the checkpoint (a resumed run continues the same average)
     average, averaged = (kvmap, ema_update(rc.ema, moving(rc))) if rc.ema > 0 else (None, None)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from kvjax import aot
 from kvjax.cache import KVCache
 from kvjax.models.decoder import prefill_forward, rms_norm, unembed
 from kvjax.models.model import Model
@@ -61,7 +62,7 @@ class Pool:
         return jnp.asarray(self.tokens[r]), cache, jnp.asarray(self.hidden[r])
 
 
-@functools.partial(jax.jit, static_argnames=("scfg", "tcfg", "prefix", "teacher"))
+@functools.partial(aot.jit, static_argnames=("scfg", "tcfg", "prefix", "teacher"))
 def _pool_batch(sparams, tparams, scfg, tcfg, tokens, prefix: int, teacher: str):
     """One batch of windows: the source's prefix cache and the teacher's last-layer output on the continuation. With
     the source as teacher one pass gives both (causal: its cache of the first prefix - 1 positions is the prefix's)."""

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import aot
 from kvjax.builders import CacheBuilder, Clock
 from kvjax.cache import KVCache, cache_jit
 from kvjax.generation.prompts import prepare
@@ -71,7 +72,7 @@ def _generate(params, cfg, tokens, lengths, key, *, max_new_tokens, capacity, sa
     return out
 
 
-_generate_jit = jax.jit(_generate, static_argnames=("cfg", "max_new_tokens", "capacity", "sampling", "eos_ids",
+_generate_jit = aot.jit(_generate, static_argnames=("cfg", "max_new_tokens", "capacity", "sampling", "eos_ids",
                                                     "pad_id", "cache_dtype"))
 
 

@@ -260,7 +260,8 @@ def apply_map(kvmap: KVMap, source_cache: KVCache, capacity: int | None = None, 
         raise ValueError(f"target capacity {capacity} is smaller than the {t} mapped positions")
     dtype = dtype or source_cache.dtype
     hkv, hd = kvmap.spec.target_kv
-    impl = resolve_impl(impl, source_cache.head_dim, hd, t, interpret)
+    impl = resolve_impl(impl, source_cache.head_dim, hd, t, interpret, src_len=source_cache.capacity,
+                        tgt_len=capacity)
     layers = [map_layer([source_cache.keys[s] for s in paired], [source_cache.values[s] for s in paired], km, vm,
                         target_kv=(hkv, hd), capacity=capacity, dtype=dtype, length=t,
                         src_rope=kvmap.spec.source_rope, tgt_rope=kvmap.spec.target_rope, impl=impl,

@@ -8,7 +8,7 @@ Held-out statistics are taken of the residual r = y - x @ ref around a reference
 statistics (`reference`), not of y. The MSE of a map W is a quadratic form in the sums. Of y it is
 sum y^2 - 2 W.sum x y + W' (sum x x') W, terms of order var(y) per token that cancel to the MSE, so the float32
 rounding of the sums reaches the MSE multiplied by var(y) / MSE, in amounts that depend on the summation order:
-on the mapper test's data (var(y) / MSE = 6e3) 0.02% on one machine and 0.27% on another (issue 24), and 310% at
+on the mapper test's data (var(y) / MSE = 6e3) 0.02% on one machine and 0.27% on another, and 310% at
 1.5e7. Of r, with D = W - ref, the terms are sum r^2, D.sum x r and D' (sum x x') D, each bounded by the MSEs of
 ref and W (Cauchy-Schwarz), so the relative error is 2^-24 times a factor of order MSE(ref) / MSE(W), plus
 2^-24 |y| / |y - f(x)| from forming r per token, whatever var(y) / MSE: 1e-6 and 3e-5 on those two data sets

@@ -37,7 +37,8 @@ layout: config.json (model_type "ultravox", `audio_config` (Whisper), `text_conf
 `text_model_id`, `hidden_size`, `stack_factor`, `projector_act`, `projector_ln_mid`, `norm_init`,
 `audio_token_index`) and safetensors with `audio_tower.*`, `multi_modal_projector.*` and `language_model.*`. The
 released checkpoints hold no language_model.* tensors (they name the LM by text_model_id): pass its directory as
-`text_path`.
+`text_path`. `audio_configs` reads the same config.json without any weights: the encoder's, the projector's and the
+language model's configs (configs/models/ holds the released checkpoints' config.json files).
 """
 
 from __future__ import annotations
@@ -45,14 +46,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.hf import CheckpointError, load_hf, open_weights, resolve
+from kvjax import aot
+from kvjax.hf import CheckpointError, load_hf, load_hf_config, open_weights, resolve
 from kvjax.models.decoder import embed, prefill_jit, rms_norm
 from kvjax.models.family import family_for_model_type
 from kvjax.models.hfconfig import ConfigError
@@ -290,7 +292,7 @@ def prompt_embeddings_forward(alm: AudioLM, tokens: jax.Array, audio_mask: jax.A
     return merge_audio(alm.lm.params, tokens, audio_mask, audio, audio_token_count(frames, alm.stack_factor))
 
 
-prompt_embeddings_jit = jax.jit(prompt_embeddings_forward)
+prompt_embeddings_jit = aot.jit(prompt_embeddings_forward)
 
 
 def _prompt_inputs(alm: AudioLM, tokens, input_features, frames, audio_mask, lengths, what: str):
@@ -421,6 +423,27 @@ def _read_config(path: str) -> dict:
                                   "checkpoint") from None
 
 
+def _read_ultravox(path: str, what: str) -> tuple[dict, str]:
+    """An Ultravox config.json (and its name, for messages), with the checks every reader of one makes."""
+    d = _read_config(path)
+    source = os.path.join(path, "config.json")
+    if d.get("model_type") != "ultravox":
+        raise CheckpointError(f"{source}: model_type {d.get('model_type')!r} is not 'ultravox'; {what} reads "
+                              "Ultravox checkpoints (a plain LM: kvjax.load_hf; a Whisper encoder: load_audio_encoder)")
+    if d.get("audio_latency_block_size") is not None:
+        raise CheckpointError(f"{source}: audio_latency_block_size {d['audio_latency_block_size']!r} (Ultravox's "
+                              "block-causal streaming mask in the encoder) is not supported; kvjax's encoder attends "
+                              "over the whole clip (audio_latency_block_size null)")
+    return d, source
+
+
+def _check_vocab(d: dict, lm_cfg, source: str) -> None:
+    vocab = d.get("vocab_size")
+    if vocab is not None and int(vocab) != lm_cfg.vocab_size:
+        raise CheckpointError(f"{source}: vocab_size {vocab} but the language model has {lm_cfg.vocab_size}; is "
+                              "text_path the checkpoint named by text_model_id?")
+
+
 def _prefixed(specs: dict[str, ParamSpec], prefix: str) -> dict[str, ParamSpec]:
     return {k: dataclasses.replace(s, hf_name=prefix + s.hf_name, hf_parts=tuple(prefix + p for p in s.hf_parts))
             for k, s in specs.items()}
@@ -495,15 +518,7 @@ def load_ultravox(path: str, dtype=jnp.float32, text_path: str | None = None,
     the HF checkpoint `text_path`, or `lm`, a language model already loaded (e.g. the job's own); likewise the
     encoder from audio_tower.* or `audio_path`. `dtype`: the parameter dtype of all three (`lm` is taken as it is)."""
     path = resolve(path)
-    d = _read_config(path)
-    source = os.path.join(path, "config.json")
-    if d.get("model_type") != "ultravox":
-        raise CheckpointError(f"{source}: model_type {d.get('model_type')!r} is not 'ultravox'; load_ultravox reads "
-                              "Ultravox checkpoints (a plain LM: kvjax.load_hf; a Whisper encoder: load_audio_encoder)")
-    if d.get("audio_latency_block_size") is not None:
-        raise CheckpointError(f"{source}: audio_latency_block_size {d['audio_latency_block_size']!r} (Ultravox's "
-                              "block-causal streaming mask in the encoder) is not supported; kvjax's encoder attends "
-                              "over the whole clip (audio_latency_block_size null)")
+    d, source = _read_ultravox(path, "load_ultravox")
     tensors = open_weights(path)
     has = {p: any(n.startswith(p) for n in tensors) for p in ("audio_tower.", "language_model.")}
 
@@ -546,12 +561,76 @@ def load_ultravox(path: str, dtype=jnp.float32, text_path: str | None = None,
                                   f"{str(flag).lower()}")
     projector = Projector(pcfg, ProjectorParams(**_read(projector_specs(pcfg), tensors, "multi_modal_projector.",
                                                         dtype, path)))
-    vocab = d.get("vocab_size")
-    if vocab is not None and int(vocab) != lm.cfg.vocab_size:
-        raise CheckpointError(f"{source}: vocab_size {vocab} but the language model has {lm.cfg.vocab_size}; is "
-                              "text_path the checkpoint named by text_model_id?")
+    _check_vocab(d, lm.cfg, source)
     index = d.get("audio_token_index")
     return AudioLM(encoder, projector, lm, None if index is None else int(index))
+
+
+class AudioConfigs(NamedTuple):
+    """What an Ultravox checkpoint's config.json says about its shapes: the encoder's, the projector's and the
+    language model's configs (a kvjax family config), and the audio placeholder's id (None when it names none)."""
+
+    encoder: WhisperEncoderConfig
+    projector: ProjectorConfig
+    lm: Any
+    audio_token_index: int | None
+
+
+def _named_sibling(path: str, model_id: str | None) -> str | None:
+    """The directory next to `path` named as the hub id's repository ("meta-llama/Llama-3.2-1B-Instruct" ->
+    ../Llama-3.2-1B-Instruct), when it holds a config.json: how a directory of configs (configs/models/) keeps a
+    checkpoint beside the models it names."""
+    if not model_id:
+        return None
+    sibling = os.path.join(os.path.dirname(os.path.abspath(path)), str(model_id).rstrip("/").split("/")[-1])
+    return sibling if os.path.isfile(os.path.join(sibling, "config.json")) else None
+
+
+def _local_dir(path: str, what: str) -> str:
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{what} {path!r} is not a directory; pass a local directory that holds its config.json")
+    return path
+
+
+def audio_configs(path: str, text_path: str | None = None, audio_path: str | None = None) -> AudioConfigs:
+    """The configs of an Ultravox checkpoint directory from its config.json alone (no weights are read; a directory
+    holding only config.json is enough): its shapes for planning, abstract params or a cost model.
+
+    The encoder's config comes from `audio_path`'s config.json when given (a Whisper or an Ultravox directory), else
+    the inlined `audio_config` (the v0.5 releases inline it), else the config.json of the directory next to `path`
+    named as `audio_model_id`'s repository. The language model's likewise: `text_path`, else `text_config`, else the
+    directory next to `path` named as `text_model_id`'s repository (the released checkpoints name their LM by id:
+    configs/models/ultravox-v0_5-llama-3_1-8b finds configs/models/Llama-3.1-8B-Instruct)."""
+    path = _local_dir(path, "audio_configs: the Ultravox checkpoint")
+    d, source = _read_ultravox(path, "audio_configs")
+
+    if audio_path is None and d.get("audio_config"):
+        encoder = WhisperEncoderConfig.from_hf_dict(d["audio_config"], source + " audio_config")
+    else:
+        where = audio_path if audio_path is not None else _named_sibling(path, d.get("audio_model_id"))
+        if where is None:
+            raise CheckpointError(f"{source} has no audio_config (audio_model_id {d.get('audio_model_id')!r}); pass "
+                                  "audio_path= a directory with that Whisper checkpoint's config.json")
+        where = _local_dir(where, "audio_configs: audio_path")
+        a, a_source = _read_config(where), os.path.join(where, "config.json")
+        if a.get("model_type") == "ultravox":
+            a, a_source = a.get("audio_config") or {}, a_source + " audio_config"
+        encoder = WhisperEncoderConfig.from_hf_dict(a, a_source)
+
+    if text_path is None and d.get("text_config"):
+        lm = _text_config(d["text_config"], source + " text_config")
+    else:
+        where = text_path if text_path is not None else _named_sibling(path, d.get("text_model_id"))
+        if where is None:
+            raise CheckpointError(f"{source} has no text_config (text_model_id {d.get('text_model_id')!r}); pass "
+                                  "text_path= a directory with that checkpoint's config.json")
+        lm = load_hf_config(_local_dir(where, "audio_configs: text_path"))
+
+    _check_vocab(d, lm, source)
+    index = d.get("audio_token_index")
+    return AudioConfigs(encoder, ProjectorConfig.from_ultravox(d, encoder.d_model, lm.hidden_size), lm,
+                        None if index is None else int(index))
 
 
 def save_ultravox(path: str, encoder: AudioEncoder, projector: Projector, text_model_id: str | None = None,
@@ -590,7 +669,8 @@ def save_ultravox(path: str, encoder: AudioEncoder, projector: Projector, text_m
     os.rename(tmp, path)
 
 
-__all__ = ["AudioLM", "Projector", "ProjectorConfig", "ProjectorParams", "audio_chunks", "audio_embeddings_forward",
-           "audio_prompt", "audio_token_count", "expand_audio", "init_projector", "load_audio_encoder", "load_ultravox",
-           "log_mel", "merge_audio", "prefill_audio", "project_forward", "projector_specs",
-           "prompt_embeddings", "prompt_embeddings_forward", "save_ultravox", "stack_frames"]
+__all__ = ["AudioConfigs", "AudioLM", "Projector", "ProjectorConfig", "ProjectorParams", "audio_chunks",
+           "audio_configs", "audio_embeddings_forward", "audio_prompt", "audio_token_count", "expand_audio",
+           "init_projector", "load_audio_encoder", "load_ultravox", "log_mel", "merge_audio", "prefill_audio",
+           "project_forward", "projector_specs", "prompt_embeddings", "prompt_embeddings_forward", "save_ultravox",
+           "stack_frames"]

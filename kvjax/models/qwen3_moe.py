@@ -227,21 +227,24 @@ def experts_grouped(lp: SparseLayerParams, h, weights, ids):
     return jnp.zeros_like(h).at[token].add(out)
 
 
+def dispatch_for(cfg: Qwen3MoeConfig, tokens: int) -> str:
+    """How a sparse layer runs `tokens` tokens (static): "dense", "gathered" (routed, few tokens) or "grouped"
+    (routed, many). Gathered: decode-sized batches, whose gathered weights (tokens x k expert slices, copied) are at
+    most half of all experts; at tokens x k == E the gathers were slower than dense on the toy MoE (batch 4: 80 vs
+    52 ms/step)."""
+    few = 2 * tokens * cfg.num_experts_per_tok <= cfg.num_experts
+    if cfg.moe_dispatch == "dense" or (cfg.moe_dispatch == "auto" and not few):
+        return "dense"
+    return "gathered" if few else "grouped"
+
+
 def moe(lp: SparseLayerParams, cfg: Qwen3MoeConfig, h):
     """The sparse MoE block on h [B, T, D] -> [B, T, D]."""
     b, t, d = h.shape
     flat = h.reshape(b * t, d)
     weights, ids = route(lp, cfg, flat)
-    # static: decode-sized batches, whose gathered weights (tokens x k expert slices, copied) are at most half of
-    # all experts; at tokens x k == E the gathers were slower than dense on the toy MoE (batch 4: 80 vs 52 ms/step)
-    few = 2 * b * t * cfg.num_experts_per_tok <= cfg.num_experts
-    if cfg.moe_dispatch == "dense" or (cfg.moe_dispatch == "auto" and not few):
-        out = experts_dense(lp, flat, weights, ids)
-    elif few:
-        out = experts_gathered(lp, flat, weights, ids)
-    else:
-        out = experts_grouped(lp, flat, weights, ids)
-    return out.reshape(b, t, d)
+    experts = {"dense": experts_dense, "gathered": experts_gathered, "grouped": experts_grouped}
+    return experts[dispatch_for(cfg, b * t)](lp, flat, weights, ids).reshape(b, t, d)
 
 
 def finish(lp, cfg: Qwen3MoeConfig, x, attn):

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kvjax import aot
 from kvjax.models.decoder import NEG_INF
 from kvjax.models.hfconfig import ConfigError
 from kvjax.models.params import ParamSpec, proj_in, spec, transpose
@@ -309,7 +310,7 @@ def encode_forward(params: EncoderParams, cfg: WhisperEncoderConfig, features: j
     return jnp.where(keep[..., None], x, 0)
 
 
-encode_jit = jax.jit(encode_forward, static_argnames=("cfg",))
+encode_jit = aot.jit(encode_forward, static_argnames=("cfg",))
 
 
 def check_features(cfg: WhisperEncoderConfig, features, frames, what: str = "encode") -> tuple[np.ndarray, int]:

@@ -22,6 +22,7 @@ import functools
 import jax
 import numpy as np
 
+from kvjax import aot
 from kvjax.builders.base import Resumable
 from kvjax.cache import KVCache, window_sizes
 from kvjax.serve import programs
@@ -30,7 +31,7 @@ from kvjax.serve.prefix import PrefixCache
 WIDTHS = (64, 256)  # pieces after a cached prefix
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+@functools.partial(aot.jit, static_argnums=(0, 1, 2))
 def _start(builder, batch: int, capacity: int):
     """builder.start as one compiled call (its dozens of zero buffers are one dispatch, not one each)."""
     return builder.start(batch, capacity)

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import aot
 from kvjax.builders import Mapped, NativePrefill
 from kvjax.cache import KVCache, init_cache, window_sizes
 from kvjax.models.decoder import forward_features, verify_forward
@@ -83,7 +84,7 @@ def empty_slots(cfg, slots: int, capacity: int, dtype, device=None) -> KVCache:
     return jax.device_put(cache, device) if device is not None else cache
 
 
-@functools.partial(jax.jit, donate_argnames=("cache",))
+@functools.partial(aot.jit, donate_argnames=("cache",))
 def insert(cache: KVCache, new: KVCache, slots: jax.Array) -> KVCache:
     """Write the rows of `new` (b rows of T <= capacity positions) into rows `slots` [b] of `cache`, in place (the
     cache is donated: a scatter into its own buffers, no copy of the other slots). A slot index >= the number of
@@ -119,7 +120,7 @@ def row_buckets(slots: int) -> tuple[int, ...]:
     return tuple(sorted({1 << i for i in range(max(slots - 1, 0).bit_length()) if 1 << i < slots} | {slots}))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "rows"), donate_argnames=("cache",))
+@functools.partial(aot.jit, static_argnames=("cfg", "rows"), donate_argnames=("cache",))
 def step(params, cfg, cache: KVCache, tokens, active, temperature, top_p, seeds, counters, rows: int | None = None):
     """Every slot reads its input token (int32 [S]: a new request's last prompt token, else its latest generated
     one) and picks the next: (next tokens int32 [S], cache). Greedy rows (temperature 0) take the argmax, as

@@ -1,8 +1,10 @@
 """Stage calibrate -> data/: the calibration text tokenized with the pair's tokenizer, the calibration and
-lambda-selection windows drawn from it, and the held-out windows (given, or cut from the held-out text)."""
+lambda-selection windows drawn from it, and the held-out windows (given, or cut from the held-out text). A dataset's
+tokens are cached beside it, in corpus/ (kvjax.corpus)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -24,7 +26,12 @@ def run(job, stage: Stage) -> None:
     tcfg = load_hf_config(cfg.target.path)
     eos = tcfg.eos_token_ids[0] if tcfg.eos_token_ids else (tcfg.pad_token_id or 0)
     tok = job.tokenizer()
-    train = corpus.read_tokens(d.train_text, tok, eos, d.max_train_tokens, d.manifest, d.text_field)
+    # an hf: dataset's documents: calibration ones for the training text, held-out ones for the held-out text; its
+    # tokens cached in the run directory, kept across --redo=calibrate (a rerun fetches nothing)
+    split = corpus.Split(heldout_share=d.heldout_share, split_seed=d.split_seed, cache_dir=job.run.path(corpus.CACHE),
+                         tokenizer_id=corpus.tokenizer_id(cfg.target.path))
+    train = corpus.read_tokens(d.train_text, tok, eos, d.max_train_tokens, d.manifest, d.text_field,
+                               split=dataclasses.replace(split, part="train"))
     rc = cfg.residual
     copies = rc.copy_window_len if rc.copy_windows else 0
     need = max(cfg.map.window_len, rc.prefix_len + rc.cont_len, copies) + 2
@@ -36,7 +43,8 @@ def run(job, stage: Stage) -> None:
     if d.heldout_windows:
         heldout = np.asarray(np.load(d.heldout_windows), np.int32)
     else:
-        flat = corpus.read_tokens(d.heldout_text, tok, eos, d.max_heldout_tokens, d.manifest, d.text_field)
+        flat = corpus.read_tokens(d.heldout_text, tok, eos, d.max_heldout_tokens, d.manifest, d.text_field,
+                                  split=dataclasses.replace(split, part="heldout"))
         if len(flat) < d.heldout_window_len:
             raise LaunchError(f"data.heldout_text gave {len(flat)} tokens, less than one held-out window of "
                               f"{d.heldout_window_len}; add text or lower data.heldout_window_len")

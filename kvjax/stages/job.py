@@ -11,14 +11,15 @@ import time
 import jax
 from tqdm import tqdm
 
-from kvjax import distributed
+from kvjax import aot, distributed
 from kvjax.config_flags import ConfigFlagError, LaunchFlags, to_dict
 from kvjax.corpus import CorpusError
 from kvjax.hf import CheckpointError
 from kvjax.models.config import ConfigError
 from kvjax.preflight import LaunchError, check_processes, validate
 from kvjax.run_config import RunConfig
-from kvjax.stages import calibrate, evaluate, fit, report
+from kvjax.stages import calibrate, disk, evaluate, fit, report
+from kvjax.stages import lock as run_lock
 from kvjax.stages.context import Context
 from kvjax.stages.markers import StageConflict, read_json, write_json
 from kvjax.stages.plan import COLLECTIVE, plan
@@ -28,7 +29,8 @@ log = logging.getLogger("kvjax.launch")
 
 # bad input whose message already says what to fix: the command prints it alone, no traceback. Checkpoint weights
 # are first read inside a stage, before it writes anything, and a stage is marked done only once finished, so a
-# rerun after the fix redoes exactly that stage.
+# rerun after the fix redoes exactly that stage. The same for a write the disk refuses (disk.WriteFailed, a
+# LaunchError): a rerun once the disk takes writes again redoes the stage it interrupted.
 BAD_INPUT = (ConfigFlagError, LaunchError, CorpusError, CheckpointError, ConfigError, SafetensorsError)
 
 
@@ -57,6 +59,8 @@ class Job(Context):
         self.step_timeout = step_timeout  # kvjax.distributed.Watchdog over the collective stages (0: off)
         self.seconds: dict[str, float] = {}
         self.reused: list[str] = []
+        self.lock: run_lock.RunLock | None = None  # the run directory's, when `start` took it
+        self.need = 0  # bytes the stages still to run will write (estimated by `check`)
         self._checked = False
 
     def placement(self) -> str:
@@ -65,7 +69,8 @@ class Job(Context):
                 f"{jax.devices()[0].device_kind}")
 
     def check(self) -> None:
-        """Apply --redo, then make sure no finished stage conflicts with these settings (before any work)."""
+        """Apply --redo, then make sure no finished stage conflicts with these settings and that what the stages
+        still to run will write fits the disk (kvjax.stages.disk.check_space; before any work)."""
         if self._checked:
             return
         self._checked = True
@@ -76,17 +81,25 @@ class Job(Context):
             for later in names[names.index(r):]:
                 if later == r or r in ("calibrate", "ridge", "residual") or later == "report":
                     self.run.forget(self.stages[later])
-        for stage in self.stages.values():
+        todo = []
+        for name, stage in self.stages.items():
             try:
-                self.run.done(stage)
+                if not self.run.done(stage):
+                    todo.append(name)
             except StageConflict as e:
                 raise LaunchError(str(e)) from None
+        if self.run.writer and todo:
+            self.need = disk.check_space(self.cfg, todo, self.run.root)
 
     def execute(self) -> dict:
         self.check()
         if self.run.writer:
-            os.makedirs(self.run.root, exist_ok=True)
-            write_json(self.run.path("config.json"), to_dict(self.cfg))
+            with self.run.writing(None, "config.json"):
+                os.makedirs(self.run.root, exist_ok=True)
+                write_json(self.run.path("config.json"), to_dict(self.cfg))
+        if self.need:
+            log.info("disk: the stages to run write ~%d MB, %d MB free on %s", disk.mb(self.need),
+                     disk.mb(disk.free_bytes(self.run.root), down=True), disk.device(self.run.root))
         # every process decides what to reuse from the same markers, read before process 0 writes a new one
         done = {name: self.run.done(stage) for name, stage in self.stages.items()}
         self.run.sync("plan read")
@@ -104,11 +117,13 @@ class Job(Context):
                          f" on {'all' if collective else 'the'} {self.mesh().size} devices of "
                          f"{'every process' if collective else 'process 0'}")
                 t0, c0 = time.perf_counter(), time.process_time()
-                with jax.set_mesh(self.mesh()), distributed.Watchdog(self.step_timeout if collective else 0):
-                    getattr(self, f"stage_{name}", self.stage_eval)(stage)
-                self.seconds[name] = time.perf_counter() - t0
-                cpu = time.process_time() - c0
-                self.run.finish(stage, self.seconds[name], cpu)
+                with self.run.writing(stage):  # a write the disk refuses: one line, nothing half-written kept
+                    with jax.set_mesh(self.mesh()), distributed.Watchdog(self.step_timeout if collective else 0), \
+                            aot.section(name):
+                        getattr(self, f"stage_{name}", self.stage_eval)(stage)
+                    self.seconds[name] = time.perf_counter() - t0
+                    cpu = time.process_time() - c0
+                    self.run.finish(stage, self.seconds[name], cpu)  # last: the stage is whole
                 log.info("stage %-10s done in %.1fs (%.1f CPU s)", name, self.seconds[name], cpu)
             else:
                 log.info("stage %-10s runs on process 0; waiting for it", name)
@@ -123,18 +138,27 @@ class Job(Context):
         return {"seconds": total, "ran": list(self.seconds), "reused": self.reused, "gate": gate}
 
 
-def start(cfg: RunConfig, redo: tuple[str, ...], flags: LaunchFlags) -> Job:
+def start(cfg: RunConfig, redo: tuple[str, ...], flags: LaunchFlags, lock: bool = False) -> Job:
     """A Job for a config that passed the command line's checks, ready to execute: the checks that read the models'
     configs and the registries (kvjax.preflight.validate), jax.distributed started when asked (flags or
-    JAX_COORDINATOR_ADDRESS), and no finished stage in conflict (process 0 applies --redo first). Raises one of
-    BAD_INPUT, having written nothing."""
+    JAX_COORDINATOR_ADDRESS), and no finished stage in conflict (process 0 applies --redo first) nor too little
+    space for the rest. `lock`: process 0 locks the run directory once jax.distributed says it is process 0 (the
+    command locks it before JAX starts whenever it knows earlier; kvjax.stages.lock), released with job.lock.
+    Raises one of BAD_INPUT, having written nothing."""
     validate(cfg)
     try:  # before anything touches a device; a no-op unless asked for
         distributed.initialize_from_flags(flags)
     except ValueError as e:
         raise LaunchError(f"distributed: {e}") from None
     check_processes(cfg, jax.process_count())
-    job = Job(cfg, redo, step_timeout=flags.step_timeout)
-    # conflicts with an earlier run are reported before anything is written; process 0 applies --redo first
-    distributed.primary_first("check", job.check, LaunchError)
+    held = run_lock.acquire(cfg.output_dir) if lock and jax.process_index() == 0 else None
+    try:
+        job = Job(cfg, redo, step_timeout=flags.step_timeout)
+        # conflicts with an earlier run are reported before anything is written; process 0 applies --redo first
+        distributed.primary_first("check", job.check, LaunchError)
+    except BaseException:
+        if held is not None:
+            held.release()
+        raise
+    job.lock = held
     return job

@@ -6,10 +6,19 @@ user asks to redo it.
 In a multi-process run every process reads the run directory but one writes it (`writer`): markers, deletions for
 --redo and claimed work directories are process 0's; `sync` (kvjax.distributed.wait_all) makes the others wait
 until a claimed work directory is ready.
+
+What is under a final name is whole: every writer of the stages writes a temporary name and renames it (write_json,
+the data directory, kvjax.save_map, the report's files and charts; orbax commits a checkpoint by renaming its
+temporary directory), and a stage's marker is written last. A stage killed at any moment, or whose write the disk
+refuses, is therefore redone by the rerun, from its start or (the residual) from its last checkpoint. The stages
+run inside `RunDir.writing`, which turns a refused write into one line (kvjax.stages.disk) and removes what the
+stage left under temporary names.
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import hashlib
 import json
 import os
@@ -17,6 +26,7 @@ import shutil
 import time
 
 from kvjax.config_flags import flatten
+from kvjax.stages import disk
 
 
 class StageConflict(ValueError):
@@ -42,12 +52,17 @@ def model_identity(path: str) -> dict:
 
 
 def write_json(path: str, obj) -> None:
-    """Atomic JSON write (a reader never sees half a file)."""
+    """Atomic JSON write (a reader never sees half a file; a failed write leaves nothing)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, default=float)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1, default=float)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def read_json(path: str):
@@ -122,6 +137,47 @@ class RunDir:
             elif os.path.isfile(full):
                 os.remove(full)
 
+    @contextlib.contextmanager
+    def writing(self, stage: Stage | None, what: str = ""):
+        """Run a stage's work and its marker's write (or, stage None, the writing of `what`) inside: a write the
+        disk refuses (full, read-only, not permitted: kvjax.stages.disk.failed_write) raises disk.WriteFailed, one
+        line naming the device, the path and the stage, once the writer has removed what the stage left under
+        temporary names (its outputs' and its marker's `.tmp`, the report's `.tmp.png` charts, orbax's
+        `.orbax-checkpoint-tmp` directories), which hold the space a rerun needs."""
+        try:
+            yield
+        except Exception as e:
+            failed = disk.failed_write(e, self.root)
+            if failed is None:
+                raise
+            message = disk.describe(*failed, stage.name if stage else what, self.root)  # the free space now
+            if self.writer and stage is not None:
+                self._sweep(stage)
+            raise disk.WriteFailed(message) from None
+
+    def _sweep(self, stage: Stage, tries: int = 20) -> None:
+        """Remove what `stage` left under temporary names. A failed orbax save may still have writes in flight
+        (TensorStore's, which orbax stopped waiting for at the first failure): they can recreate a directory being
+        removed, so the sweep repeats until nothing is left twice in a row (they fail fast on the same disk)."""
+        clean = 0
+        for _ in range(tries):
+            left = [p for p in [self.path(out) + ".tmp" for out in stage.outputs] + [self.marker(stage) + ".tmp"]
+                    if os.path.lexists(p)]
+            left += glob.glob(self.path("*.tmp.png"))
+            for out in stage.outputs:
+                left += glob.glob(os.path.join(glob.escape(self.path(out)), "**", "*.orbax-checkpoint-tmp*"),
+                                  recursive=True)
+            clean = 0 if left else clean + 1
+            if clean == 2:
+                return
+            for path in left:
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    with contextlib.suppress(OSError):
+                        os.remove(path)
+            time.sleep(0.05)
+
     def claim_workdir(self, stage: Stage, workdir: str) -> None:
         """A resumable stage's work directory belongs to these settings: partial work from other settings is
         discarded; partial work from the same settings is kept (and resumed). Every process calls it; they return
@@ -139,5 +195,6 @@ class RunDir:
         if os.path.isdir(workdir):
             shutil.rmtree(workdir)
         os.makedirs(workdir)
-        with open(stamp, "w") as f:
+        with open(stamp + ".tmp", "w") as f:
             f.write(stage.hash)
+        os.replace(stamp + ".tmp", stamp)

@@ -7,6 +7,7 @@ plan's outputs, the job's loading and sizing of maps and the server's final map 
 
 from __future__ import annotations
 
+from kvjax import corpus
 from kvjax.config_flags import to_dict
 from kvjax.eval import suite
 from kvjax.run_config import RunConfig
@@ -37,10 +38,12 @@ def plan(cfg: RunConfig) -> dict[str, Stage]:
     models = {role: {"path": getattr(cfg, role).path, "dtype": getattr(cfg, role).dtype,
                      "identity": model_identity(getattr(cfg, role).path)} for role in ("source", "target")}
     d = to_dict(cfg)
-    calibrate = Stage("calibrate", {"data": d["data"], "tokenizer": models["target"]["identity"].get("tokenizer.json"),
-                                    "windows": {k: d["map"][k] for k in ("calib_windows", "select_windows",
-                                                                          "window_len")},
-                                    "seed": cfg.seed}, [], ["data"])
+    data = {"data": cfg.data.hashed(), "tokenizer": models["target"]["identity"].get("tokenizer.json"),
+            "windows": {k: d["map"][k] for k in ("calib_windows", "select_windows", "window_len")}, "seed": cfg.seed}
+    texts = cfg.data.train_text + (cfg.data.heldout_text if not cfg.data.heldout_windows else ())
+    if any(corpus.dataset(s) for s in texts):  # a dataset's local files (a hub dataset: its name), as read now
+        data["corpus"] = {s: corpus.identity(s) for s in dict.fromkeys(texts) if corpus.dataset(s)}
+    calibrate = Stage("calibrate", data, [], ["data"])
     ridge = Stage("ridge", {"models": models, "map": d["map"], "seed": cfg.seed}, [calibrate], [MAP_DIRS["ridge"]])
     stages = {"calibrate": calibrate, "ridge": ridge}
     final = ridge

@@ -32,12 +32,13 @@ def run(job, stage: Stage) -> None:
     drawn = suite.draw_charts(metrics, job.run.root, cfg.source.name, cfg.target.name)
     metrics["run"]["charts"] = drawn
     write_json(job.run.path("metrics.json"), metrics)
-    save_gate(job.run.path("gate.json"), gate)
     text = suite.render_report(metrics, drawn)
     tmp = job.run.path("report.md.tmp")
     with open(tmp, "w") as f:
         f.write(text)
     os.replace(tmp, job.run.path("report.md"))
+    # last: gate.json is what says a run finished to its readers (kvjax.serve serves a run's map only beside it)
+    save_gate(job.run.path("gate.json"), gate)
     log.info("quality gate: %s", gate.summary())
 
 

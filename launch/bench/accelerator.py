@@ -76,19 +76,10 @@ class Budget:
         return self.seconds - (time.perf_counter() - self.t0)
 
 
-def median_seconds(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())  # compile + first run, not timed
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 # ---- 1. device -----------------------------------------------------------------------------------------------------
 
 def matmul_peak(n: int, dtype) -> float:
+    from launch.bench.kernel import median_seconds
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
     f = jax.jit(lambda x: x @ x)
     return 2 * n ** 3 / median_seconds(lambda: f(a), 5)

@@ -1,6 +1,8 @@
 """How fast the two commands report a mistake: a bad flag, an unknown config field and a missing checkpoint, each for
-`python -m kvjax.launch` and `python -m kvjax.serve`, run as the user runs them (a fresh process each), beside the
-floor of `python -c pass`.
+`python -m kvjax.launch` and `python -m kvjax.serve`, and a real config's hub corpus with the hub offline
+(`python -m kvjax.launch --config=qwen32_8` with HF_HUB_OFFLINE=1, the toy checkpoints standing in for the real
+ones: the fast checks read their headers only), run as the user runs them (a fresh process each), beside the floor
+of `python -c pass`.
 
     launch/venv python -m launch.bench.fail_fast                  # 3 runs of each, the median
     launch/venv python -m launch.bench.fail_fast --repeats 5 --json runs/fail_fast.json
@@ -29,14 +31,19 @@ CASES = {  # name -> (arguments, words its message must hold)
     "unknown config field": (["--config.eval.mc.limt=3"], ("unknown config field 'eval.mc.limt'", "eval.mc.limit")),
     "missing checkpoint": (["--config.source.path=/nonexistent/checkpoint"],
                            ("/nonexistent/checkpoint", "does not exist", "--config.source.path")),
+    "hub corpus offline": (["--config=qwen32_8"], ("fineweb-edu", "HF_HUB_OFFLINE=1 is set", "stdlib:train")),
 }
+# cases of one command only, and the environment they run in (beside this process's)
+ONLY = {"hub corpus offline": "kvjax.launch"}
+ENV = {"hub corpus offline": {"HF_HUB_OFFLINE": "1", "KVJAX_SOURCE": "checkpoints/toy/source",
+                              "KVJAX_TARGET": "checkpoints/toy/pruned"}}
 
 
-def run(argv: list[str], importtime: bool = False) -> tuple[float, int, str, set[str]]:
+def run(argv: list[str], importtime: bool = False, env: dict | None = None) -> tuple[float, int, str, set[str]]:
     """(wall seconds, exit code, stderr without -X importtime's lines, modules imported (with importtime))."""
     cmd = [sys.executable, *(["-X", "importtime"] if importtime else []), *argv]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
     seconds = time.perf_counter() - t0
     lines = proc.stderr.splitlines()
     modules = {line.rsplit("|", 1)[1].strip() for line in lines if line.startswith("import time:")} - {"package"}
@@ -54,14 +61,16 @@ def measure(repeats: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for command in COMMANDS:
             for name, (args, words) in CASES.items():
+                if ONLY.get(name, command) != command:
+                    continue
                 out_dir = os.path.join(tmp, f"{command}_{name.replace(' ', '_')}")
                 argv = case_argv(command, args, out_dir)
                 times, codes, message = [], set(), ""
                 for _ in range(repeats):
-                    seconds, code, message, _ = run(argv)
+                    seconds, code, message, _ = run(argv, env=ENV.get(name))
                     times.append(seconds)
                     codes.add(code)
-                _, _, _, modules = run(argv, importtime=True)
+                _, _, _, modules = run(argv, importtime=True, env=ENV.get(name))
                 jax = sorted(m for m in modules if m.split(".")[0] in HEAVY)
                 rows.append({"command": command, "case": name, "seconds": statistics.median(times),
                              "exit": sorted(codes), "jax_imported": bool(jax),

@@ -69,6 +69,18 @@ def copy_bandwidth(nbytes: int, repeats: int = 5) -> float:
     return 2 * x.nbytes / min(times)
 
 
+def median_seconds(fn, repeats: int) -> float:
+    """Median seconds of fn() (its result waited for) over `repeats` calls after an untimed one (compile + first
+    run)."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def timed(fn, state, repeats):
     """Median seconds of state = fn(state) (the target buffers are donated and handed back each call)."""
     state = jax.block_until_ready(fn(state))  # compile + first run

@@ -131,7 +131,7 @@ def measure_turn(builder, w: Workload, vocab: int, k: int, repeats: int) -> dict
     from kvjax.serve import programs
     from kvjax.serve.prefill import PrefillJob
     from kvjax.serve.prefix import PrefixCache
-    from launch.bench.accelerator import median_seconds  # compiles first, then the median of `repeats` runs
+    from launch.bench.kernel import median_seconds  # compiles first, then the median of `repeats` runs
     buckets = programs.buckets(w.capacity())
     before, now = conversation(w, vocab, k, w.batch)
     bucket = programs.bucket_for(w.prompt(k) - 1, buckets)
@@ -161,7 +161,7 @@ def measure_steps(target, w: Workload, repeats: int) -> dict:
     import jax.numpy as jnp
 
     from kvjax.serve import programs
-    from launch.bench.accelerator import median_seconds
+    from launch.bench.kernel import median_seconds
     cfg, params = target
     ctx = w.prompt(w.turns // 2 + 1) + w.answer // 2
     out = {"context": ctx}

@@ -59,11 +59,11 @@ class PrunedTargetConfig:
 @dataclasses.dataclass(frozen=True)
 class MoeSiblingConfig:
     """A Qwen3-MoE sibling of the source (the toy analogue of Qwen3-30B-A3B beside a dense Qwen3): the source's
-    attention, norms and embedding with each layer's MLP split into `num_experts` experts of its neurons (clustered
-    by their gate vectors; the router starts at the cluster centroids) of which `top_k` run per token, then trained
-    on text with the source's data pipeline. Upcycled rather than from scratch because the toy models learn to copy
-    only after ~8M tokens at the source's width (`git show ce69783:WORKSPACE.md`, "Toy pair"), far more than this
-    budget, and a sibling that cannot read context says little about cache transfer."""
+    attention, norms and embedding with each layer's MLP split into `num_experts` experts of its neurons (clustered by
+    their gate vectors; the router starts at the cluster centroids) of which `top_k` run per token, then trained on text
+    with the source's data pipeline. Upcycled rather than from scratch because the toy models learn to copy only after
+    ~8M tokens at the source's width (measured training the toy pair, 2026-11-30; WORKSPACE.md's history), far more than
+    this budget, and a sibling that cannot read context says little about cache transfer."""
 
     num_experts: int = 8  # the source's ffn (768) split evenly: 96 neurons per expert
     top_k: int = 2  # a quarter of the MLP runs per token

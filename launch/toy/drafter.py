@@ -14,8 +14,8 @@ the source's features at the drafter's feature layers; the draft vocabulary; tra
 checkpoints, progress bar, metrics.jsonl, loss.png, tau.png: held-out acceptance against training tokens); export
 with kvjax.drafter.io.save_drafter (manifest: the source's config fingerprint and the trained block sizes 4, 8, 16:
 one drafter trained with random block truncation serves all three).
-The held-out files never enter: prompts come from the train split only, so launch/bench/dflash.py's held-out
-prompt sets are unseen.
+The held-out files never enter: prompts come from the train split only, so the held-out prompts it is measured on
+(launch/bench/spec_cost.py, the main job's `dflash` evaluation) are unseen.
 """
 
 from __future__ import annotations

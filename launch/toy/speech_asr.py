@@ -32,6 +32,19 @@ import numpy as np
 
 ALPHABET = " abcdefghijklmnopqrstuvwxyz'"  # CTC classes 1..28; 0 is the blank
 MAX_CHARS = 160  # an 18-word context is ~110 characters
+BUCKETS = tuple(range(256, 1025, 128))  # mel-frame paddings (one compile each)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """The toy encoder's shapes (pre-trained here) and its projector's (trained by launch.toy.speech_train)."""
+    d_model: int = 192
+    layers: int = 3
+    heads: int = 4
+    ffn: int = 768
+    positions: int = 512  # window 1024 frames (10.24 s)
+    hidden: int = 1024  # projector's linear_1 width (SwiGLU halves it)
+    stack: int = 8
 
 
 def labels(text: str) -> list[int]:
@@ -137,7 +150,6 @@ def main(argv=None) -> None:
     from kvjax import checkpointing
     from kvjax.models.whisper import WhisperEncoderConfig, encode_forward, encoded_length
     from launch.toy.speech import load_set
-    from launch.toy.speech_train import BUCKETS, Shapes
     logging.getLogger("absl").setLevel(logging.WARNING)
 
     sh = Shapes()

@@ -39,23 +39,13 @@ from pathlib import Path
 
 import numpy as np
 
+from launch.toy.speech_asr import BUCKETS, Shapes  # the encoder speech_asr pre-trains, and its projector
+
 LMS = {"source": "checkpoints/toy/source", "pruned": "checkpoints/toy/pruned"}
 CONT = 16  # continuation tokens the KL is taken over (the context matters most to the first ones)
-BUCKETS = tuple(range(256, 1025, 128))  # mel-frame paddings (one compile each)
 AUDIO_TOKEN = 100  # the toy's <|audio|>: a byte token the corpus never produces (its tokenizer has no spare special)
 MAX_CTX = 48  # transcript tokens (longer transcripts are left out; 18 words are ~25)
 TEMPLATE = "<|endoftext|><|audio|>\n"  # then the text; the line break: rST prose wraps, the toy LM reads it mid-sentence
-
-
-@dataclasses.dataclass(frozen=True)
-class Shapes:
-    d_model: int = 192
-    layers: int = 3
-    heads: int = 4
-    ffn: int = 768
-    positions: int = 512  # window 1024 frames (10.24 s)
-    hidden: int = 1024  # projector's linear_1 width (SwiGLU halves it)
-    stack: int = 8
 
 
 def tokenize_set(tok, items: list[dict]) -> tuple[list[list[int]], np.ndarray, np.ndarray]:

@@ -48,7 +48,7 @@ EVALUATIONS: tuple[Evaluation, ...] = (
     rank_sweep.EVALUATION,  # off by default (it refits): the reduced-rank ridge at ten ranks, three criteria
     kl.EVALUATION,
     agreement.EVALUATION,  # every arm's next-token agreement with the source / native target, over direct injection
-    rollout.EVALUATION,  # off by default: seed 004's 32-step divergence of the target decoding from each map's cache
+    rollout.EVALUATION,  # off by default: the method's 32-step divergence of the target decoding from each map's cache
     mc.EVALUATION,
     retrieval.EVALUATION,
     ruler.EVALUATION,  # off by default: RULER-style multi-task retrieval (unseen needle formats, multi-key, VT)

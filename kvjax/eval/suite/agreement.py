@@ -1,4 +1,4 @@
-"""Evaluation `agreement`: next-token agreement of every arm, against direct injection (the seed: "improved
+"""Evaluation `agreement`: next-token agreement of every arm, against direct injection (the method's claim: "improved
 next-token agreement 30x over direct injection"). On the `kl` evaluation's frozen held-out windows (the rows after the
 distance windows, its sizes: eval.kl.*), the target reads each arm's cache of the prefix and predicts the
 continuation; at every continuation position its top token is compared with
@@ -11,7 +11,7 @@ prefill cache: with_target 1 up to numerics, with_source the models' baseline ag
 residual, partial. `source` is a reference row, not a built cache: the source is the teacher itself (with_source 1,
 with_target = the native target's agreement with the source). Against direct injection, per arm:
 
-  ratio_vs_direct.with_source      arm / direct agreement with the SOURCE's argmax (the seed's "30x"; the gate's
+  ratio_vs_direct.with_source      arm / direct agreement with the SOURCE's argmax (the method's "30x"; the gate's
                                    agreement_vs_direct)
   ratio_vs_direct.with_target      arm / direct agreement with the NATIVE TARGET's argmax
   disagreement_ratio.{same two}    (1 - direct) / (1 - arm): how many times fewer positions disagree

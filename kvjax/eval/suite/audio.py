@@ -1,15 +1,14 @@
-"""Evaluation `audio`: audio cache transfer (seed 004: "An 8B model listened once. A 1B model answered, and got
-smarter doing it"). Off by default; `--config=toy_audio` runs it.
+"""Evaluation `audio`: audio cache transfer (the method's speech claim: "An 8B model listened once. A 1B model answered,
+and got smarter doing it"). Off by default; `--config=toy_audio` runs it.
 
-The source and the answerer each have an audio adapter (a Whisper encoder + Ultravox projector trained by
-distillation, launch/toy/speech_train.py). The stage first trains the AUDIO MAP: the run's final text map with its
-residual trained further on the source's audio-prompt caches (kvjax.fitting.audio_map; `map_train` clips, never the
-sealed ones), then scores the sealed spoken multiple-choice test (kvjax.eval.audio) through every arm on the same
-items, and times the mapped path against the answerer's own audio path side by side (time to first token with the
-encoder; decode tokens/s). metrics.json `audio`: accuracy per arm with 95% intervals, the paired differences that
-carry the seed's claims (mapped vs the answerer's audio path: interval and sign-flip p-value; share of the gap to
-the source recovered; each model's spoken margin over chance kept from its transcript margin), map training KL,
-timings.
+The source and the answerer each have an audio adapter (a Whisper encoder + Ultravox projector trained by distillation,
+launch/toy/speech_train.py). The stage first trains the AUDIO MAP: the run's final text map with its residual trained
+further on the source's audio-prompt caches (kvjax.fitting.audio_map; `map_train` clips, never the sealed ones), then
+scores the sealed spoken multiple-choice test (kvjax.eval.audio) through every arm on the same items, and times the
+mapped path against the answerer's own audio path side by side (time to first token with the encoder; decode tokens/s).
+metrics.json `audio`: accuracy per arm with 95% intervals, the paired differences that carry the method's speech claims
+(mapped vs the answerer's audio path: interval and sign-flip p-value; share of the gap to the source recovered; each
+model's spoken margin over chance kept from its transcript margin), map training KL, timings.
 """
 
 from __future__ import annotations
@@ -425,7 +424,7 @@ def depends(cfg) -> dict:
 
 
 def gate(au: dict, config, map_arm: str) -> list:
-    """The seed's audio claims on the audio map (not the run's text map: the gated map of this section)."""
+    """The method's speech claims on the audio map (not the run's text map: the gated map of this section)."""
     from kvjax.gate import check
     lo = au.get("mapped_minus_target_audio_ci95", [None])[0]
     kept = [au[k] for k in ("source_margin_kept",) if k in au]

@@ -1,7 +1,7 @@
 """Evaluation `mc`: multiple choice (HellaSwag, PIQA schemas), every arm on the same items (continuation
 log-likelihood), with bootstrap intervals, paired differences to the native target and the share of the target-to-
-source gap each arm recovers, the final map against each peer map arm (per-head ridge, the seed's ridge-only) and
-chance-normalised retention (each arm's margin over guessing as a share of the native target's / the source's).
+source gap each arm recovers, the final map against each peer map arm (per-head ridge, the method's ridge-only baseline)
+and chance-normalised retention (each arm's margin over guessing as a share of the native target's / the source's).
 metrics.json `mc`; the gate's mc_retention, mc_gap_recovered, mc_gain_ci_lo and mc_chance_retention."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from kvjax.gate import check, retention
 
 log = logging.getLogger(__name__)
 SETS = ("hellaswag", "piqa")  # the schemas kvjax.eval.load_mc reads; each has its own settings field
-PEERS = ("perhead", "ridge")  # maps the final map is compared with, paired by item: the per-head peer, the seed's ridge
+PEERS = ("perhead", "ridge")  # maps the final map is compared with, paired by item: the per-head peer, the plain ridge
 # options per item of each schema: chance = 1 / choices. Records written since they store it ("choices"); this is for
 # the records made before (kvjax.eval.multiple_choice reads 4 endings per HellaSwag item, 2 solutions per PIQA item)
 CHOICES = {"hellaswag": 4, "piqa": 2}

@@ -1,5 +1,5 @@
 """Evaluation `rank_sweep` (off by default: it refits): the reduced-rank ridge map (MapConfig.rank; no residual) at
-ten ranks k, each measured on the three criteria a rank could be chosen by (issue 40; seed: "a ten-point sweep
+ten ranks k, each measured on the three criteria a rank could be chosen by (the method reports "a ten-point sweep
 picked k=24 on prefix loss while attention similarity peaked at k=8 and mapping time kept climbing").
 
 Fitting: the job keeps no ridge statistics (stage ridge saves only the map), so the sweep recollects them once, as

@@ -1,5 +1,5 @@
-"""Evaluation `rollout` (off by default): seed 004's 32-step KV-transfer divergence. On frozen held-out windows (the KL
-evaluation's rows, their first `prefix_len` tokens) the target greedily generates `steps` tokens from each fitted
+"""Evaluation `rollout` (off by default): the method's 32-step KV-transfer divergence. On frozen held-out windows (the
+KL evaluation's rows, their first `prefix_len` tokens) the target greedily generates `steps` tokens from each fitted
 map's cache and from its own prefill, and the source teacher scores every step: KL(source || target) per step
 (kvjax.eval.rollout). Whether the residual was trained on KL or on its own rollouts is `--config.residual.rollout`.
 metrics.json `rollout`."""

@@ -1,5 +1,5 @@
 """Evaluation `throughput`: decode tokens/s, time to first token and active compute vs prefix length for the native
-target, the native source and the split path with the final map ("mapped"), timed as the seed does
+target, the native source and the split path with the final map ("mapped"), timed the way the method's report does
 (kvjax.eval.throughput). metrics.json `throughput`."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def metrics(ev: dict, ctx) -> dict:
         row["mapped_over_source_decode"] = row["decode_tps"][MAPPED] / row["decode_tps"][SOURCE]
         row["active_saving_vs_source"] = 1.0 - row["active_s"][MAPPED] / row["active_s"][SOURCE]
         if "latency_s" in row:  # records made before end-to-end latency was reported lack it
-            # reserved accelerator seconds: every device a path holds, for the whole request (the seed's accounting:
+            # reserved accelerator seconds: every device a path holds, for the whole request (the method's accounting:
             # the split path holds the source's and the target's devices), beside the active compute above
             row["reserved_s"] = {arm: DEVICES[arm] * row["latency_s"][arm] for arm in DEVICES}
             row["mapped_latency_over_source"] = row["latency_s"][MAPPED] / row["latency_s"][SOURCE]
