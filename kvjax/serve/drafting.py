@@ -1,17 +1,19 @@
-"""Speculative decoding in the decode slots: the drafter, each slot's drafter state, and each step's kind.
+"""Speculative decoding in the decode slots: the drafter, each slot's drafter state, and each step's width.
 
 With `--speculative=lookup|block|combined` a decode step is either a verify round over the occupied slots
-(programs.round_step: the drafter proposes up to g tokens per row, the target checks them in one forward over its
-cache, the library's kvjax.speculative.verify_block, and each row keeps its own accepted count and rolls its cache
-and drafter state back to it) or a plain step that also advances every row's drafter state over its new token
-(programs.plain_step). Both look prompt lookup up ahead for the next step: a round then runs at the narrowest
-compiled verify width that holds the longest copy, and no round runs when no row would draft anything. Which one runs is decided per step from measured costs (kvjax.serve.scheduler.DraftPolicy):
-a round of g + 1 tokens over many rows can cost more than the tokens it saves.
+(programs.round_step: the drafter proposes up to g tokens per row, the target checks the first width - 1 of them in
+one forward over its cache, the library's kvjax.speculative.verify_block, and each row keeps its own accepted count
+and rolls its cache and drafter state back to it) or a plain step that also advances every row's drafter state over
+its new token (programs.plain_step). Every step also looks ahead at what the next round would draft in each row
+(programs.lookahead: how many tokens, and whether a copy of prompt lookup or the model drafter drafts them), and
+the scheduler's DraftPolicy (kvjax.serve.scheduler) chooses from that and the measured costs and acceptances the
+next step's width: a round of the compiled width that is predicted to emit the most tokens per second, or a plain
+step where no round pays (a wide round over many rows costs more than the tokens it saves).
 
 Drafters (each the library's, kvjax.speculative):
   lookup    prompt lookup (LookupDrafter): copies what followed the latest earlier occurrence of a row's last n-gram
-            in its prompt and answer so far; no model, and where nothing recurs it drafts nothing, so the round runs
-            at width 1 (the narrowest compiled verify width that holds a round's longest draft)
+            in its prompt and answer so far; no model, and where nothing recurs it drafts nothing (a step where no
+            row would draft anything is a plain step)
   block     the block drafter (kvjax.drafter): g tokens in one forward from the target's features; it must have
             been trained for the answering model (the target), with g one of its trained block sizes
   combined  lookup's copy where a row's text repeats, the block drafter's draft elsewhere (kvjax.speculative.combined)
@@ -42,7 +44,7 @@ from kvjax.serve.config import EngineConfig
 from kvjax.serve.metrics import Metrics
 from kvjax.serve.scheduler import DraftPolicy
 
-NARROW = (1, 2, 3, 5, 9, 17, 33, 65)  # the verify widths compiled for a variable-length drafter (and g + 1)
+NARROW = (1, 2, 3, 5, 9, 17, 33, 65)  # the verify widths compiled below g + 1 (and g + 1)
 
 
 def build_drafter(config: EngineConfig, target):
@@ -61,16 +63,16 @@ def build_drafter(config: EngineConfig, target):
     return combined(block, cfg.vocab_size, min_match=config.min_match, max_ngram=hi).replace(lookup=lookup)
 
 
-def verify_widths(draft_len: int, variable: bool) -> tuple[int, ...]:
-    """The verify widths a round may run: g + 1 for a fixed-length drafter; for a variable-length one NARROW up to
-    g + 1, and g + 1 (a round of short copies runs narrow, one compiled program per width)."""
+def verify_widths(draft_len: int) -> tuple[int, ...]:
+    """The verify widths a round may run: NARROW up to g + 1, and g + 1 (one compiled program per width and row
+    count; a round runs the narrowest that pays: DraftPolicy)."""
     top = draft_len + 1
-    return (top,) if not variable else tuple(sorted({w for w in NARROW if w < top} | {top}))
+    return tuple(sorted({w for w in NARROW if w < top} | {top}))
 
 
 class Drafting:
-    """The drafter of an engine's decode slots, each slot's drafter state (on the decode device), when a step drafts
-    and what the rounds accepted. Only the decode thread calls it."""
+    """The drafter of an engine's decode slots, each slot's drafter state (on the decode device) and next draft, how
+    much a step drafts and what the rounds accepted. Only the decode thread calls it."""
 
     def __init__(self, target, config: EngineConfig, device, metrics: Metrics):
         from kvjax.models.model import Model
@@ -81,19 +83,24 @@ class Drafting:
         self.drafter = jax.device_put(build_drafter(config, target), device)
         self.g = self.drafter.draft_len
         self.layers = tuple(self.drafter.feature_layers)
-        self.widths = verify_widths(self.g, bool(getattr(self.drafter, "variable_length", False)))
+        self.widths = verify_widths(self.g)
         # the verify pass's target (on CPU a tied head as an explicit [D, V] copy: kvjax.speculative.api says why)
         self.round_params = jax.device_put(loop_verifier(Model(self.cfg, self.params)).params, device)
         self.state = self._fresh(config.slots)
-        self.policy = DraftPolicy(config.draft_policy)
+        # each slot's next draft (programs.lookahead): its length and source (n >= 1: lookup's copy after a recurring
+        # n-gram of n tokens; 0: the model drafter's)
+        self.lengths = np.zeros(config.slots, np.int32)
+        self.sources = np.zeros(config.slots, np.int32)
+        self.policy = DraftPolicy(config.draft_policy, self.widths, config.lookup_ngram[1] + 1, self.g)
         self.rounds = 0
-        self.ahead = 0  # the tokens the next round would verify, from the last step (1: nothing to draft; 0: unknown)
+        self.drafted_by = self.sources.copy()  # the sources of the last round's drafts
         parts = ("lookup", "none") if self.kind == "lookup" else ("block", "none") if self.kind == "block" else (
             "lookup", "block", "none")
         m = metrics  # each drafter's series, bound once (a labels() lookup per row and step adds up)
         self._series = {p: (m.drafted_tokens.labels(drafter=p), m.accepted_tokens.labels(drafter=p),
                             m.acceptance_length.labels(drafter=p)) for p in parts}
         self._steps = {k: m.decode_steps.labels(kind="draft" if k else "plain") for k in (True, False)}
+        self._costs: dict = {}  # (rows, width) -> the step-cost gauge's series
 
     # ---- drafter state -----------------------------------------------------------------------------------------
 
@@ -144,70 +151,76 @@ class Drafting:
         for slot, row, prompt in placed:
             prompts[row], slots[row] = prompt, slot
         new = self._start(prompts, rows, cache)
+        last = np.asarray([p[-1] for p in prompts], np.int32)
+        ahead = programs.new_rows_lookahead(self.drafter, new, last, slots < self.config.slots)
+        lengths, sources = jax.device_get(ahead)
         self.state = programs.insert_rows(self.state, new, jnp.asarray(slots))
-        self.ahead = 0  # the new rows were not looked ahead
+        for slot, row, _ in placed:  # their first round's drafts
+            self.lengths[slot], self.sources[slot] = lengths[row], sources[row]
 
     def compile_insert(self, cache) -> None:
         """Run `insert` for a batch like `cache` with every row dropped (warm-up: compiles it, changes nothing)."""
         new = self._start([[0, 0]] * cache.batch_size, cache.batch_size, cache)
-        self.state = programs.insert_rows(self.state, new, jnp.full((cache.batch_size,), self.config.slots,
-                                                                    jnp.int32))
+        dropped = np.full((cache.batch_size,), self.config.slots, np.int32)
+        programs.new_rows_lookahead(self.drafter, new, dropped * 0, dropped < 0)
+        self.state = programs.insert_rows(self.state, new, jnp.asarray(dropped))
 
     def reset(self) -> None:
         """Every slot's state emptied (the slots' cache was rebuilt after a failed step)."""
         self.state = self._fresh(self.config.slots)
-        self.ahead = 0
+        self.lengths[:] = 0
 
     # ---- a decode step -----------------------------------------------------------------------------------------
 
-    def choose(self, rows: int, sampled: bool) -> bool:
-        """Whether this step drafts: not when prompt lookup's look-ahead says no row would draft anything (the last
-        step's `ahead`; unknown after new requests joined), else as DraftPolicy says."""
-        if self.ahead == 1 and self.policy.mode != "always":
-            return False
-        draft = self.policy.choose(rows, sampled)
+    def choose(self, rows: int, active: np.ndarray, temperature: np.ndarray) -> int:
+        """The verify width of the next step over slots [0, rows) (0: a plain step), as DraftPolicy says from each
+        occupied slot's next draft; active / temperature [S]: the occupied slots and their sampling."""
+        occupied = np.flatnonzero(active)
+        hot = temperature[occupied] > 0
+        width = self.policy.choose(rows, bool(hot.any()), self.lengths[occupied], self.sources[occupied], hot)
         if np.isfinite(self.policy.predicted):
             self.metrics.draft_speedup.set(self.policy.predicted)
-        return draft
+        return width
 
-    def step(self, draft: bool, cache, tokens, active, temperature, top_p, seeds, counters, rows: int,
+    def step(self, width: int, cache, tokens, active, temperature, top_p, seeds, counters, rows: int,
              sampled: bool):
-        """One decode step over slots [0, rows): (cache, tokens [S, w] numpy, n_new [S]: each slot's new tokens are
-        tokens[s, :n_new[s]], drafted [S], copied [S]: whether the row's draft was prompt lookup's copy)."""
-        if not draft:
-            nxt, ahead, cache, self.state = programs.plain_step(self.params, self.cfg, cache, self.drafter,
-                                                                self.state, tokens, active, temperature, top_p,
-                                                                seeds, counters, rows=rows)
-            nxt, self.ahead = jax.device_get((nxt, ahead))
-            zeros = np.zeros(active.shape, np.int32)
-            return cache, nxt[:, None], active.astype(np.int32), zeros, zeros
+        """One decode step over slots [0, rows) at verify `width` (0: plain): (cache, tokens [S, w] numpy, n_new [S]:
+        each slot's new tokens are tokens[s, :n_new[s]], drafted [S]: the drafts each slot verified)."""
+        if not width:
+            nxt, lengths, sources, cache, self.state = programs.plain_step(
+                self.params, self.cfg, cache, self.drafter, self.state, tokens, active, temperature, top_p, seeds,
+                counters, rows=rows)
+            nxt, self.lengths[:], self.sources[:] = jax.device_get((nxt, lengths, sources))
+            return cache, nxt[:, None], active.astype(np.int32), np.zeros(active.shape, np.int32)
         self.rounds += 1
-        width = self.width(self.ahead, sampled)
-        toks, n_new, drafted, copied, ahead, cache, self.state = programs.round_step(
+        self.drafted_by = self.sources.copy()  # what drafted this round's rows (account's metrics)
+        toks, n_new, drafted, lengths, sources, cache, self.state = programs.round_step(
             self.round_params, self.cfg, cache, self.drafter, self.state, tokens, active, temperature, top_p, seeds,
             counters, np.int32(self.rounds), rows=rows, sampled=sampled, width=width)
-        toks, n_new, drafted, copied, self.ahead = jax.device_get((toks, n_new, drafted, copied, ahead))
-        return cache, toks, n_new, drafted, copied
+        toks, n_new, drafted, self.lengths[:], self.sources[:] = jax.device_get((toks, n_new, drafted, lengths,
+                                                                                  sources))
+        return cache, toks, n_new, drafted
 
-    def width(self, needed: int, sampled: bool) -> int:
-        """The verify width of a round whose longest draft needs `needed` tokens (0: not known): the narrowest
-        compiled one that holds them (a sampled round runs the full width: one compiled program per row count)."""
-        return self.widths[-1] if sampled or not needed else next(w for w in self.widths if w >= needed)
-
-    def account(self, draft: bool, rows: int, sampled: bool, seconds: float, n_new, drafted, copied,
-                occupied) -> None:
-        """What a step did: its cost and yield (DraftPolicy) and, for a round, each occupied slot's accepted tokens
-        (the metrics per drafter)."""
-        self.policy.observe(draft, rows, sampled, seconds, int(np.sum(n_new[occupied])), len(occupied))
-        self._steps[draft].inc()
-        if not draft:
+    def account(self, width: int, rows: int, sampled: bool, seconds: float, n_new, drafted, occupied,
+                temperature) -> None:
+        """What a step did: its cost and, for a round, each occupied slot's accepted drafts (DraftPolicy, and the
+        metrics per drafter)."""
+        self.policy.observe(width, rows, sampled, seconds)
+        self._steps[bool(width)].inc()
+        series = self._costs.get((rows, width))
+        if series is None:
+            series = self._costs[rows, width] = self.metrics.step_cost.labels(rows=str(rows), width=str(width))
+        series.set(self.policy.cost(rows, sampled, width))
+        if not width:
             return
+        self.metrics.round_width.observe(width)
+        occupied = occupied[n_new[occupied] > 0]  # 0: a slot that was free for the round
+        sources = self.drafted_by[occupied]
+        self.policy.rounds(drafted[occupied], sources, temperature[occupied] > 0, n_new[occupied] - 1)
         totals: dict = {}
-        for s in occupied:
+        for s, source in zip(occupied, sources):
             n, d = int(n_new[s]), int(drafted[s])
-            if n == 0:  # the request ended before the round
-                continue
-            part = "none" if not d else "lookup" if (self.kind == "lookup" or copied[s]) else "block"
+            part = "none" if not d else "lookup" if (self.kind == "lookup" or source) else "block"
             t = totals.setdefault(part, [0, 0, []])
             t[0], t[1] = t[0] + d, t[1] + n - 1
             t[2].append(n)
@@ -222,7 +235,7 @@ class Drafting:
         """Run each kind of step at `rows` once: a plain step and a round at every verify width (sampled: the full
         width). Warm-up; the caller resets the state after."""
         sampled = bool((temperature > 0).any())
-        cache = self.step(False, cache, tokens, active, temperature, top_p, seeds, counters, rows, sampled)[0]
+        cache = self.step(0, cache, tokens, active, temperature, top_p, seeds, counters, rows, sampled)[0]
         for width in self.widths[-1:] if sampled else self.widths:
             cache, self.state = programs.round_step(
                 self.round_params, self.cfg, cache, self.drafter, self.state, tokens, active, temperature, top_p,
