@@ -110,12 +110,12 @@ class Uvicorn:
 class Running(Uvicorn):
     """An engine served by uvicorn on a free localhost port, in this process; always stopped on exit."""
 
-    def __init__(self, stack, chat=True, fault_injection=False, **config):
+    def __init__(self, stack, chat=True, fault_injection=False, mesh=None, **config):
         config = dict(dict(slots=4, capacity=CAPACITY, max_prefill_batch=4, max_tokens_limit=100), **config)
         devices = jax.devices()[:2] if config.get("topology") == "disaggregated" else None
         self.faults = Faults()
         self.engine = Engine(stack["source"], stack["target"], stack["kvmap"], stack["tok"], EngineConfig(**config),
-                             faults=self.faults, devices=devices).start()
+                             faults=self.faults, devices=devices, mesh=mesh).start()
         self._serve(Server(self.engine, MODEL, stack["chat"] if chat else None, fault_injection))
 
     def post(self, path, body, **kw):
@@ -365,3 +365,57 @@ def test_a_step_over_the_first_rows_equals_the_full_step():
     for got, want, before in ((part.k, full.k, cache.k), (part.v, full.v, cache.v)):
         np.testing.assert_allclose(np.asarray(got)[:, :4], np.asarray(want)[:, :4], atol=1e-6)
         np.testing.assert_array_equal(np.asarray(got)[:, 4:], np.asarray(before)[:, 4:])
+
+
+def test_a_server_sharded_over_a_mesh_answers_as_offline(stack):
+    """The batched server on a data 1 x model 2 mesh: weights, map and slots sharded by their logical axes (as the
+    job and the server's plan shard them), and every greedy answer of concurrent requests identical to offline."""
+    from jax.sharding import NamedSharding
+
+    from kvjax.sharding import make_mesh
+    mesh = make_mesh(1, 2, jax.devices()[:2])
+    with Running(stack, mesh=mesh) as srv:
+        engine = srv.engine
+        specs = {str(leaf.sharding.spec) for leaf in jax.tree.leaves(engine.target[1])}
+        assert any("model" in s for s in specs), specs  # the target's heads / FFN split over 'model'
+        key = engine.slots.cache.keys[0]
+        assert isinstance(key.sharding, NamedSharding) and key.sharding.mesh.size == 2
+        prompts = [prompt_ids(stack, n, seed) for n, seed in ((9, 31), (23, 32), (40, 33))]
+        results = [None] * len(prompts)
+
+        def ask(i):
+            results[i] = complete(srv, prompts[i], 12)["choices"][0]["token_ids"]
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for p, got in zip(prompts, results):
+            assert got == offline(stack, p, 12)
+    with pytest.raises(ValueError, match="topology=batched"):
+        Engine(stack["source"], stack["target"], stack["kvmap"], stack["tok"],
+               EngineConfig(topology="disaggregated", slots=2, capacity=CAPACITY), mesh=mesh)
+
+
+def test_a_server_its_devices_cannot_hold_is_refused_before_loading(hf_checkpoints):
+    """The server's fit check: weights (sharded as the mesh places them) + slots + a prefill batch against
+    --config.mesh.device_memory_gb, one message naming what to change; a mesh halves what each device holds."""
+    from kvjax.config_flags import build
+    from kvjax.run_config import RunConfig
+    from kvjax.serve.cli import ServeError, check_fits
+    from kvjax.serve.placement import Placement, held
+    from kvjax.sharding import make_mesh
+    path = hf_checkpoints["gqa2_untied_odd"][0]
+    models = [("source.path", path), ("target.path", path)]
+    small = build("toy", [*models, ("mesh.device_memory_gb", "0.001")], RunConfig)
+    with pytest.raises(ServeError, match=r"64 slots x 1024 tokens need at least .* GB per device .*fewer --slots"):
+        check_fits(small, EngineConfig(slots=64, capacity=1024), None)
+    check_fits(build("toy", [*models, ("mesh.device_memory_gb", "1")], RunConfig), EngineConfig(slots=4,
+               capacity=1024), None)
+    cfg = kvjax.load_hf_config(path)
+    one = held(Placement(jax.devices()[0]), {"target": (cfg, np.dtype("float32"))}, 8, 256, 2)
+    two = held(Placement(make_mesh(1, 2, jax.devices()[:2])), {"target": (cfg, np.dtype("float32"))},
+               8, 256, 2)
+    assert 2 * two["slots' cache"] == one["slots' cache"] + 8 * 4  # kv heads split over 'model'; lengths not
+    assert two["target weights"] < one["target weights"]

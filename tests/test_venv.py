@@ -77,7 +77,7 @@ def test_bad_use_exits_2_naming_the_fix_before_installing_anything(repo):
     got = run(repo)
     assert got.returncode == 2 and "usage: launch/venv COMMAND" in got.stderr
     got = run(repo, "python", "-m", "kvjax.launch", extra="gpu")
-    assert got.returncode == 2 and "KVJAX_EXTRA=gpu: use test or audio" in got.stderr
+    assert got.returncode == 2 and "KVJAX_EXTRA=gpu: use test, audio or plan" in got.stderr
     assert calls(repo) == []
 
 

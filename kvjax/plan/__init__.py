@@ -45,8 +45,8 @@ def compile_all(stages: dict, held: dict, compile: bool = True, jobs: int = 1, r
     `rebuild` (a picklable (function, args) whose call returns `stages` again: the programs themselves, holding
     device handles, do not travel); XLA compiles one program on one core, so this is what more cores buy.
 
-    `peaks` > 0 compiles only each stage's `peaks` largest programs by their shapes (`peak_candidates`) and lowers
-    the others: the stage peaks in a fraction of the time (docs/planning.md measures how close)."""
+    `peaks` > 0 compiles only each stage's `peaks` largest programs by their shapes (`peak_candidates`) and leaves
+    the others out: the stage peaks in a fraction of the time (docs/planning.md measures how close)."""
     from kvjax.plan.program import Compiled, compile_program
     from tqdm import tqdm
     first: dict = {}  # key -> (stage index, program index) of its first occurrence
@@ -56,8 +56,10 @@ def compile_all(stages: dict, held: dict, compile: bool = True, jobs: int = 1, r
     chosen = peak_candidates(stages, peaks) if peaks else None
     wanted = lambda i, j: compile and (chosen is None or (i, j) in chosen)  # noqa: E731
     results: dict = {}
+    skipped = lambda i, j: chosen is not None and (i, j) not in chosen  # noqa: E731
     if jobs > 1 and rebuild is not None and len(first) > 1:
-        results = _compile_in_workers([(i, j, wanted(i, j)) for i, j in sorted(first.values())], jobs, rebuild)
+        results = _compile_in_workers([(i, j, wanted(i, j)) for i, j in sorted(first.values()) if not skipped(i, j)],
+                                      jobs, rebuild)
     done: dict = {}
     out = []
     total = sum(len(ps) for ps in stages.values())
@@ -70,6 +72,8 @@ def compile_all(stages: dict, held: dict, compile: bool = True, jobs: int = 1, r
                     c = Compiled(p, **{f: getattr(done[key], f) for f in COMPILED if "seconds" not in f}, reused=True)
                 elif (i, j) in results:
                     c = done[key] = Compiled(p, **results[(i, j)])
+                elif skipped(i, j):
+                    c = Compiled(p)  # left out (peaks): neither lowered nor compiled
                 else:
                     c = done[key] = compile_program(p, compile=wanted(i, j))
                     _progress(bar, c)
@@ -152,7 +156,7 @@ def plan_job(cfg, slice_name: str, compile: bool = True, only: tuple[str, ...] =
     plan = Plan(cfg.name, "job", sl, plans, b.sources, dict(b.mesh.shape), time.perf_counter() - t0)
     plan.notes["compiled_at"] = "sampled depths" if sampled and compile else "full depth"
     if peaks:
-        plan.notes["compiled"] = f"each stage's {peaks} largest programs by shape; the others lowered"
+        plan.notes["compiled"] = f"each stage's {peaks} largest programs by shape; the others left out"
     return plan
 
 

@@ -14,8 +14,8 @@ slice, DIR/NAME[-serve]-SLICE.{md,json,png} (DIR: --out, default runs/plan) and 
                                 at three reduced depths and extrapolate its memory and XLA counts to the real
                                 depth (minutes instead of hours for a 32B pair on a small machine; docs/planning.md
                                 says how close it comes)
-  --compile=all|peaks           all (default): every program; peaks: each stage's two largest programs by their
-                                shapes compiled, the others lowered (the stage peaks in a fraction of the time)
+  --compile=all|peaks           all (default): every program; peaks: only each stage's two largest programs by
+                                their shapes (the stage peaks in a fraction of the time)
   --jobs=N                      compile in N processes (default: the cores, at most 4; each holds a compile of
                                 up to a few GB)
   --no-compile                  lower only (seconds instead of minutes; no memory or cost analysis)
@@ -185,7 +185,8 @@ def _plan(cfg, sl: str, opts: dict):
     if opts["serve"]:
         from kvjax.plan.serve import plan_serve
         return plan_serve(cfg, sl, slots=opts["slots"], context=opts["context"], compile=opts["compile"],
-                          cpu_memory_gb=opts["cpu_memory_gb"], sampled=opts["depth"] == "sampled", jobs=opts["jobs"])
+                          cpu_memory_gb=opts["cpu_memory_gb"], sampled=opts["depth"] == "sampled", jobs=opts["jobs"],
+                          peaks=opts["peaks"])
     return kvplan.plan_job(cfg, sl, compile=opts["compile"], cpu_memory_gb=opts["cpu_memory_gb"],
                            sampled=opts["depth"] == "sampled", jobs=opts["jobs"], peaks=opts["peaks"])
 

@@ -158,7 +158,7 @@ def markdown(plan: Plan) -> str:
                 lines.append(f"| {s.name} | {p.name} | refused | | | | | | {c.lower_seconds:.1f} |")
                 continue
             if not c.compiled:
-                lines.append(f"| {s.name} | {p.name} | lowered only | | {p.flops / 1e9:.4g} | {_gb(p.hbm_bytes)} | "
+                lines.append(f"| {s.name} | {p.name} | {'lowered only' if c.lower_seconds else 'not compiled'} | | {p.flops / 1e9:.4g} | {_gb(p.hbm_bytes)} | "
                              f"{_ms(max(p.flops / sl.flops_per_s, p.hbm_bytes / sl.hbm_bytes_per_s))} | | "
                              f"{c.lower_seconds:.1f} |")
                 continue

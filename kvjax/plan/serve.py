@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import jax
 import jax.numpy as jnp
 
 from kvjax.plan import costs, shapes
@@ -46,9 +47,21 @@ def server_programs(b: Builder, ec, split: bool = True) -> dict[str, list[Progra
     batches = sorted({sp.batch_size_for(n, ec.max_prefill_batch) for n in range(1, ec.max_prefill_batch + 1)})
     out: dict[str, list[Program]] = {"prefill": [], "pieces": [], "insert": [], "decode": []}
     pb = b.at("prefill")
+    # the engine reads every text prompt through a PrefillJob when it caches prefixes or chunks prefills
+    # (Engine._pieces): an empty state (`start`), then the prompt as one fresh piece over it
+    pieced = bool(ec.prefix_cache_mb or ec.max_step_tokens)
+    builder = sp.prefill_builder(b.source if split else None, b.target, kvmap, split) if pieced else None
     for bs in batches:
         for bucket in buckets:
-            if split:
+            who = "source" if split else "target"
+            if pieced:
+                state = shapes.nbytes_per_device(jax.eval_shape(lambda: builder.start(bs, bucket)))
+                out["prefill"] += [pb.program(f"empty state {bs} x {bucket}", pf._start, (builder, bs, bucket), {},
+                                              0.0, state, ()),
+                                   pb.prefill(who, bs, bucket, bucket, cache=True, what="prefill piece")]
+                if split:
+                    out["prefill"].append(pb.map_span(kvmap, bs, bucket, bucket))
+            elif split:
                 out["prefill"] += [pb.prefill("source", bs, bucket, bucket),
                                    pb.apply_map(kvmap, bs, bucket, bucket)]
             else:
@@ -115,7 +128,8 @@ def serve_stages(cfg, slice_name: str, cpu_memory_gb: float, slots: int, context
 
 
 def plan_serve(cfg, slice_name: str, slots: int = 0, context: int = 0, compile: bool = True,
-               cpu_memory_gb: float = 16.0, split: bool = True, sampled: bool = False, jobs: int = 1) -> Plan:
+               cpu_memory_gb: float = 16.0, split: bool = True, sampled: bool = False, jobs: int = 1,
+               peaks: int = 0) -> Plan:
     """The server of `cfg` on a slice: the capacity table, and every engine program at (slots, context) compiled
     (default: 128 slots — the conversation workload's 128 clients — at the longest context that holds them)."""
     from kvjax.plan import compile_all, extrapolate, job, sample_depths
@@ -143,7 +157,9 @@ def plan_serve(cfg, slice_name: str, slots: int = 0, context: int = 0, compile: 
         runs = [serve_stages(cfg, slice_name, cpu_memory_gb, slots, context, split, d) for d in points]
         plans = extrapolate(stages, held_by, runs, points, real, jobs, [rebuild(d) for d in points])
     else:
-        plans = compile_all(stages, held_by, compile, jobs, rebuild(None))
+        plans = compile_all(stages, held_by, compile, jobs, rebuild(None), peaks)
     plan = Plan(cfg.name, "serve", sl, plans, b.sources, dict(b.mesh.shape), time.perf_counter() - t0)
     plan.notes = {"slots": slots, "context": context, "capacity_table": table}
+    if peaks:
+        plan.notes["compiled"] = f"each stage's {peaks} largest programs by shape; the others left out"
     return plan

@@ -198,6 +198,52 @@ def audio_problems(cfg: RunConfig) -> list[str]:
             "--config.eval.audio.source_adapter=DIR, or serve text only with --config.eval.audio.enabled=false"]
 
 
+def serving_mesh(cfg: RunConfig, engine_cfg: EngineConfig):
+    """The mesh the batched server shards its models over, as the job does (--config.mesh.data / .model; model 0:
+    every device data leaves). On CPU, whose devices are one host split in pieces, the default is one device, and a
+    mesh only when --config.mesh asks for one. None: one device."""
+    import jax
+
+    from kvjax.sharding import make_mesh
+    data, model = cfg.mesh.data, cfg.mesh.model
+    asked = data > 1 or model > 0
+    if engine_cfg.topology != "batched" or (jax.default_backend() == "cpu" and not asked):
+        return None
+    try:
+        mesh = make_mesh(data, model or None, jax.devices()[: data * model] if model else None)
+    except ValueError as e:
+        raise ServeError(f"--config.mesh.data={data} --config.mesh.model={model}: {e}") from None
+    return mesh if mesh.size > 1 else None
+
+
+def check_fits(cfg: RunConfig, engine_cfg: EngineConfig, mesh) -> None:
+    """Refuse, before any weights are read, a server whose weights and caches exceed its devices' memory
+    (--config.mesh.device_memory_gb, else what the device reports; a CPU device reports none and is not checked)."""
+    import jax
+    import jax.numpy as jnp
+
+    from kvjax.hf import load_hf_config
+    from kvjax.serve.placement import Placement, held
+    place = Placement(mesh if mesh is not None else jax.devices()[0])
+    limit = cfg.mesh.device_memory_gb * 1e9 or place.memory()
+    if not limit:
+        return
+    # the split path holds both models; the gate's verdict is read later, so the check assumes the larger need
+    models = {"target": (load_hf_config(cfg.target.path), jnp.dtype(cfg.target.dtype)),
+              "source": (load_hf_config(cfg.source.path), jnp.dtype(cfg.source.dtype))}
+    need = held(place, models, engine_cfg.slots, engine_cfg.capacity, engine_cfg.max_prefill_batch)
+    total = sum(need.values())
+    if total > limit:
+        parts = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in need.items())
+        raise ServeError(
+            f"{engine_cfg.slots} slots x {engine_cfg.capacity} tokens need at least {total / 1e9:.2f} GB per device "
+            f"({parts}), over the {limit / 1e9:.2f} GB of each of the {place.mesh.size if place.mesh else 1} "
+            f"device(s) of {place} (nothing was loaded): use fewer --slots, a smaller --capacity or "
+            "--max-prefill-batch, or more devices on the 'model' axis (--config.mesh.model); "
+            f"python -m kvjax.plan --config={cfg.name} --serve --topology=GEN:SHAPE compiles the server's programs "
+            "and gives the most slots per context")
+
+
 def build_server(cfg: RunConfig, args, engine_cfg: EngineConfig, map_dir: str, gate_path: str):
     """Load the models, map, gate and tokenizer; an Engine (started) and its Server."""
     import jax.numpy as jnp
@@ -206,8 +252,17 @@ def build_server(cfg: RunConfig, args, engine_cfg: EngineConfig, map_dir: str, g
     from kvjax.serve.app import Server
     from kvjax.serve.chat import load_chat_template
     from kvjax.serve.engine import Engine
-    source = kvjax.load_hf(cfg.source.path, dtype=jnp.dtype(cfg.source.dtype))
-    target = kvjax.load_hf(cfg.target.path, dtype=jnp.dtype(cfg.target.dtype))
+    mesh = serving_mesh(cfg, engine_cfg)
+    if mesh is not None:
+        log.info("models sharded over %d devices: mesh data=%d x model=%d", mesh.size, *mesh.devices.shape)
+    check_fits(cfg, engine_cfg, mesh)
+
+    def load(mc):  # straight to the devices that hold each tensor's shard (a 32B model does not fit one)
+        from kvjax.hf import load_hf_config
+        from kvjax.models.params import param_shardings
+        shardings = param_shardings(load_hf_config(mc.path), mesh) if mesh is not None else None
+        return kvjax.load_hf(mc.path, dtype=jnp.dtype(mc.dtype), shardings=shardings)
+    source, target = load(cfg.source), load(cfg.target)
     kvmap = kvjax.load_map(map_dir, source.cfg, target.cfg)
     split, reason = True, ""
     if gate_path:
@@ -232,7 +287,7 @@ def build_server(cfg: RunConfig, args, engine_cfg: EngineConfig, map_dir: str, g
         else:
             log.warning("spoken requests are refused (400): %s", audio_reason)
     engine = Engine(tuple(source), tuple(target), kvmap, tokenizer, engine_cfg, split=split, reason=reason,
-                    audio=audio, audio_reason=audio_reason)
+                    audio=audio, audio_reason=audio_reason, mesh=mesh)
     if args.warmup[1]:
         log.info("warming up (compiling prefill for %d..%d-token prompts) ...", *args.warmup)
         log.info("warm-up done in %.1fs", engine.warmup(args.warmup[1], args.warmup[0]))
@@ -271,7 +326,7 @@ def main(argv: list[str] | None = None, restart: bool = False) -> int:
     from kvjax.models.config import ConfigError
     try:
         engine, server = build_server(cfg, args, engine_cfg, map_dir, gate)
-    except (ValueError, CheckpointError, ConfigError, FileNotFoundError) as e:
+    except (ServeError, ValueError, CheckpointError, ConfigError, FileNotFoundError) as e:
         print(f"kvjax.serve: error: {e}", file=sys.stderr)
         return 2
     log.info("serving %s (%s path, %s topology, %d slots x %d tokens) on http://%s:%d", cfg.name, engine.path,

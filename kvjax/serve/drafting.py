@@ -42,6 +42,7 @@ import numpy as np
 from kvjax.serve import programs
 from kvjax.serve.config import EngineConfig
 from kvjax.serve.metrics import Metrics
+from kvjax.serve.placement import Placement
 from kvjax.serve.scheduler import DraftPolicy
 
 NARROW = (1, 2, 3, 5, 9, 17, 33, 65)  # the verify widths compiled below g + 1 (and g + 1)
@@ -78,14 +79,17 @@ class Drafting:
         from kvjax.models.model import Model
         from kvjax.speculative.api import loop_verifier
         self.cfg, self.params = target
-        self.config, self.device, self.metrics = config, device, metrics
+        self.config, self.metrics = config, metrics
+        # the slots' placement (kvjax.serve.placement): the drafter and the drafter states replicated on it
+        self.place = device if isinstance(device, Placement) else Placement(device)
         self.kind = config.speculative
-        self.drafter = jax.device_put(build_drafter(config, target), device)
+        self.drafter = self.place.put(build_drafter(config, target))
         self.g = self.drafter.draft_len
         self.layers = tuple(self.drafter.feature_layers)
         self.widths = verify_widths(self.g)
-        # the verify pass's target (on CPU a tied head as an explicit [D, V] copy: kvjax.speculative.api says why)
-        self.round_params = jax.device_put(loop_verifier(Model(self.cfg, self.params)).params, device)
+        # the verify pass's target, its weights placed as the slots' (on CPU a tied head gets an explicit [D, V] copy,
+        # made where the embedding is: kvjax.speculative.api says why)
+        self.round_params = loop_verifier(Model(self.cfg, self.params)).params
         self.state = self._fresh(config.slots)
         # each slot's next draft (programs.lookahead): its length and source (n >= 1: lookup's copy after a recurring
         # n-gram of n tokens; 0: the model drafter's)
@@ -140,7 +144,7 @@ class Drafting:
                                   lookup_rows=jnp.zeros((rows,), jnp.int32))
         else:
             state = parts.get("lookup", parts.get("block"))
-        return jax.device_put(state, self.device)
+        return self.place.put(state)
 
     def insert(self, placed: list[tuple[int, int, list[int]]], cache) -> None:
         """Start the drafter state of a prefilled batch's requests: `placed` holds (slot, row of `cache`, prompt)

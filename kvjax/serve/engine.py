@@ -36,6 +36,7 @@ from kvjax.serve.prefix import PrefixCache
 from kvjax.serve.config import TOPOLOGIES, EngineConfig, Event, QueueFull, Request, Unhealthy
 from kvjax.serve.faults import Faults, WorkerKilled
 from kvjax.serve.metrics import Metrics
+from kvjax.serve.placement import Placement
 from kvjax.serve.scheduler import Scheduler
 from kvjax.serve.slots import Slots
 from kvjax.serve.text import TextStream
@@ -55,7 +56,7 @@ class Engine:
 
     def __init__(self, source, target, kvmap, tokenizer, config: EngineConfig = EngineConfig(), split: bool = True,
                  reason: str = "", faults: Faults | None = None, metrics: Metrics | None = None,
-                 devices=None, audio=None, audio_reason: str = ""):
+                 devices=None, audio=None, audio_reason: str = "", mesh=None):
         problems = config.problems()
         if problems:
             raise ValueError("engine settings: " + "; ".join(problems))
@@ -71,16 +72,21 @@ class Engine:
         self.vocab_size = tcfg.vocab_size
         self.buckets = programs.buckets(config.capacity)
         devices = list(devices or jax.devices())
-        if config.topology == "disaggregated" and len(devices) > 1:
+        if mesh is not None and mesh.size > 1:  # the models sharded over the mesh, as the job shards them
+            if config.topology == "disaggregated":
+                raise ValueError(f"a model sharded over {mesh.size} devices serves with topology=batched (the "
+                                 "disaggregated pools hold one device each): use --topology batched, or "
+                                 "--config.mesh.model=1 --config.mesh.data=1")
+            self.prefill_devices, self.decode_device = [Placement(mesh)], Placement(mesh)
+        elif config.topology == "disaggregated" and len(devices) > 1:
             n = config.prefill_devices or len(devices) - 1
             if not 1 <= n < len(devices):
                 raise ValueError(f"prefill_devices={n}: need 1..{len(devices) - 1} of the {len(devices)} devices "
                                  "(the rest decode)")
-            self.prefill_devices, self.decode_device = devices[:n], devices[n]
+            self.prefill_devices, self.decode_device = [Placement(d) for d in devices[:n]], Placement(devices[n])
         else:  # one device: the pools share it (still separate threads when disaggregated)
-            self.prefill_devices, self.decode_device = devices[:1], devices[0]
-        place = lambda tree, dev: jax.device_put(tree, dev)  # noqa: E731
-        self.target = (tcfg, place(target[1], self.decode_device))
+            self.prefill_devices, self.decode_device = [Placement(devices[0])], Placement(devices[0])
+        self.target = (tcfg, self.decode_device.params(tcfg, target[1]))
         # spoken requests: the source's adapter + the audio map on the split path; the answerer's own adapter on the
         # native path (an AudioServing without a map)
         if audio is not None and (audio.kvmap is None) == split:
@@ -96,14 +102,14 @@ class Engine:
         # each prefill device holds what its path runs: source + map, or (gate failed) the target
         self._builders, self._listeners = {}, {}
         for dev in self.prefill_devices:
-            src = (source[0], place(source[1], dev)) if split else None
-            tgt = self.target if dev == self.decode_device else (tcfg, place(target[1], dev))
-            self._builders[dev] = programs.prefill_builder(src, tgt, place(kvmap, dev) if split else None, split)
+            src = (source[0], dev.params(source[0], source[1])) if split else None
+            tgt = self.target if dev == self.decode_device else (tcfg, dev.params(tcfg, target[1]))
+            self._builders[dev] = programs.prefill_builder(src, tgt, dev.kvmap(kvmap) if split else None, split)
             if self.audio is not None:  # the adapter around this device's listening model (source, or the target)
                 alm = self.audio.alm
-                alm = alm.replace(encoder=place(alm.encoder, dev), projector=place(alm.projector, dev),
+                alm = alm.replace(encoder=dev.put(alm.encoder), projector=dev.put(alm.projector),
                                   lm=type(alm.lm)(*(src if split else tgt)))
-                self._listeners[dev] = (src, tgt, place(self.audio.kvmap, dev) if split else None, alm)
+                self._listeners[dev] = (src, tgt, dev.kvmap(self.audio.kvmap) if split else None, alm)
         self.prefix = (PrefixCache(config.prefix_block, int(config.prefix_cache_mb * 2**20), self.metrics)
                        if config.prefix_cache_mb else None)
         self._job: PrefillJob | None = None  # chunked prefill: the batch being read between decode steps
@@ -157,7 +163,7 @@ class Engine:
                         compile_pieces(builder, bs, bucket, pieces(bucket, bs, self.prefix is not None,
                                                                    self.config.max_step_tokens))
                     new = programs.prefill_batch(builder, [[0, 0]], bucket, bs)
-                    self.slots.compile_insert(jax.device_put(new, self.decode_device))
+                    self.slots.compile_insert(self.decode_device.cache(new))
         self.slots.warm()
         return time.perf_counter() - t0
 
@@ -242,7 +248,7 @@ class Engine:
 
     def _prefilled(self, cache, device, t0: float, computed: int):
         if device != self.decode_device:
-            cache = jax.device_put(cache, self.decode_device)  # the mapped cache moves to the decode pool
+            cache = self.decode_device.cache(cache)  # the mapped cache moves to the decode pool
         jax.block_until_ready(cache)
         self.metrics.prefill_seconds.observe(time.perf_counter() - t0)
         self.metrics.prefill_tokens.inc(computed)

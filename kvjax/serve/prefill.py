@@ -26,6 +26,7 @@ from kvjax import aot
 from kvjax.builders.base import Resumable
 from kvjax.cache import KVCache, window_sizes
 from kvjax.serve import programs
+from kvjax.serve.placement import replicated_like
 from kvjax.serve.prefix import PrefixCache
 
 WIDTHS = (64, 256)  # pieces after a cached prefix
@@ -92,7 +93,7 @@ class PrefillJob:
             if chain:
                 PrefixCache.fill(host, row, chain)
         # placed where the builder's weights are, as a compiled call's outputs are: the same programs serve both
-        where = jax.tree.leaves(self.builder.model[1])[0].sharding
+        where = replicated_like(jax.tree.leaves(self.builder.model[1])[0].sharding)
         host, lengths = jax.device_put((host, self.offset), where)
         return tuple(c.replace(keys=tuple(keys), values=tuple(values), lengths=lengths)
                      for c, (keys, values) in zip(state, host))

@@ -77,11 +77,12 @@ def prefill_batch(builder, prompts: list[list[int]], bucket: int, batch: int) ->
     return builder(tokens, lengths, capacity=bucket)
 
 
-def empty_slots(cfg, slots: int, capacity: int, dtype, device=None) -> KVCache:
-    """The decode slots' cache, keys held transposed (kvjax.cache: decode reads them without repacking; batch 16 /
-    64 1.47x / 1.65x, `python -m experiments.cache_layout`)."""
-    cache = init_cache(cfg, slots, capacity, dtype, keys_transposed=True)
-    return jax.device_put(cache, device) if device is not None else cache
+def empty_slots(cfg, slots: int, capacity: int, dtype, place=None) -> KVCache:
+    """The decode slots' cache, keys held transposed (kvjax.cache: decode reads them without repacking), made where
+    `place` (a kvjax.serve.placement.Placement) keeps it."""
+    if place is not None:
+        return place.empty_cache(cfg, slots, capacity, dtype, keys_transposed=True)
+    return init_cache(cfg, slots, capacity, dtype, keys_transposed=True)
 
 
 @functools.partial(aot.jit, donate_argnames=("cache",))
