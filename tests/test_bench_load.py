@@ -90,14 +90,50 @@ def test_parse_arm():
         load.parse_arm("batched+chunked", args("--max-step-tokens", "8"))
     with pytest.raises(ValueError, match="use --topology=batched"):
         load.parse_arm("serial+chunked", a)
+    # speculative decoding: the server's --speculative with the drafter's settings given to the tool
+    assert load.parse_arm("batched+lookup", a) == ("batched", ["--speculative", "lookup"])
+    d = args("--draft-len", "8", "--drafter", "DIR", "--draft-policy", "always")
+    assert load.parse_arm("batched+prefix+combined", d)[1][-8:] == [
+        "--speculative", "combined", "--draft-len", "8", "--drafter", "DIR", "--draft-policy", "always"]
+    assert "--drafter" not in load.parse_arm("batched+lookup", d)[1]
+    with pytest.raises(ValueError, match="--drafter DIR"):
+        load.parse_arm("batched+block", a)
+    with pytest.raises(ValueError, match="one drafter"):
+        load.parse_arm("batched+lookup+block", d)
 
 
 def test_defaults_and_workload_checks():
     a = args()
     assert (a.workload, a.turns, a.system_tokens, a.user_tokens, a.decoders, a.long_tokens, a.decode_tokens) == (
         "independent", 4, 512, 96, 32, 2000, 512)
+    assert (a.repeats, a.file_tokens, a.lead_lines) == (1, 384, 2)
     assert load.check_args(a) == []
     assert load.check_args(args("--workload", "conversation", "--soak", "5"))
+    assert load.check_args(args("--repeats", "0")) and load.check_args(args("--repeats", "2", "--soak", "5"))
+    assert load.check_args(args("--workload", "code", "--file-tokens", "2"))
+    assert not load.check_args(args("--workload", "code", "--repeats", "3"))
+
+
+class Words:
+    """A stand-in tokenizer: one id per character."""
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+    def encode(self, text):
+        return type("Encoding", (), {"ids": [ord(c) for c in text]})()
+
+
+def test_code_prompts_quote_a_file_and_start_its_edited_copy():
+    text = "def load(path):\n    return open(path).read()\n\npath = load(path)\n"
+    prompt = workloads.code_edit_prompt(text, "io.py", lead_lines=1)
+    assert "every `path` renamed to `path_v2`" in prompt  # the most frequent word of 4+ letters
+    assert prompt.count(text) == 1 and prompt.endswith("--- io.py (edited)\ndef load(path_v2):\n")
+    rows = np.array([[ord(c) for c in "partial line\n" + text + "cut"]] * 4)
+    files = workloads.code_files(rows, Words(), 2, rows.shape[1])
+    assert files == [text, text]  # whole lines: the partial first and last lines are dropped
+    prompts = workloads.code_prompts(rows, Words(), 2, rows.shape[1], 2)
+    assert [Words().decode(p).count(text) for p in prompts] == [1, 1] and "file1.py" in Words().decode(prompts[1])
 
 
 METRICS_BEFORE = """# HELP kvjax_active_slots decode slots holding a request
@@ -128,6 +164,44 @@ def test_parse_metrics_and_prefix_stats():
     # a server without the prefix cache: zero counts, NaN rates and gauges
     s = load.prefix_stats({}, load.parse_metrics("kvjax_active_slots 0.0\n"))
     assert s["prefix_lookups"] == 0 and np.isnan(s["prefix_hit_rate"]) and np.isnan(s["prefix_bytes_after"])
+
+
+def test_draft_stats_are_the_levels_deltas_per_drafter():
+    before = """kvjax_decode_steps_total{kind="draft"} 10.0
+kvjax_decode_steps_total{kind="plain"} 5.0
+kvjax_drafted_tokens_total{drafter="lookup"} 40.0
+kvjax_accepted_tokens_total{drafter="lookup"} 20.0
+kvjax_acceptance_length_sum{drafter="lookup"} 50.0
+kvjax_acceptance_length_count{drafter="lookup"} 20.0
+"""
+    after = before.replace("10.0", "30.0").replace("40.0", "100.0").replace("50.0", "110.0") + (
+        'kvjax_acceptance_length_sum{drafter="none"} 4.0\nkvjax_acceptance_length_count{drafter="none"} 4.0\n'
+        'kvjax_acceptance_length_count{drafter="lookup"} 50.0\nkvjax_accepted_tokens_total{drafter="lookup"} 50.0\n'
+        'kvjax_step_cost_seconds{rows="16",width="9"} 0.004\nkvjax_step_cost_seconds{rows="16",width="0"} 0.002\n'
+        'kvjax_step_cost_seconds{rows="2",width="17"} 0.003\n')
+    after = after.replace('kvjax_acceptance_length_count{drafter="lookup"} 20.0\n', "").replace(
+        'kvjax_accepted_tokens_total{drafter="lookup"} 20.0\n', "")
+    s = load.draft_stats(before, after)
+    assert (s["draft_steps"], s["plain_steps"]) == (20.0, 0.0)
+    assert s["drafters"]["lookup"] == {"drafted": 60.0, "accepted": 30.0, "rounds": 30.0, "acceptance_length": 2.0}
+    assert s["drafters"]["none"]["acceptance_length"] == 1.0 and s["acceptance_length"] == (60 + 4) / 34
+    assert list(s["step_costs"].items()) == [("2x17", 0.003), ("16x0", 0.002), ("16x9", 0.004)]  # by rows, width
+    assert load.draft_stats("", "kvjax_active_slots 0.0\n") == {}  # a server that does not draft
+
+
+def test_interleaved_repeats_report_medians_and_paired_ratios():
+    def level(c, rep, tps, **kw):
+        return dict(concurrency=c, repeat=rep, tokens_per_s=tps, mismatches=0, errors=0, ttft_p50=0.1, itl_p50=0.01,
+                    tpot_p50=0.005, e2e_p50=1.0, **kw)
+    results = {"batched": [level(1, r, t) for r, t in enumerate((100, 50, 100))],
+               "batched+lookup": [level(1, r, t, draft_steps=5, plain_steps=1,
+                                        drafters={"lookup": {"acceptance_length": 3.0, "rounds": 10}})
+                                  for r, t in enumerate((160, 90, 150))]}
+    rows = load_report.compare_table(results)
+    spec = next(r for r in rows if r.startswith("| batched+lookup | 1 |"))
+    # ratios per repeat 1.6, 1.8, 1.5: median 1.6 (the unpaired medians would give 150 / 100)
+    assert "| 150 | 1.600 (1.50-1.80) |" in spec and "| 15 / 3 | lookup 3.00 |" in spec
+    assert "| 1.000 (1.00-1.00) |" in next(r for r in rows if r.startswith("| batched | 1 |"))
 
 
 def rec(turn, ttft, match=True, error=None):
@@ -223,4 +297,4 @@ def test_arrival_plan_fits_the_long_prompt(monkeypatch, tmp_path):
 
 def test_help_mentions_the_workloads():
     text = load.args_parser().format_help()
-    assert "--workload" in text and "independent only" in text
+    assert "--workload" in text and "code editing" in text and "--repeats" in text

@@ -44,11 +44,25 @@ def sampling_probs(logits: jax.Array, sampling: Sampling) -> jax.Array:
     smallest set of most likely tokens whose mass reaches top_p (a token is kept when the mass of strictly more
     likely tokens is below top_p, as `sample` does) and renormalised. Needs temperature > 0."""
     probs = jax.nn.softmax(logits.astype(jnp.float32) / sampling.temperature, axis=-1)
-    if sampling.top_p >= 1.0:
-        return probs
+    return probs if sampling.top_p >= 1.0 else _top_p(probs, sampling.top_p)
+
+
+def row_sampling_probs(logits: jax.Array, temperature: jax.Array, top_p: jax.Array) -> jax.Array:
+    """`sampling_probs` with each row's own settings: logits [B, ..., V], temperature and top_p [B] (arrays, so rows
+    of one batch may differ: a server's requests). A row's temperature must be > 0 (a greedy row's result is
+    unused: pass any positive value there)."""
+    shape = (-1,) + (1,) * (logits.ndim - 1)  # [B] -> broadcast over the row's positions and the vocabulary
+    t = jnp.asarray(temperature, jnp.float32).reshape(shape)
+    probs = jax.nn.softmax(logits.astype(jnp.float32) / t, axis=-1)
+    return _top_p(probs, jnp.asarray(top_p, jnp.float32).reshape(shape))
+
+
+def _top_p(probs: jax.Array, top_p) -> jax.Array:
+    """probs [..., V] restricted to the most likely tokens whose mass reaches top_p (broadcastable to probs[..., :1])
+    and renormalised."""
     order = jnp.argsort(-probs, axis=-1)
     sorted_probs = jnp.take_along_axis(probs, order, axis=-1)
-    keep_sorted = (jnp.cumsum(sorted_probs, axis=-1) - sorted_probs) < sampling.top_p
+    keep_sorted = (jnp.cumsum(sorted_probs, axis=-1) - sorted_probs) < top_p
     keep = jnp.zeros_like(keep_sorted)
     keep = jnp.put_along_axis(keep, order, keep_sorted, axis=-1, inplace=False)
     probs = jnp.where(keep, probs, 0.0)

@@ -17,6 +17,7 @@ path; unset or missing: spoken requests get a 400 naming the setting). The start
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -26,7 +27,7 @@ from kvjax.config_flags import ConfigFlagError, available_configs, build, parse_
 from kvjax.launch import DEFAULT_CONFIG  # the main job's default run is the served one
 from kvjax.preflight import LaunchError, model_problems, resolve_models
 from kvjax.run_config import RunConfig
-from kvjax.serve.config import TOPOLOGIES, EngineConfig
+from kvjax.serve.config import DRAFT_POLICIES, DRAFTERS, TOPOLOGIES, EngineConfig
 from kvjax.stages.plan import MAP_DIRS, final_arm
 
 log = logging.getLogger("kvjax.serve")
@@ -71,6 +72,31 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-step-tokens", type=int, default=d.max_step_tokens, metavar="N",
                    help="batched: chunked prefill, at most N prompt tokens read between two decode steps, so "
                    "decoding requests never wait for a whole long prompt (0: off)")
+    g = p.add_argument_group("speculative decoding (docs/serving.md)")
+    g.add_argument("--speculative", choices=DRAFTERS, default=d.speculative,
+                   help="draft tokens for the target to verify, several per step where it pays: lookup (copies of "
+                   "the request's own earlier text, no model), block (a block drafter, --drafter), combined (lookup "
+                   "where the text repeats, the block drafter elsewhere); none: one token per step")
+    g.add_argument("--draft-len", type=int, default=d.draft_len, metavar="G",
+                   help="tokens drafted per round at most (default 16; block / combined: a block size the block "
+                   "drafter was trained for); a round verifies fewer where the drafts are shorter")
+    g.add_argument("--drafter", default=d.drafter, metavar="DIR",
+                   help="block / combined: the block drafter's directory, trained for the answering model "
+                   "(python -m launch.toy.drafter writes one)")
+    g.add_argument("--draft-refine", type=int, default=d.draft_refine, metavar="N",
+                   help="block / combined: the block drafter's refinement passes (kvjax.drafter.load_block_drafter "
+                   "says what each costs and gives)")
+    g.add_argument("--draft-context", type=int, default=d.draft_context, metavar="TOKENS",
+                   help="block / combined: the prompt's last TOKENS whose target features start the drafter's "
+                   "context")
+    g.add_argument("--lookup-ngram", default="%d:%d" % d.lookup_ngram, metavar="MIN:MAX",
+                   help="lookup / combined: the shortest and longest n-gram prompt lookup matches")
+    g.add_argument("--min-match", type=int, default=d.min_match, metavar="N",
+                   help="combined: the shortest recurring n-gram whose copy is drafted instead of the block "
+                   "drafter's draft")
+    g.add_argument("--draft-policy", choices=DRAFT_POLICIES, default=d.draft_policy,
+                   help="auto: a step drafts where the measured costs say it pays (never slower than plain "
+                   "decoding by more than noise); always: every step drafts")
     p.add_argument("--warmup", default="0", metavar="[MIN:]MAX",
                    help="compile every prefill shape for prompts of MIN..MAX tokens before serving (0: lazily)")
     p.add_argument("--enable-fault-injection", action="store_true",
@@ -112,12 +138,22 @@ def parse(argv: list[str]):
     name, overrides, rest = parse_argv(argv)
     args = parser().parse_args(rest)
     cfg = resolve_models(build(name or DEFAULT_CONFIG, overrides, RunConfig))
+    problems = []
+    try:
+        lo, _, hi = args.lookup_ngram.partition(":")
+        ngram = (int(lo), int(hi))
+    except ValueError:
+        problems.append(f"--lookup-ngram {args.lookup_ngram}: give MIN:MAX (e.g. 1:3)")
+        ngram = EngineConfig.lookup_ngram
     engine = EngineConfig(topology=args.topology, slots=args.slots, capacity=args.capacity,
                           max_prefill_batch=args.max_prefill_batch, max_queue=args.max_queue,
                           max_tokens_limit=args.max_tokens, request_timeout=args.request_timeout,
                           prefill_devices=args.prefill_devices, prefix_cache_mb=args.prefix_cache_mb,
-                          prefix_block=args.prefix_block, max_step_tokens=args.max_step_tokens)
-    problems = model_problems(cfg) + engine.problems() + audio_problems(cfg)
+                          prefix_block=args.prefix_block, max_step_tokens=args.max_step_tokens,
+                          speculative=args.speculative, draft_len=args.draft_len, drafter=args.drafter,
+                          draft_refine=args.draft_refine, draft_context=args.draft_context, lookup_ngram=ngram,
+                          min_match=args.min_match, draft_policy=args.draft_policy)
+    problems += model_problems(cfg) + engine.problems() + audio_problems(cfg) + drafter_problems(engine)
     try:
         lo, _, hi = args.warmup.rpartition(":")
         args.warmup = (int(lo or 2), int(hi))
@@ -129,6 +165,27 @@ def parse(argv: list[str]):
         raise ServeError("; ".join(problems))
     map_dir, gate = locate(cfg, name or DEFAULT_CONFIG, args.map, args.gate)
     return cfg, args, engine, map_dir, gate
+
+
+def drafter_problems(engine: EngineConfig) -> list[str]:
+    """The block drafter's directory and block size, checked before JAX starts (its fit to the answering model is
+    checked when it loads: kvjax.drafter.DrafterError)."""
+    if engine.speculative not in ("block", "combined") or not engine.drafter:
+        return []
+    manifest = os.path.join(engine.drafter, "manifest.json")  # kvjax.drafter.io.MANIFEST (that module imports JAX)
+    if not os.path.isfile(manifest):
+        return [f"--drafter {engine.drafter}: not a block drafter directory (no manifest.json); pass one written by "
+                "kvjax.drafter.save_drafter (python -m launch.toy.drafter trains one), e.g. checkpoints/toy/drafter "
+                "for a config whose answering model is the toy source"]
+    try:
+        with open(manifest) as f:
+            sizes = [int(b) for b in json.load(f)["block_sizes"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return [f"--drafter {engine.drafter}: unreadable manifest.json ({type(e).__name__}: {e}); retrain the drafter"]
+    if engine.rounds_draft not in sizes:
+        return [f"--draft-len {engine.rounds_draft}: the block drafter in {engine.drafter} was trained for blocks of "
+                f"{sizes} tokens; pass one of them"]
+    return []
 
 
 def audio_problems(cfg: RunConfig) -> list[str]:
@@ -279,6 +336,9 @@ def main(argv: list[str] | None = None, restart: bool = False) -> int:
                  engine_cfg.prefix_block)
     if engine_cfg.max_step_tokens:
         log.info("chunked prefill: at most %d prompt tokens between decode steps", engine_cfg.max_step_tokens)
+    if engine_cfg.drafting:
+        log.info("speculative decoding: %s drafter, %d tokens a round, %s policy", engine_cfg.speculative,
+                 engine_cfg.rounds_draft, engine_cfg.draft_policy)
     try:
         uvicorn.run(server.app(), host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
     finally:

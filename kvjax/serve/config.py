@@ -10,6 +10,10 @@ from typing import Callable
 from kvjax.serve.text import TextStream
 
 TOPOLOGIES = ("serial", "batched", "disaggregated")
+DRAFTERS = ("none", "lookup", "block", "combined")  # --speculative (kvjax.serve.drafting)
+DRAFT_POLICIES = ("auto", "always")  # when a step drafts: where the measured costs say it pays, or every step
+# tokens drafted per round when --draft-len is 0: prompt lookup's copies, the block drafter's trained block
+DEFAULT_DRAFT_LEN = {"lookup": 16, "block": 16, "combined": 16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +31,23 @@ class EngineConfig:
     prefix_cache_mb: float = 0.0  # host memory for the prefix cache of transferred caches (0: no prefix cache)
     prefix_block: int = 32  # tokens per prefix-cache block
     max_step_tokens: int = 0  # batched: prefill tokens per decode step (chunked prefill; 0: a prompt is read whole)
+    speculative: str = "none"  # drafter of speculative decoding: none, lookup, block, combined (DRAFTERS)
+    draft_len: int = 0  # tokens drafted per round (0: DEFAULT_DRAFT_LEN; block / combined: a trained block size)
+    drafter: str = ""  # block / combined: the block drafter's directory (kvjax.drafter.save_drafter)
+    draft_refine: int = 2  # block / combined: the block drafter's refinement passes (kvjax.drafter.load_block_drafter)
+    draft_context: int = 256  # block / combined: prompt tokens (its last) whose target features start its context
+    lookup_ngram: tuple[int, int] = (1, 3)  # lookup / combined: the shortest and longest n-gram matched
+    min_match: int = 2  # combined: the shortest recurring n-gram whose copy is taken over the block drafter's draft
+    draft_policy: str = "auto"  # DRAFT_POLICIES: draft where the measured costs say it pays, or every step
+
+    @property
+    def drafting(self) -> bool:
+        return self.speculative != "none"
+
+    @property
+    def rounds_draft(self) -> int:
+        """Tokens drafted per round (draft_len, or the drafter's default)."""
+        return self.draft_len or DEFAULT_DRAFT_LEN.get(self.speculative, 0)
 
     def resolved(self) -> "EngineConfig":
         """serial is one slot and one prompt per prefill: a request has the engine to itself."""
@@ -51,11 +72,47 @@ class EngineConfig:
         if self.max_step_tokens and self.max_step_tokens < 16:
             out.append(f"max_step_tokens must be 0 (off) or >= 16 (a prompt is read in pieces of multiples of 16 "
                        f"tokens, which bounds the compiled programs), got {self.max_step_tokens}")
+        out += self.draft_problems()
         if self.max_step_tokens and self.topology != "batched":
             out.append(f"max_step_tokens (chunked prefill) interleaves prefill with decode on one device: use "
                        f"--topology=batched (the {self.topology} topology "
                        + ("decodes one request at a time, so nothing waits behind a prefill)" if self.topology ==
                           "serial" else "prefills on workers of their own, so decoding never waits for it)"))
+        return out
+
+
+    def draft_problems(self) -> list[str]:
+        """The speculative-decoding settings (kvjax.serve.drafting), each a message that says what to pass."""
+        if self.speculative not in DRAFTERS:
+            return [f"speculative {self.speculative!r}: use one of {', '.join(DRAFTERS)}"]
+        out = []
+        if self.draft_policy not in DRAFT_POLICIES:
+            out.append(f"draft_policy {self.draft_policy!r}: use one of {', '.join(DRAFT_POLICIES)}")
+        block = self.speculative in ("block", "combined")
+        if not self.drafting:
+            if self.draft_len or self.drafter:
+                out.append("draft_len and drafter set the drafter of speculative decoding, which is off: pass "
+                           "--speculative=lookup|block|combined, or drop them")
+            return out
+        if self.draft_len < 0:
+            out.append(f"draft_len must be >= 1 (0: the drafter's default), got {self.draft_len}")
+        elif self.rounds_draft + 1 >= self.capacity:
+            out.append(f"draft_len {self.rounds_draft} leaves no room in a slot of capacity {self.capacity}: a round "
+                       "writes draft_len + 1 positions past a request's end")
+        if block and not self.drafter:
+            out.append(f"speculative={self.speculative} drafts with a block drafter: pass its directory with "
+                       "--drafter DIR (one trained for the answering model: python -m launch.toy.drafter)")
+        if not block and self.drafter:
+            out.append(f"--drafter is the block drafter of --speculative=block|combined; "
+                       f"speculative={self.speculative} reads no drafter: drop it")
+        if self.draft_refine < 0 or self.draft_context < 1:
+            out.append(f"draft_refine must be >= 0 and draft_context >= 1, got {self.draft_refine} and "
+                       f"{self.draft_context}")
+        lo, hi = self.lookup_ngram
+        if not 1 <= lo <= hi:
+            out.append(f"lookup n-grams {lo}:{hi}: need 1 <= MIN <= MAX")
+        elif self.speculative == "combined" and not 1 <= self.min_match <= hi:
+            out.append(f"min_match {self.min_match}: need 1 <= min_match <= the longest n-gram ({hi})")
         return out
 
 

@@ -187,7 +187,8 @@ class Engine:
             return {"topology": self.config.topology, "slots": self.config.slots,
                     "active_slots": self.slots.active(), "queue": len(self.scheduler.waiting),
                     "prefill_workers": self.pool.stats(), "worker_restarts": self.pool.restarts, "path": self.path,
-                    "prefix_cache": self.prefix.stats() if self.prefix is not None else None}
+                    "prefix_cache": self.prefix.stats() if self.prefix is not None else None,
+                    "speculative": self.config.speculative}
 
     # ---- requests ----------------------------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ import numpy as np
 from kvjax import aot
 from kvjax.builders import Mapped, NativePrefill
 from kvjax.cache import KVCache, init_cache, window_sizes
-from kvjax.models.decoder import forward
+from kvjax.models.decoder import forward_features, verify_forward
 
 
 def buckets(capacity: int) -> tuple[int, ...]:
@@ -133,7 +133,14 @@ def step(params, cfg, cache: KVCache, tokens, active, temperature, top_p, seeds,
     reads a few rows of the cache instead of all of them (one program per bucket)."""
     s = tokens.shape[0]
     rows = s if rows is None else rows
-    logits, cache = forward(params, cfg, tokens[:rows, None], cache)
+    nxt, cache, _ = _decode(params, cfg, cache, tokens, active, temperature, top_p, seeds, counters, rows, ())
+    return jnp.pad(nxt, (0, s - rows)), cache
+
+
+def _decode(params, cfg, cache, tokens, active, temperature, top_p, seeds, counters, rows: int, layers: tuple):
+    """`step`'s work (traceable): (next tokens [rows], cache, the verifier's features of `layers` [rows, 1, F] or
+    None)."""
+    logits, cache, feats = forward_features(params, cfg, tokens[:rows, None], cache, layers)
     logits = logits[:, 0]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampled = temperature[:rows] > 0
@@ -141,5 +148,152 @@ def step(params, cfg, cache: KVCache, tokens, active, temperature, top_p, seeds,
                        lambda: jnp.where(sampled, _sample_rows(logits, temperature[:rows], top_p[:rows],
                                                                seeds[:rows], counters[:rows]), greedy),
                        lambda: greedy)
-    nxt = jnp.pad(nxt, (0, s - rows))
-    return nxt, cache.replace(lengths=jnp.where(active, cache.lengths, 0))
+    return nxt, cache.replace(lengths=jnp.where(active, cache.lengths, 0)), feats
+
+
+# ---- speculative decoding: a verify round over the slots (kvjax.serve.drafting) ----------------------------------
+# A round verifies at a static width (kvjax.speculative.verify_block says why), chosen by the engine before the step
+# from what each row would draft, which every step's program looks up ahead for the next (`lookahead`).
+
+def _take_rows(tree, rows: int, slots: int):
+    """The first `rows` rows of every per-slot array of a drafter state (leaves whose first axis is the slots);
+    other leaves (a drafter's scalar counters) as they are."""
+    if rows == slots:
+        return tree
+    return jax.tree.map(lambda a: a[:rows] if a.ndim and a.shape[0] == slots else a, tree)
+
+
+def _put_rows(tree, sub, rows: int, slots: int):
+    """`tree` with its first `rows` rows replaced by `sub`'s (the inverse of _take_rows); other leaves from `sub`."""
+    if rows == slots:
+        return sub
+    return jax.tree.map(lambda a, b: a.at[:rows].set(b) if a.ndim and a.shape[0] == slots else b, tree, sub)
+
+
+def _row_keys(seeds, counters):
+    """Each row's key: its request's seed and the tokens it generated so far (as `_sample_rows`)."""
+    return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
+
+
+def lookahead(drafter, state, tokens, active):
+    """What the next round would draft in each row after its input token `tokens` [B] (traceable; a pure look-up,
+    the state is not changed): (lengths int32 [B]: the drafts a row would propose, 0 for rows not `active`;
+    sources int32 [B]: what drafts them, n >= 1 prompt lookup's copy after a recurring n-gram of n tokens, 0 the
+    model drafter (or nothing)). The engine chooses the next step's verify width from them
+    (kvjax.serve.scheduler.DraftPolicy): a row's acceptance depends on what drafted it, and a round wider than the
+    longest draft verifies nothing more."""
+    from kvjax.speculative import CombinedDrafter, LookupDrafter
+    b, g = tokens.shape[0], drafter.draft_len
+    full = jnp.full((b,), g, jnp.int32)
+    if isinstance(drafter, LookupDrafter):
+        drafts, sources, _ = drafter.match(state, tokens)
+        lengths = jnp.sum(jnp.cumprod((drafts >= 0).astype(jnp.int32), axis=-1), axis=-1)
+    elif isinstance(drafter, CombinedDrafter):  # the copy where its n-gram is long enough, the model drafter else
+        drafts, n, _ = drafter.lookup.match(state.lookup, tokens)
+        copy = n >= drafter.min_match
+        sources = jnp.where(copy, n, 0)
+        # spliced: the model drafter fills a block after a copy's end; else a copy is drafted alone
+        copied = jnp.sum(jnp.cumprod((drafts >= 0).astype(jnp.int32), axis=-1), axis=-1)
+        lengths = full if drafter.splice else jnp.where(copy, copied, full)
+    else:  # a model drafter: every row drafts g
+        lengths, sources = full, jnp.zeros((b,), jnp.int32)
+    return jnp.where(active, lengths, 0).astype(jnp.int32), sources.astype(jnp.int32)
+
+
+@aot.jit
+def new_rows_lookahead(drafter, state, tokens, active):
+    """`lookahead` of a prefilled batch's drafter state (the rows a batch adds: their first round's drafts)."""
+    return lookahead(drafter, state, tokens, active)
+
+
+def _sampling(sampled: bool):
+    """What the drafter drafts with: its own distribution at temperature 1 when some row samples (any q keeps the
+    rejection rule exact, and greedy rows accept by argmax whatever was drafted), greedily otherwise."""
+    from kvjax.generation.sampling import Sampling
+    return Sampling(1.0) if sampled else Sampling()
+
+
+@functools.partial(aot.jit, static_argnames=("cfg", "rows", "sampled", "width"), donate_argnames=("cache", "state"))
+def round_step(params, cfg, cache: KVCache, drafter, state, tokens, active, temperature, top_p, seeds, counters,
+               step_id, rows: int, sampled: bool, width: int):
+    """A verify round over slots [0, rows): each occupied row's drafter proposes up to g tokens after its input token
+    (free slots draft nothing), the target reads the input token and the first width - 1 drafts in one forward over
+    its cache (kvjax.speculative.verify_block at the static `width`, which the engine chose from the last step's
+    `lookahead`), and each row keeps its accepted drafts and the target's own next token. Greedy rows
+    accept a draft while it is the target's argmax (`accept_greedy`: the answer is the target's greedy decode);
+    with `sampled` (static: some slot samples) the other rows take the rejection rule with their own temperature,
+    top_p and key (`accept_sampled_rows`), so their tokens are distributed as the target's sampling.
+
+    Returns (tokens int32 [S, width], n_new int32 [S]: a row's new tokens are tokens[:n_new] (0 for free slots and
+    past `rows`), drafted int32 [S]: drafts verified, the next round's drafts (`lookahead`: lengths [S], sources
+    [S]), cache, state). Each row's cache and drafter state roll back to what it accepted; free slots' lengths are
+    reset to 0, as in `step`."""
+    from kvjax.speculative.loop import accept_greedy, accept_sampled_rows, verify_block
+    s = tokens.shape[0]
+    live = active[:rows]
+    sub = _take_rows(state, rows, s)
+    key = jax.random.fold_in(jax.random.key(0), step_id)
+    drafts, q, sub = drafter.propose(sub, tokens[:rows], key, _sampling(sampled))
+    drafts = jnp.where(live[:, None], drafts, -1)
+    drafts, q, logits, cache, feats = verify_block((cfg, params), cache, tokens[:rows], drafts, q,
+                                                   tuple(drafter.feature_layers), width)
+    n_acc, toks = accept_greedy(logits, drafts)
+    if sampled:
+        hot = temperature[:rows] > 0
+        n_hot, toks_hot = accept_sampled_rows(logits, drafts, q, _row_keys(seeds[:rows], counters[:rows]),
+                                              jnp.where(hot, temperature[:rows], 1.0), top_p[:rows])
+        n_acc, toks = jnp.where(hot, n_hot, n_acc), jnp.where(hot[:, None], toks_hot, toks)
+    n_new = jnp.where(live, n_acc + 1, 0)
+    sub = drafter.commit(sub, _full_width(toks, drafter.draft_len + 1), n_new, feats)
+    lengths = cache.lengths.at[:rows].add(n_new)  # roll back: the pending token and the accepted drafts stay
+    cache = cache.replace(lengths=jnp.where(active, lengths, 0))
+    drafted = jnp.sum(jnp.cumprod((drafts >= 0).astype(jnp.int32), axis=-1), axis=-1)
+    ahead = lookahead(drafter, sub, toks[jnp.arange(rows), jnp.maximum(n_new - 1, 0)], live)
+    pad = lambda a: jnp.pad(a, ((0, s - rows),) + ((0, 0),) * (a.ndim - 1))  # noqa: E731
+    return (pad(toks), pad(n_new), pad(drafted), pad(ahead[0]), pad(ahead[1]), cache,
+            _put_rows(state, sub, rows, s))
+
+
+def _full_width(a, width: int):
+    """tokens [B, t] padded to [B, width] (a drafter's commit reads g + 1 of them; those past the round's n_new are
+    junk by its contract)."""
+    return jnp.pad(a, ((0, 0), (0, width - a.shape[1])))
+
+
+@functools.partial(aot.jit, static_argnames=("cfg", "rows"), donate_argnames=("cache", "state"))
+def plain_step(params, cfg, cache: KVCache, drafter, state, tokens, active, temperature, top_p, seeds, counters,
+               rows: int):
+    """`step` for an engine that drafts, on a step where it does not: one token per slot, and each occupied row's
+    drafter state advances over it without drafting (`advance`: the lookup's context grows by the token, the block
+    drafter's context by the target's features of it, returned by this same forward). Returns (next tokens [S], the
+    next round's drafts (`lookahead`: lengths [S], sources [S]), cache, state)."""
+    s = tokens.shape[0]
+    nxt, cache, feats = _decode(params, cfg, cache, tokens, active, temperature, top_p, seeds, counters, rows,
+                                tuple(drafter.feature_layers))
+    sub = drafter.advance(_take_rows(state, rows, s), tokens[:rows], nxt[:, None],
+                          active[:rows].astype(jnp.int32), feats)
+    lengths, sources = lookahead(drafter, sub, nxt, active[:rows])
+    pad = lambda a: jnp.pad(a, (0, s - rows))  # noqa: E731
+    return pad(nxt), pad(lengths), pad(sources), cache, _put_rows(state, sub, rows, s)
+
+
+@functools.partial(aot.jit, donate_argnames=("state",))
+def insert_rows(state, new, slots: jax.Array):
+    """Write the rows of drafter state `new` (b rows) into rows `slots` [b] of the slots' drafter state, in place;
+    a slot index >= the number of slots drops its row (as `insert`). Leaves without a row axis stay as they are."""
+    n = state_rows(state)
+    return jax.tree.map(lambda a, b: a.at[slots].set(b.astype(a.dtype), mode="drop")
+                        if a.ndim and a.shape[0] == n else a, state, new)
+
+
+def state_rows(state) -> int:
+    """The rows of a drafter state: the longest first axis of its leaves (its per-row arrays)."""
+    return max(a.shape[0] for a in jax.tree.leaves(state) if a.ndim)
+
+
+@functools.partial(aot.jit, static_argnames=("cfg", "layers"))
+def context_features(params, cfg, cache: KVCache, tokens, start, layers: tuple):
+    """The target's features ([B, T, F], `layers`' outputs) of tokens [B, T] at positions start .. start + T - 1,
+    reading its cache before `start` [B] (the prefilled cache of a new batch; nothing is written): what the block
+    drafter's context starts from (kvjax.serve.drafting)."""
+    return verify_forward(params, cfg, tokens, cache.replace(lengths=start), layers)[3]

@@ -1,7 +1,8 @@
 """The decode slots: one batched target cache of `slots` rows on the decode device, the request each row holds and
 its sampling state. Prefilled batches are written into free rows (in place); every step advances each occupied row
-by one token and answers the requests that end (EOS, stop text, max_tokens, timeout, cancel, error), whose rows are
-free again before the next step. Only the decode thread calls these methods."""
+by one token, or with speculative decoding (kvjax.serve.drafting) by each row's accepted drafts and one token, and
+answers the requests that end (EOS, stop text, max_tokens, timeout, cancel, error; inside a round's tokens too),
+whose rows are free again before the next step. Only the decode thread calls these methods."""
 
 from __future__ import annotations
 
@@ -39,6 +40,10 @@ class Slots:
         self._top_p = np.ones(s, np.float32)
         self._seed = np.zeros(s, np.int32)
         self._count = np.zeros(s, np.int32)
+        self.drafting = None
+        if config.drafting:  # the drafter and each slot's drafter state (it loads the block drafter: may raise)
+            from kvjax.serve.drafting import Drafting
+            self.drafting = Drafting(target, config, device, metrics)
 
     def active(self) -> int:
         return sum(r is not None for r in self.req)
@@ -53,6 +58,7 @@ class Slots:
         """Write a prefilled batch into free slots."""
         free = [i for i, r in enumerate(self.req) if r is None]
         slots = np.full((cache.batch_size,), self.config.slots, np.int32)  # padding and dropped rows: nowhere
+        placed = []
         for row, r in enumerate(reqs):
             if r.finished:
                 continue
@@ -62,21 +68,26 @@ class Slots:
             s = free.pop(0)
             slots[row] = s
             self.req[s] = r
+            placed.append((s, row, r.prompt))
             self._next_in[s] = r.prompt[-1]
             self._temp[s], self._top_p[s], self._seed[s], self._count[s] = r.temperature, r.top_p, r.seed, 0
-        if any(slots < self.config.slots):
+        if placed:
             self.cache = programs.insert(self.cache, cache, jnp.asarray(slots))
+            if self.drafting is not None:
+                self.drafting.insert(placed, cache)
 
     def compile_insert(self, cache) -> None:
         """Run the insert of a batch like `cache` with every row dropped (warm-up: compiles it, changes nothing)."""
         slots = jnp.full((cache.batch_size,), self.config.slots, jnp.int32)
         self.cache = programs.insert(self.cache, cache, slots)
+        if self.drafting is not None:
+            self.drafting.compile_insert(cache)
 
     def warm(self) -> None:
-        """Run the decode step once per row count, attention window (kvjax.cache.window_sizes) and sampling branch
-        (warm-up: the results are dropped and every slot is left free and empty). On XLA:CPU the first run of a
-        lax.switch / lax.cond branch costs 15-30 ms more than the next, which the first request to reach a window
-        would otherwise add to a step of every running request."""
+        """Run the decode step once per row count, attention window (kvjax.cache.window_sizes) and sampling branch,
+        with speculative decoding both kinds of step (warm-up: the results are dropped and every slot is left free
+        and empty). On XLA:CPU the first run of a lax.switch / lax.cond branch costs 15-30 ms more than the next,
+        which the first request to reach a window would otherwise add to a step of every running request."""
         s = self.config.slots
         active = np.arange(s) == 0
         windows = window_sizes(self.config.capacity)
@@ -86,24 +97,46 @@ class Slots:
                 lengths = self.cache.lengths * 0 + np.where(active, window - 1, 0).astype(np.int32)  # placed as is
                 self.cache = self.cache.replace(lengths=lengths)
                 temp = np.full(s, temperature, np.float32)
+                if self.drafting is not None:  # both kinds of step (a plain step, a verify round)
+                    self.cache = self.drafting.warm(self.cache, self._next_in, active, temp, self._top_p,
+                                                    self._seed, self._count, rows)
+                    continue
                 _, self.cache = programs.step(self.params, self.cfg, self.cache, self._next_in, active, temp,
                                               self._top_p, self._seed, self._count, rows=rows)
-        self.run_step(self.row_buckets[-1])  # every slot free: lengths back to 0
+        if self.drafting is not None:  # every slot empty again (placed as the lengths are)
+            self.cache = self.cache.replace(lengths=self.cache.lengths * 0)
+            self.drafting.reset()
+        else:
+            self.run_step(self.row_buckets[-1])  # every slot free: lengths back to 0
         jax.block_until_ready(self.cache)
+
+    def _rows(self, active: np.ndarray) -> int:
+        """The smallest compiled row count that holds every occupied slot."""
+        need = int(np.flatnonzero(active).max()) + 1 if active.any() else 1
+        return next(b for b in self.row_buckets if b >= need)
 
     def run_step(self, rows: int | None = None):
         active = np.array([r is not None for r in self.req])
-        if rows is None:  # the smallest compiled row count that holds every occupied slot
-            need = int(np.flatnonzero(active).max()) + 1 if active.any() else 1
-            rows = next(b for b in self.row_buckets if b >= need)
+        rows = self._rows(active) if rows is None else rows
         out, self.cache = programs.step(self.params, self.cfg, self.cache, self._next_in, active,
                                         self._temp, self._top_p, self._seed, self._count, rows=rows)
         return np.asarray(out)
 
     def step(self) -> None:
         t0 = time.perf_counter()
+        active = np.array([r is not None for r in self.req])
+        occupied = np.flatnonzero(active)
+        rows = self._rows(active)
+        width, sampled = 0, False
         try:
-            out = self.run_step()
+            if self.drafting is None:
+                out, n_new = self.run_step(rows)[:, None], active.astype(np.int32)
+            else:
+                sampled = bool((self._temp[active] > 0).any())
+                width = self.drafting.choose(rows, active, self._temp)
+                self.cache, out, n_new, drafted = self.drafting.step(
+                    width, self.cache, self._next_in, active, self._temp, self._top_p, self._seed, self._count,
+                    rows, sampled)
         except Exception as e:  # noqa: BLE001 - the batch step itself failed: every slot in it fails, the cache is rebuilt
             log.exception("decode step failed")
             for s, r in enumerate(self.req):
@@ -112,6 +145,8 @@ class Slots:
                     self.req[s] = None
             self.cache = programs.empty_slots(self.cfg, self.config.slots, self.config.capacity, self.cache.dtype,
                                               self.device)
+            if self.drafting is not None:
+                self.drafting.reset()
             return
         now = time.perf_counter()
         self.metrics.step_seconds.observe(now - t0)
@@ -121,34 +156,52 @@ class Slots:
                 continue
             try:
                 self.faults.check("step", r)
-                produced += 1
-                self._emit(s, r, int(out[s]), now)
+                produced += self._emit(s, r, out[s, :n_new[s]], now)
             except Exception as e:  # noqa: BLE001 - one request's failure is its own
                 log.exception("request %d failed in its decode step", r.id)
                 self.answers.fail(r, 500, f"generation failed: {type(e).__name__}: {e}")
             if r.finished:
                 self.req[s] = None
         self.metrics.produced(produced, now)
+        if self.drafting is not None:
+            self.drafting.account(width, rows, sampled, time.perf_counter() - t0, n_new, drafted, occupied,
+                                  self._temp)
 
-    def _emit(self, s: int, r: Request, tok: int, now: float) -> None:
+    def _emit(self, s: int, r: Request, toks, now: float) -> int:
+        """The step's new tokens of slot s (one, or a round's accepted drafts and the target's token), in one event;
+        the request ends at the first EOS, stop text or max_tokens among them (what follows is dropped). Returns the
+        tokens the request took."""
         if r.cancelled:
             self.answers.fail(r, 499, "cancelled by the client")
-            return
+            return 0
         if not r.generated:
             r.first_token_at = now
             self.metrics.ttft.observe(now - r.submitted)
         else:
             self.metrics.token_latency.observe(now - r.last_token_at)
         r.last_token_at = now
-        r.generated.append(tok)
-        self._count[s] += 1
-        self._next_in[s] = tok
-        eos = tok in self.eos
-        delta, stopped = r.text.push(tok, final=eos)
-        r.sink(Event("token", ids=(tok,), text=delta))
-        if eos or stopped:
+        ids, text, end = [], [], ""
+        for tok in toks:
+            tok = int(tok)
+            if ids:  # a round's later tokens arrive with its first
+                self.metrics.token_latency.observe(0.0)
+            r.generated.append(tok)
+            ids.append(tok)
+            eos = tok in self.eos
+            delta, stopped = r.text.push(tok, final=eos)
+            text.append(delta)
+            if eos or stopped:
+                end = "stop"
+            elif len(r.generated) >= r.max_tokens:
+                end = "length"
+            if end:
+                break
+        self._count[s] += len(ids)
+        self._next_in[s] = ids[-1]
+        r.sink(Event("token", ids=tuple(ids), text="".join(text)))
+        if end == "stop":
             self.answers.finish(r, "stop")
-        elif len(r.generated) >= r.max_tokens:
+        elif end == "length":
             tail = r.text.flush()
             if tail:
                 r.sink(Event("token", ids=(), text=tail))
@@ -156,6 +209,7 @@ class Slots:
         elif now > r.deadline:
             self.answers.fail(r, 504, f"timed out after {now - r.submitted:.0f} s ({len(r.generated)} tokens "
                                       "generated)")
+        return len(ids)
 
     def sweep(self) -> None:
         """Free the slots of requests cancelled or past their deadline (between steps)."""

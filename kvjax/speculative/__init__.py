@@ -13,8 +13,10 @@ from kvjax.speculative.api import SpecResult, speculative_generate, speculative_
 from kvjax.speculative.combined import CombinedDrafter, CombinedState, combined
 from kvjax.speculative.draft import DraftState, ModelDrafter
 from kvjax.speculative.lookup import LookupDrafter, LookupState
-from kvjax.speculative.loop import Stats, accept_greedy, accept_sampled, run_loop, sampling_probs, verify_loop
+from kvjax.speculative.loop import (Stats, accept_greedy, accept_sampled, accept_sampled_rows, run_loop,
+                                   sampling_probs, verify_block, verify_loop, verify_round)
 
 __all__ = ["CombinedDrafter", "CombinedState", "combined", "SpecResult", "speculative_generate",
-           "speculative_split_generate", "transfer_builder", "DraftState", "ModelDrafter", "LookupDrafter", "LookupState", "Stats", "accept_greedy", "accept_sampled", "run_loop",
-           "sampling_probs", "verify_loop"]
+           "speculative_split_generate", "transfer_builder", "DraftState", "ModelDrafter", "LookupDrafter",
+           "LookupState", "Stats", "accept_greedy", "accept_sampled", "accept_sampled_rows", "run_loop",
+           "sampling_probs", "verify_block", "verify_loop", "verify_round"]

@@ -112,6 +112,11 @@ class CombinedDrafter:
         """model_rounds: rounds that ran the model drafter; lookup_rows [B]: rounds each row took lookup's draft."""
         return {"model_rounds": state.model_rounds, "lookup_rows": state.lookup_rows}
 
+    def advance(self, state: CombinedState, last, tokens, n_new, features=None) -> CombinedState:
+        """A round that drafted nothing (a plain decode step): both parts advance without drafting."""
+        return state.replace(model=self.model.advance(state.model, last, tokens, n_new, features),
+                             lookup=self.lookup.advance(state.lookup, last, tokens, n_new))
+
     def commit(self, state: CombinedState, tokens, n_new, features=None) -> CombinedState:
         return state.replace(model=self.model.commit(state.model, tokens, n_new, features),
                              lookup=self.lookup.commit(state.lookup, tokens, n_new))

@@ -109,6 +109,13 @@ class LookupDrafter:
         drafts = jnp.where((n[:, None] > 0) & (at < length[:, None]), drafts, -1)
         return drafts, n, state.replace(history=history)
 
+    def advance(self, state: LookupState, last, tokens, n_new, features=None) -> LookupState:
+        """A round that drafted nothing (a plain decode step): the pending token `last` and the verifier's token
+        become context as propose + commit would leave them, without the match."""
+        put = jax.vmap(lambda row, tok, at: jax.lax.dynamic_update_slice(row, tok[None], (at,)))
+        return self.commit(state.replace(history=put(state.history, last.astype(jnp.int32), state.length)), tokens,
+                           n_new)
+
     def commit(self, state: LookupState, tokens, n_new, features=None) -> LookupState:
         # propose wrote the round's pending token at `length`; the accepted drafts follow it, and the verifier's own
         # token (tokens[n_new - 1]) is the next pending one, written by the next propose

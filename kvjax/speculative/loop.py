@@ -48,15 +48,24 @@ passed into the compiled loop as an argument, so it must not hold Python state t
     commit(state, tokens [B, gamma + 1] int32, n_new [B] int32, features [B, gamma + 1, F] | None) -> state
         Traceable. tokens[:, :n_new] are the tokens this round emitted: the n_new - 1 accepted drafts, then the
         verifier's token (which is the next pending token); entries past n_new are junk. features are the verifier's
-        at the positions it ran this round, [last, d_1, .., d_gamma]: the first n_new are now context (None when
+        at the positions it ran this round, [last, d_1, .., d_gamma] (fewer when a round verified fewer: a server's
+        round at a narrower width, kvjax.speculative.verify_block): the first n_new are now context (None when
         feature_layers is empty). n_new == 0 marks a row that had already finished: its state must come back as it
         was before this round's propose. Roll caches back by setting their `lengths` (no copies).
     counters(state) -> dict of arrays
         Optional, traceable. What the drafter counted over the run (the combined drafter: the rounds in which its
         model drafter ran); run_loop returns it as counters["drafter"], and Stats as `drafter`.
+    advance(state, last [B] int32, tokens [B, 1] int32, n_new [B] int32, features [B, 1, F] | None) -> state
+        Optional, traceable. The state after a round in which nothing was drafted: the verifier read `last` alone
+        and emitted tokens[:, 0] where n_new is 1 (a plain decode step; n_new 0: a finished row, unchanged). What
+        propose + commit would leave, without drafting. A server that turns drafting off for a step while keeping
+        each request's drafter state current calls it (kvjax.serve); the lookup, block and combined drafters have
+        it.
 
-Entry points: `verify_loop` (traceable), `run_loop` (the jitted loop from a built verifier cache and drafter state),
-and kvjax.speculative.api (speculative_generate, speculative_split_generate).
+Entry points: `verify_round` (one round's drafting and verify pass, traceable) and `verify_block` (its verify pass
+at a static width, a server's: kvjax.serve.programs), `verify_loop` (traceable), `run_loop` (the jitted loop from a
+built verifier cache and drafter state), and kvjax.speculative.api (speculative_generate,
+speculative_split_generate).
 """
 
 from __future__ import annotations
@@ -68,7 +77,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache import KVCache, cache_jit
-from kvjax.generation.sampling import Sampling, draw, sampling_probs
+from kvjax.generation.sampling import Sampling, draw, row_sampling_probs, sampling_probs
 from kvjax.models.decoder import forward_features, verify_forward, write_block
 
 
@@ -88,14 +97,30 @@ def accept_sampled(logits: jax.Array, drafts: jax.Array, q: jax.Array, key: jax.
                    ) -> tuple[jax.Array, jax.Array]:
     """The rejection rule: logits [B, g+1, V], drafts [B, g] drawn from q [B, g, V] -> (n_acc [B], tokens [B, g+1])
     with tokens[:, :n_acc] = the accepted drafts and tokens[:, n_acc] the corrected (or bonus) token."""
-    b, g = drafts.shape
-    p = sampling_probs(logits, sampling)  # [B, g+1, V]
     ku, kr = jax.random.split(key)
+    u = jax.random.uniform(ku, drafts.shape)
+    return _reject(sampling_probs(logits, sampling), drafts, q, u, lambda probs: draw(probs, kr))
+
+
+def accept_sampled_rows(logits: jax.Array, drafts: jax.Array, q: jax.Array, keys: jax.Array, temperature: jax.Array,
+                        top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`accept_sampled` with each row's own temperature and top_p [B] (> 0: greedy rows take `accept_greedy`) and
+    key [B] (a row's uniforms and corrected token come from its key alone, so they do not depend on the other
+    rows of the batch): a server's batch of requests with different settings."""
+    split = jax.vmap(jax.random.split)(keys)  # [B, 2]
+    u = jax.vmap(lambda k: jax.random.uniform(k, drafts.shape[1:]))(split[:, 0])
+    fix = lambda probs: jax.vmap(draw)(probs, split[:, 1])  # noqa: E731
+    return _reject(row_sampling_probs(logits, temperature, top_p), drafts, q, u, fix)
+
+
+def _reject(p: jax.Array, drafts: jax.Array, q: jax.Array, u: jax.Array, draw_fix) -> tuple[jax.Array, jax.Array]:
+    """The rejection rule on the verifier's probabilities p [B, g+1, V] with uniforms u [B, g]; draw_fix(probs
+    [B, V]) -> tokens [B] draws the corrected (or bonus) token."""
+    b, g = drafts.shape
     real = drafts >= 0  # a variable-length drafter marks positions past its last draft with -1
     safe = jnp.where(real, drafts, 0)
     p_d = jnp.take_along_axis(p[:, :g], safe[..., None], axis=-1)[..., 0]
     q_d = jnp.take_along_axis(q, safe[..., None], axis=-1)[..., 0]
-    u = jax.random.uniform(ku, (b, g))
     ok = real & (u * q_d < p_d)  # u < p/q without dividing; q_d > 0 for a drawn token
     n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=-1), axis=-1)
     rows = jnp.arange(b)
@@ -104,7 +129,7 @@ def accept_sampled(logits: jax.Array, drafts: jax.Array, q: jax.Array, key: jax.
     residual = jnp.maximum(p_n - q_n, 0.0)
     # p == q leaves no residual mass; rejection then had probability 0, reachable only through rounding: draw from p
     residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p_n)
-    fix = draw(residual / jnp.sum(residual, -1, keepdims=True), kr)
+    fix = draw_fix(residual / jnp.sum(residual, -1, keepdims=True))
     drafts_ext = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)
     j = jnp.arange(g + 1)[None]
     tokens = jnp.where(j < n_acc[:, None], drafts_ext, fix[:, None])
@@ -163,20 +188,46 @@ class Stats:
                 "mean_acceptance_length": self.mean_acceptance_length, "acceptance_rate": self.acceptance_rate}
 
 
-def verify_loop(verifier, drafter, cache: KVCache, state, last: jax.Array, key: jax.Array, max_new_tokens: int,
-                sampling: Sampling, eos_ids: tuple[int, ...], pad_id: int):
-    """The speculative loop (traceable). verifier: a Model (cfg, params); cache: its KVCache holding each prompt but
-    its last token; state: drafter.start's; last [B]: each prompt's last token. Returns (tokens int32 [B, N] with
-    `pad_id` after each row's EOS or end, per-row counters (rounds, accepted, per_round, emitted), verifier cache,
-    drafter state)."""
-    vcfg, vparams = verifier
-    b, g, n = last.shape[0], drafter.draft_len, max_new_tokens
-    layers = tuple(drafter.feature_layers)
-    eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
-    greedy = sampling.temperature == 0.0
-    width = n + g + 1  # room for a full round written at any count < n
+def verify_block(verifier, cache: KVCache, last: jax.Array, drafts: jax.Array, q, layers: tuple[int, ...] = (),
+                 width: int | None = None):
+    """The verify pass over [last, d_1 .. d_{width-1}] (traceable; `width` static, default g + 1), writing the block's
+    keys/values into the cache as it goes (the decoder's forward: each layer writes, then attends over the cache;
+    `lengths` come back as they were: the caller adds what was accepted). Drafts past width - 1 are cut; a -1 draft
+    (nothing drafted there) stands in the block as id 0, and is never accepted. `last` [B] may have fewer rows than
+    the cache: they are its first B rows (a server's occupied slots).
 
-    variable = bool(getattr(drafter, "variable_length", False))
+    Returns (drafts [B, width - 1], q [B, width - 1, V] (zero where nothing was drafted) or None, logits
+    [B, width, V], cache, the verifier's features of `layers` at the block [B, width, F] or None).
+
+    A server picks the width of each round from its drafts (the narrowest compiled width that holds the longest) and
+    runs this at that static width: its decode cache is donated and updated in place, where a read-only verify pass
+    followed by a separate block write (verify_forward, write_block) made XLA:CPU copy the cache buffers (108 copies
+    in one program; 8 rows x 1,024 positions: 60 ms a round against 18 ms)."""
+    vcfg, vparams = verifier
+    width = drafts.shape[1] + 1 if width is None else int(width)
+    drafts = drafts[:, :width - 1]
+    drafted = jnp.cumprod((drafts >= 0).astype(jnp.int32), axis=-1)  # [B, width - 1]: leading real drafts
+    q = None if q is None else q[:, :width - 1] * drafted[..., None]  # nothing drafted there: q = 0, p rules
+    block = jnp.concatenate([last[:, None], jnp.where(drafts >= 0, drafts, 0)], axis=1)
+    logits, written, feats = forward_features(vparams, vcfg, block, cache, tuple(layers))
+    return drafts, q, logits, written.replace(lengths=cache.lengths), feats
+
+
+def verify_round(verifier, drafter, cache: KVCache, state, last: jax.Array, key: jax.Array, sampling: Sampling):
+    """One round's drafting and verify pass (traceable): the drafter proposes from `state`, the verifier runs
+    [last, d_1 .. d_gamma] over `cache` (a fixed-length drafter: `verify_block` at g + 1; a variable-length one: only
+    as many tokens as the longest draft, lax.switch over the g + 1 widths, each a read-only pass, then one block
+    write). Returns (drafts [B, g] (-1 past a variable-length drafter's real drafts), q [B, g, V] (zero past them) or
+    None, logits [B, g+1, V], the cache with the block's keys/values written past each row's `lengths` (lengths as
+    they were: the caller adds what was accepted), the verifier's features at the block [B, g+1, F] or None,
+    verified (int32 scalar: tokens the forward ran), the state after propose)."""
+    vcfg, vparams = verifier
+    g = drafter.draft_len
+    layers = tuple(drafter.feature_layers)
+    drafts, q, state = drafter.propose(state, last, key, sampling)
+    if not getattr(drafter, "variable_length", False):
+        drafts, q, logits, cache, feats = verify_block(verifier, cache, last, drafts, q, layers)
+        return drafts, q, logits, cache, feats, jnp.int32(g + 1), state
 
     def verify(t, block, cache):  # the verify forward over the first t tokens, padded back to g + 1 positions
         # reads the cache without writing it (decoder.verify_forward says why); the k/v of positions past t are
@@ -187,7 +238,26 @@ def verify_loop(verifier, drafter, cache: KVCache, state, last: jax.Array, key: 
         return (jnp.pad(logits, pad), jnp.pad(k, kv_pad), jnp.pad(v, kv_pad),
                 None if feats is None else jnp.pad(feats, pad))
 
-    verifies = [functools.partial(verify, t) for t in range(1, g + 2)]
+    drafted = jnp.cumprod((drafts >= 0).astype(jnp.int32), axis=-1)  # [B, g]: leading real drafts
+    # a -1 is never accepted, so any id may stand in for it in the block; nothing was drafted there: q = 0, p rules
+    block = jnp.concatenate([last[:, None], jnp.where(drafts >= 0, drafts, 0)], axis=1)
+    q = None if q is None else q * drafted[..., None]
+    verified = jnp.max(jnp.sum(drafted, -1)) + 1  # tokens this round's forward runs
+    logits, k, v, feats = jax.lax.switch(verified - 1, [functools.partial(verify, t) for t in range(1, g + 2)],
+                                         block, cache)
+    return drafts, q, logits, write_block(cache, k, v), feats, verified, state
+
+
+def verify_loop(verifier, drafter, cache: KVCache, state, last: jax.Array, key: jax.Array, max_new_tokens: int,
+                sampling: Sampling, eos_ids: tuple[int, ...], pad_id: int):
+    """The speculative loop (traceable). verifier: a Model (cfg, params); cache: its KVCache holding each prompt but
+    its last token; state: drafter.start's; last [B]: each prompt's last token. Returns (tokens int32 [B, N] with
+    `pad_id` after each row's EOS or end, per-row counters (rounds, accepted, per_round, emitted), verifier cache,
+    drafter state)."""
+    b, g, n = last.shape[0], drafter.draft_len, max_new_tokens
+    eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
+    greedy = sampling.temperature == 0.0
+    width = n + g + 1  # room for a full round written at any count < n
 
     def write(row, toks, at):
         return jax.lax.dynamic_update_slice(row, toks, (at,))
@@ -197,18 +267,8 @@ def verify_loop(verifier, drafter, cache: KVCache, state, last: jax.Array, key: 
 
     def body(c):
         key, kd, ka = jax.random.split(c["key"], 3)
-        drafts, q, state = drafter.propose(c["state"], c["last"], kd, sampling)
-        block = jnp.concatenate([c["last"][:, None], drafts], axis=1)  # [B, g+1]
-        if variable:
-            drafted = jnp.cumprod((drafts >= 0).astype(jnp.int32), axis=-1)  # [B, g]: leading real drafts
-            block = jnp.where(block >= 0, block, 0)  # a -1 is never accepted: any id may stand in for it
-            q = None if q is None else q * drafted[..., None]  # nothing drafted there: q = 0, the verifier's p rules
-            verified = jnp.max(jnp.sum(drafted, -1)) + 1  # tokens this round's forward runs
-            logits, k, v, feats = jax.lax.switch(verified - 1, verifies, block, c["cache"])
-            cache = write_block(c["cache"], k, v)
-        else:
-            verified = g + 1
-            logits, cache, feats = forward_features(vparams, vcfg, block, c["cache"], layers)
+        drafts, q, logits, cache, feats, verified, state = verify_round(verifier, drafter, c["cache"], c["state"],
+                                                                        c["last"], kd, sampling)
         if greedy:
             n_acc, toks = accept_greedy(logits, drafts)
         elif q is None:
@@ -218,7 +278,7 @@ def verify_loop(verifier, drafter, cache: KVCache, state, last: jax.Array, key: 
             n_acc, toks = accept_sampled(logits, drafts, q, ka, sampling)
         active = ~c["done"]
         n_new = jnp.where(active, n_acc + 1, 0)
-        cache = cache.replace(lengths=c["cache"].lengths + n_new)  # roll back: only last + accepted drafts stay
+        cache = cache.replace(lengths=cache.lengths + n_new)  # roll back: only last + accepted drafts stay
         state = drafter.commit(state, toks, n_new, feats)
         out = jnp.where(active[:, None], jax.vmap(write)(c["out"], toks, c["count"]), c["out"])
         is_eos = jnp.isin(toks, eos) & (jnp.arange(g + 1)[None] < n_new[:, None])

@@ -6,6 +6,7 @@ checked against offline `kvjax.split_generate`.
     python -m launch.bench.load --topologies=batched --concurrency=32 --soak=600              # soak: RSS, slots
     python -m launch.bench.load --workload=conversation --topologies=batched,batched+prefix  # multi-turn chats
     python -m launch.bench.load --workload=arrival --topologies=batched,batched+chunked       # a long prompt arrives
+    python -m launch.bench.load --workload=code --topologies=batched,batched+lookup --repeats 3  # speculative decoding
 
 For each topology it starts the server as a subprocess on a free localhost port (warmed up: every prefill bucket
 compiled before timing; JAX's persistent compilation cache shared between the servers), runs each concurrency level
@@ -19,7 +20,13 @@ A `--topologies` entry is an arm: a topology with server features after a plus, 
 prefix cache of transferred caches, reused by token-block prefix: `--prefix-cache-mb` of our `--prefix-mb`, and
 `--prefix-block` if ours is given), `batched+chunked` (chunked prefill, long prompts prefilled in chunks between
 decode steps: the server's `--max-step-tokens` of ours) or both (`batched+prefix+chunked`); results are named by the
-whole entry.
+whole entry. Speculative decoding is a feature too: `+lookup`, `+block` or `+combined` (the server's `--speculative`,
+with our `--draft-len`, `--drafter` and `--draft-policy` when given), e.g. `batched+lookup`, `batched+prefix+lookup`.
+
+With `--repeats N` (N > 1) every arm's server is started first and stays up, and each level runs N times with the
+arms interleaved (level 1: arm 1, arm 2, ..., arm 1, arm 2, ...; then level 2): on a shared, noisy machine the arms
+then see the same conditions, and the report gives each arm's medians and its tokens/s as a ratio to the first arm's
+in the same repeat (median over the repeats).
 
 Workloads (`--workload`):
 - independent (default): each client sends `--requests` prompts of the pool, one after another.
@@ -32,6 +39,10 @@ Workloads (`--workload`):
   and the server's prefix-cache counters over the level (hit rate, reused / looked-up tokens, evictions, bytes).
   An arm's server, and so its prefix cache, lives through all its levels: a level after the first finds the
   earlier levels' conversations cached (one level per run measures a cold cache).
+- code (code editing): each client sends `--requests` prompts of a pool of `--prompts`: a request quotes a held-out
+  "file" (`--file-tokens` tokens of held-out text, cut to whole lines) and asks for all of it back with one word
+  renamed, and ends with the edited file's first `--lead-lines` lines, as the answer would start: the answer
+  repeats the prompt's text, which is what prompt lookup drafts from. Every answer is checked against offline greedy.
 - arrival (chunked prefill): `--decoders` clients each stream `--decode-tokens` greedy tokens after a
   `--short-tokens` prompt; once all decode (each has a token, or `--first-token-wait` s passed) and each has
   `--lead-tokens` (default a quarter of them; at most `--settle` s more), one client sends a `--long-tokens` prompt
@@ -40,9 +51,12 @@ Workloads (`--workload`):
   during / before, the long request's TTFT and the server's slowest steps during it (`load_report.slow_steps`);
   `--concurrency` is not used.
 
-Per level it records TTFT, inter-token latency, end-to-end latency (p50/p99), aggregate tokens/s (generated tokens /
-wall time of the level), errors, lost or hung requests (no answer within --timeout) and answers that differ from
-offline; the report is OUT/report.md (table), OUT/load.json (everything) and OUT/load.png (chart).
+Per level it records TTFT, inter-token latency (between two chunks of tokens a client receives: with speculative
+decoding a round's tokens arrive together), time per output token (TPOT: a request's time after its first token
+over its later tokens), end-to-end latency (p50/p99), aggregate tokens/s (generated tokens / wall time of the level),
+errors, lost or hung requests (no answer within --timeout) and answers that differ from offline, and from the
+server's /metrics over the level its decode steps by kind and, per drafter, drafted and accepted tokens and the
+acceptance length (tokens a request emitted per verify round); the report is OUT/report.md (table), OUT/load.json (everything) and OUT/load.png (chart).
 
 The workloads' prompts, their offline answers and the server sizes they need are launch.bench.load_workloads; the
 summaries, tables and charts launch.bench.load_report.
@@ -66,11 +80,12 @@ from typing import Callable
 
 from kvjax.serve.config import TOPOLOGIES, EngineConfig
 from launch.bench.load_report import arrival_summary, report, summarize, turn_summary
-from launch.bench.load_workloads import (LONG_NEW_TOKENS, REPO, Plan, arrival_plan, conversation_plan,
+from launch.bench.load_workloads import (LONG_NEW_TOKENS, REPO, Plan, arrival_plan, code_plan, conversation_plan,
                                          independent_plan, levels)
 
 HOST = "127.0.0.1"  # localhost only
-WORKLOADS = ("independent", "conversation", "arrival")
+WORKLOADS = ("independent", "conversation", "arrival", "code")
+DRAFTERS = ("lookup", "block", "combined")  # arm features: the server's --speculative
 # the server's prefix-cache counters (Prometheus counters: NAME_total) and gauges
 PREFIX_COUNTERS = ("lookups", "hits", "lookup_tokens", "reused_tokens", "evictions")
 PREFIX_GAUGES = ("bytes", "blocks")
@@ -81,15 +96,19 @@ def args_parser():
     p.add_argument("--config", default="toy")
     p.add_argument("--map", default="", help="serve this map directory (default: the config's run)")
     p.add_argument("--workload", choices=WORKLOADS, default="independent",
-                   help="independent prompts, multi-turn conversations, or a long prompt arriving during decode")
+                   help="independent prompts, multi-turn conversations, a long prompt arriving during decode, or "
+                   "code editing (a file quoted and asked for back with an edit)")
     p.add_argument("--topologies", default="serial,batched,disaggregated",
-                   help="arms: TOPOLOGY[+prefix][+chunked], comma-separated")
+                   help="arms: TOPOLOGY[+prefix][+chunked][+lookup|+block|+combined], comma-separated")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run each level this many times with the arms interleaved (every server up at once); "
+                   "report medians and ratios to the first arm")
     p.add_argument("--concurrency", default="1,8,32,128", help="client counts (levels); not used by arrival")
-    p.add_argument("--requests", type=int, default=4, help="requests per client (independent only)")
+    p.add_argument("--requests", type=int, default=4, help="requests per client (the independent and code workloads)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--min-len", type=int, default=256)
     p.add_argument("--max-len", type=int, default=1024)
-    p.add_argument("--prompts", type=int, default=32, help="distinct prompts in the pool")
+    p.add_argument("--prompts", type=int, default=32, help="distinct prompts in the pool (independent, code)")
     p.add_argument("--lengths", type=int, default=8, help="distinct prompt lengths in the pool")
     p.add_argument("--slots", type=int, default=64)
     p.add_argument("--max-prefill-batch", type=int, default=4)
@@ -105,6 +124,11 @@ def args_parser():
                    help="distinct conversations (default 0: the largest --concurrency level)")
     g.add_argument("--system-tokens", type=int, default=512, help="the shared system prompt (default 512)")
     g.add_argument("--user-tokens", type=int, default=96, help="each user message (default 96)")
+    g = p.add_argument_group("code")
+    g.add_argument("--file-tokens", type=int, default=384, help="tokens of held-out text per quoted file (default "
+                   "384, cut to whole lines)")
+    g.add_argument("--lead-lines", type=int, default=2,
+                   help="the edited file's first lines that end the prompt (default 2)")
     g = p.add_argument_group("arrival")
     g.add_argument("--decoders", type=int, default=32,
                    help="clients decoding when the long prompt arrives (default 32)")
@@ -126,6 +150,12 @@ def args_parser():
                    help="+prefix: the server's --prefix-block (default 0: the server's default)")
     g.add_argument("--max-step-tokens", type=int, default=256,
                    help="+chunked: the server's --max-step-tokens (default 256)")
+    g.add_argument("--draft-len", type=int, default=0,
+                   help="+lookup/+block/+combined: the server's --draft-len (default 0: the server's default)")
+    g.add_argument("--drafter", default="", help="+block/+combined: the server's --drafter (a block drafter "
+                   "trained for the answering model)")
+    g.add_argument("--draft-policy", default="", help="+lookup/+block/+combined: the server's --draft-policy "
+                   "(default: the server's, auto)")
     p.add_argument("--offline-batch", type=int, default=8,
                    help="offline reference: equal-length prompts per split_generate call (default 8; 1: one call per "
                    "prompt)")
@@ -142,6 +172,12 @@ def check_args(a) -> list[str]:
         out.append("conversation: --turns >= 1, --user-tokens >= 1 and a prompt of >= 2 tokens")
     if a.workload == "arrival" and (a.decoders < 1 or a.short_tokens < 2 or a.long_tokens < 2):
         out.append("arrival: --decoders >= 1, --short-tokens and --long-tokens >= 2")
+    if a.workload == "code" and (a.file_tokens < 8 or a.lead_lines < 0):
+        out.append("code: --file-tokens >= 8 and --lead-lines >= 0")
+    if a.repeats < 1:
+        out.append("--repeats must be >= 1")
+    if a.repeats > 1 and (a.soak or a.kill_prefill or a.workload == "arrival"):
+        out.append("--repeats interleaves the levels of --concurrency: not with --soak, --kill-prefill or arrival")
     return out
 
 
@@ -152,20 +188,29 @@ def parse_arm(entry: str, a) -> tuple[str, list[str]]:
     topology, *features = entry.strip().split("+")
     if topology not in TOPOLOGIES:
         raise ValueError(f"arm {entry!r}: topology {topology!r} is not one of {', '.join(TOPOLOGIES)}")
-    flags = []
+    flags, drafter = [], "none"
     for f in features:
         if f == "prefix":
             flags += ["--prefix-cache-mb", str(a.prefix_mb)]
             flags += ["--prefix-block", str(a.prefix_block)] if a.prefix_block else []
         elif f == "chunked":
             flags += ["--max-step-tokens", str(a.max_step_tokens)]
+        elif f in DRAFTERS and drafter == "none":
+            drafter = f
+            flags += ["--speculative", f] + (["--draft-len", str(a.draft_len)] if a.draft_len else [])
+            flags += ["--drafter", a.drafter] if a.drafter and f != "lookup" else []
+            flags += ["--draft-policy", a.draft_policy] if a.draft_policy else []
         else:
-            raise ValueError(f"arm {entry!r}: feature {f!r} is not prefix or chunked")
+            raise ValueError(f"arm {entry!r}: feature {f!r} is not prefix, chunked or one drafter of "
+                             f"{', '.join(DRAFTERS)}")
     # the server's own checks, before minutes of offline reference decoding (kvjax.serve would refuse at start)
     engine = EngineConfig(topology=topology,
                           prefix_cache_mb=a.prefix_mb if "prefix" in features else 0.0,
                           prefix_block=a.prefix_block or EngineConfig.prefix_block,
-                          max_step_tokens=a.max_step_tokens if "chunked" in features else 0)
+                          max_step_tokens=a.max_step_tokens if "chunked" in features else 0,
+                          speculative=drafter, draft_len=a.draft_len if drafter != "none" else 0,
+                          drafter=a.drafter if drafter in ("block", "combined") else "",
+                          draft_policy=a.draft_policy or EngineConfig.draft_policy)
     if engine.problems():
         raise ValueError(f"arm {entry!r}: " + "; ".join(engine.problems()))
     return topology, flags
@@ -250,6 +295,53 @@ def parse_metrics(text: str) -> dict[str, float]:
         except ValueError:
             continue
     return out
+
+
+def labelled(text: str, name: str, label: str) -> dict[str, float]:
+    """Prometheus text -> {value of `label`: sample} of metric `name` (samples without the label: key "")."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        head, _, labels = name_labels.partition("{")
+        if head != name:
+            continue
+        found = dict(kv.split("=", 1) for kv in labels.rstrip("}").split(",") if "=" in kv)
+        out[found.get(label, '""').strip('"')] = float(value)
+    return out
+
+
+def draft_stats(before: str, after: str) -> dict:
+    """Speculative decoding over a level, from the server's /metrics: decode steps by kind, and per drafter drafted
+    and accepted tokens, verify rounds (a request's) and the mean acceptance length (tokens a request emitted per
+    round). Empty for a server that does not draft."""
+    def delta(name, label):
+        b, a = labelled(before, name, label), labelled(after, name, label)
+        return {k: v - b.get(k, 0.0) for k, v in a.items()}
+    steps = delta("kvjax_decode_steps_total", "kind")
+    if not steps:
+        return {}
+    drafted, accepted = delta("kvjax_drafted_tokens_total", "drafter"), delta("kvjax_accepted_tokens_total", "drafter")
+    total, count = delta("kvjax_acceptance_length_sum", "drafter"), delta("kvjax_acceptance_length_count", "drafter")
+    per = {d: {"drafted": drafted.get(d, 0.0), "accepted": accepted.get(d, 0.0), "rounds": count[d],
+               "acceptance_length": total.get(d, 0.0) / count[d]} for d in sorted(count) if count[d]}
+    rounds = sum(count.values())
+    return {"draft_steps": steps.get("draft", 0.0), "plain_steps": steps.get("plain", 0.0), "drafters": per,
+            "acceptance_length": sum(total.values()) / rounds if rounds else float("nan"),
+            "step_costs": step_costs(after)}
+
+
+def step_costs(text: str) -> dict[str, float]:
+    """The drafting policy's step costs at the end of a level, from /metrics: {"ROWSxWIDTH": seconds} (width 0: a
+    plain step), what it chose each step's width from."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("kvjax_step_cost_seconds{"):
+            labels, _, value = line.rpartition(" ")
+            found = dict(kv.split("=", 1) for kv in labels.partition("{")[2].rstrip("}").split(",") if "=" in kv)
+            out[f'{found["rows"].strip(chr(34))}x{found["width"].strip(chr(34))}'] = float(value)
+    return dict(sorted(out.items(), key=lambda kv: tuple(map(int, kv[0].split("x")))))
 
 
 def prefix_stats(before: dict[str, float], after: dict[str, float]) -> dict:
@@ -364,7 +456,7 @@ async def run_level(url, plan: Plan, a, concurrency: int, model: str, kill_after
         metrics = (await client.get(url + "/metrics")).text
         health = (await client.get(url + "/health")).json()
     out = summarize(records, wall, concurrency, len(pending), metrics, health, samples)
-    out.update(prefix_stats(parse_metrics(before), parse_metrics(metrics)))
+    out.update(prefix_stats(parse_metrics(before), parse_metrics(metrics)), **draft_stats(before, metrics))
     if any("turn" in r for r in records):
         out.update(turn_summary(records))
         out["detail"] = [{k: r.get(k) for k in ("conversation", "turn", "prompt_tokens", "ttft", "e2e", "match",
@@ -431,7 +523,8 @@ async def run_arrival(url, plan: Plan, a, model: str, rss=None) -> dict:
 
 # ---- main ------------------------------------------------------------------------------------------------------
 
-PLANS = {"independent": independent_plan, "conversation": conversation_plan, "arrival": arrival_plan}
+PLANS = {"independent": independent_plan, "conversation": conversation_plan, "arrival": arrival_plan,
+         "code": code_plan}
 
 
 def run_arm(a, arm: str, plan: Plan, server: ServerProcess, out: list, save: Callable[[], None]) -> None:
@@ -450,6 +543,22 @@ def run_arm(a, arm: str, plan: Plan, server: ServerProcess, out: list, save: Cal
         out.append(r)
         print(json.dumps({k: v for k, v in r.items() if k not in ("rss_mb", "detail")}), flush=True)
         save()
+
+
+def run_interleaved(a, arms: list[str], plan: Plan, servers: dict, results: dict, save: Callable[[], None]) -> None:
+    """Each level `--repeats` times, the arms interleaved within each repeat (every server already up)."""
+    import httpx
+    models = {arm: httpx.get(srv.url + "/v1/models", timeout=10).json()["data"][0]["id"] for arm, srv in servers.items()}
+    for c in levels(a):
+        for rep in range(a.repeats):
+            for arm in arms:
+                srv = servers[arm]
+                r = asyncio.run(run_level(srv.url, plan, a, c, models[arm], rss=srv.rss_mb))
+                r["repeat"] = rep
+                results[arm].append(r)
+                print(json.dumps({"arm": arm, **{k: v for k, v in r.items() if k not in ("rss_mb", "detail")}}),
+                      flush=True)
+                save()
 
 
 def main(argv=None) -> int:
@@ -471,6 +580,21 @@ def main(argv=None) -> int:
     def save():
         with open(os.path.join(out_dir, "load.json"), "w") as f:
             json.dump({"command": command, "workload": a.workload, "results": results}, f, indent=1)
+    if a.repeats > 1:  # every server up at once, the arms interleaved level by level
+        servers = {}
+        try:
+            for arm in arms:
+                t0 = time.time()
+                servers[arm] = ServerProcess(a, arm, out_dir, faults=False, plan=plan)
+                servers[arm].wait_ready()
+                print(f"{arm}: server ready in {time.time() - t0:.0f}s", flush=True)
+                results[arm] = []
+            run_interleaved(a, arms, plan, servers, results, save)
+        finally:
+            for server in servers.values():
+                server.stop()
+        report(results, out_dir, command, a.workload)
+        return 0
     for arm in arms:
         server = ServerProcess(a, arm, out_dir, faults=a.kill_prefill, plan=plan)
         try:

@@ -17,6 +17,7 @@ def summarize(records, wall, concurrency, hung_clients, metrics_text, health, sa
     ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
     e2e = [r["e2e"] for r in ok]
     itl = [x for r in ok for x in r["itl"]]
+    tpot = [(r["e2e"] - r["ttft"]) / (len(r["ids"]) - 1) for r in ok if r["ttft"] is not None and len(r["ids"]) > 1]
     tokens = sum(len(r["ids"]) for r in ok)
     active = next((float(line.split()[1]) for line in metrics_text.splitlines()
                    if line.startswith("kvjax_active_slots ")), float("nan"))
@@ -26,6 +27,7 @@ def summarize(records, wall, concurrency, hung_clients, metrics_text, health, sa
             "mismatches": sum(1 for r in ok if not r["match"]), "retries_429": sum(r["retries"] for r in records),
             "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall if wall else 0.0,
             "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99),
+            "tpot_p50": pct(tpot, 50), "tpot_p99": pct(tpot, 99),
             "e2e_p50": pct(e2e, 50), "e2e_p99": pct(e2e, 99), "active_slots_after": active,
             "health_after": health.get("status"), "rss_mb": [(round(t, 1), round(m, 1)) for t, m in samples]}
 
@@ -92,8 +94,8 @@ def slow_steps(gaps: list[tuple[float, float]], decoders: int, t0: float, top: i
 
 def level_table(results: dict, conversation: bool) -> list[str]:
     head = ("| topology | clients | requests | ok | errors | hung | != offline | 429 retries | tokens/s | TTFT p50 (s) "
-            "| TTFT p99 (s) | ITL p50 (ms) | ITL p99 (ms) | e2e p50 (s) | e2e p99 (s) |")
-    cols = 15
+            "| TTFT p99 (s) | ITL p50 (ms) | ITL p99 (ms) | TPOT p50 (ms) | e2e p50 (s) | e2e p99 (s) |")
+    cols = 16
     if conversation:
         head += " TTFT p99 turn 1 (s) | TTFT p99 turns >= 2 (s) | prefix hit rate | reused / looked-up tokens |"
         cols += 4
@@ -103,7 +105,7 @@ def level_table(results: dict, conversation: bool) -> list[str]:
             row = (f"| {topo} | {r['concurrency']} | {r['requests']} | {r['ok']} | {r['errors']} | {r['hung']} | "
                    f"{r['mismatches']} | {r['retries_429']} | {r['tokens_per_s']:.0f} | {r['ttft_p50']:.3f} | "
                    f"{r['ttft_p99']:.3f} | {1e3 * r['itl_p50']:.1f} | {1e3 * r['itl_p99']:.1f} | "
-                   f"{r['e2e_p50']:.2f} | {r['e2e_p99']:.2f} |")
+                   f"{1e3 * r.get('tpot_p50', float('nan')):.1f} | {r['e2e_p50']:.2f} | {r['e2e_p99']:.2f} |")
             if conversation:
                 row += (f" {r['ttft_turn1_p99']:.3f} | {r['ttft_later_p99']:.3f} | {r['prefix_hit_rate']:.2f} | "
                         f"{r['prefix_reused_frac']:.2f} |")
@@ -127,8 +129,41 @@ def arrival_table(results: dict) -> list[str]:
     return rows
 
 
+def compare_table(results: dict) -> list[str]:
+    """Interleaved repeats (--repeats): per arm and level the medians over the repeats, and tokens/s as a ratio to
+    the first arm's in the same repeat (median of the ratios), with what drafting did (kvjax.serve's /metrics)."""
+    arms = list(results)
+    base = arms[0]
+    rows = [f"Medians over the repeats; x {base}: tokens/s over {base}'s in the same repeat, median of the ratios.", "",
+            "| arm | clients | repeats | != offline (all) | tokens/s | x " + base + " (min-max) | TTFT p50 (s) "
+            "| ITL p50 (ms) | TPOT p50 (ms) | e2e p50 (s) | drafting steps / plain | acceptance length per drafter |",
+            "|" + "---|" * 12]
+    for arm in arms:
+        for c in sorted({r["concurrency"] for r in results[arm]}):
+            mine = {r["repeat"]: r for r in results[arm] if r["concurrency"] == c}
+            theirs = {r["repeat"]: r for r in results[base] if r["concurrency"] == c}
+            ratios = [mine[k]["tokens_per_s"] / theirs[k]["tokens_per_s"] for k in mine if k in theirs
+                      and theirs[k]["tokens_per_s"]]
+            med = lambda key: float(np.median([r[key] for r in mine.values()]))  # noqa: E731
+            steps = " / ".join(f"{sum(r.get(k, 0.0) for r in mine.values()):.0f}" for k in ("draft_steps",
+                                                                                              "plain_steps"))
+            per: dict = {}
+            for r in mine.values():
+                for d, v in r.get("drafters", {}).items():
+                    t = per.setdefault(d, [0.0, 0.0])
+                    t[0], t[1] = t[0] + v["acceptance_length"] * v["rounds"], t[1] + v["rounds"]
+            tau = ", ".join(f"{d} {t / n:.2f}" for d, (t, n) in per.items() if n) or "-"
+            rows.append(f"| {arm} | {c} | {len(mine)} | {sum(r['mismatches'] + r['errors'] for r in mine.values())} | "
+                        f"{med('tokens_per_s'):.0f} | {np.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f}) | "
+                        f"{med('ttft_p50'):.3f} | {1e3 * med('itl_p50'):.1f} | {1e3 * med('tpot_p50'):.1f} | "
+                        f"{med('e2e_p50'):.2f} | {steps} | {tau} |")
+    return rows
+
+
 def report(results: dict, out_dir: str, command: str, workload: str = "independent") -> None:
     rows = arrival_table(results) if workload == "arrival" else level_table(results, workload == "conversation")
+    if workload != "arrival" and any("repeat" in r for levels_ in results.values() for r in levels_):
+        rows = compare_table(results) + ["", "Every level and repeat:", ""] + rows
     text = f"# kvjax.serve under load ({workload})\n\n`{command}`\n\n" + "\n".join(rows) + "\n"
     with open(os.path.join(out_dir, "report.md"), "w") as f:
         f.write(text)
@@ -148,10 +183,11 @@ def level_chart(plt, results: dict, workload: str):
     """tokens/s and TTFT p99 per arm against clients; a conversation adds TTFT p99 per turn at the largest level."""
     conversation = workload == "conversation"
     fig, axes = plt.subplots(1, 3 if conversation else 2, figsize=(15 if conversation else 10, 4))
-    for topo, levels_ in results.items():
-        c = [r["concurrency"] for r in levels_]
-        axes[0].plot(c, [r["tokens_per_s"] for r in levels_], "o-", label=topo)
-        axes[1].plot(c, [r["ttft_p99"] for r in levels_], "o-", label=topo)
+    for topo, levels_ in results.items():  # medians over a level's repeats
+        c = sorted({r["concurrency"] for r in levels_})
+        med = lambda key, k: float(np.median([r[key] for r in levels_ if r["concurrency"] == k]))  # noqa: E731
+        axes[0].plot(c, [med("tokens_per_s", k) for k in c], "o-", label=topo)
+        axes[1].plot(c, [med("ttft_p99", k) for k in c], "o-", label=topo)
     for ax, title in zip(axes, ("aggregate tokens/s", "TTFT p99 (s)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent clients")

@@ -5,7 +5,9 @@ run's gate (the path the server takes), computed once and cached in the output d
 - independent: a pool of `--prompts` held-out windows cut at `--lengths` lengths, `--requests` per client;
 - conversation: a shared system prompt, then turns that resend the conversation (the history holds the OFFLINE
   answers, so every turn's prompt is fixed in advance and checked against offline);
-- arrival: `--decoders` short prompts that decode long, and one long prompt that arrives among them.
+- arrival: `--decoders` short prompts that decode long, and one long prompt that arrives among them;
+- code: code editing: each request quotes a held-out file and asks for it back with an edit, and its answer starts
+  the edited file, so the answer repeats the prompt's text (where speculative decoding's prompt lookup copies).
 """
 
 from __future__ import annotations
@@ -77,6 +79,34 @@ def arrival_prompts(windows: np.ndarray, decoders: int, short_tokens: int,
     short = [heldout_span(windows, (i % rows) * width + (i // rows) * short_tokens, short_tokens)
              for i in range(decoders)]
     return short, heldout_span(windows, (decoders % rows) * width, long_tokens)
+
+
+def code_files(windows: np.ndarray, tokenizer, n: int, file_tokens: int) -> list[str]:
+    """n held-out "files": file_tokens tokens of every (rows // n)-th window decoded, cut to whole lines."""
+    step = max(1, len(windows) // max(n, 1))
+    out = []
+    for i in range(n):
+        text = tokenizer.decode([int(t) for t in windows[(i * step) % len(windows), :file_tokens]])
+        first, last = text.find("\n") + 1, text.rfind("\n") + 1
+        out.append(text[first:last] if last > first else text)
+    return out
+
+
+def code_edit_prompt(text: str, name: str, lead_lines: int) -> str:
+    """A request that quotes the file `text` and asks for all of it back with one word renamed (its most frequent
+    word of 4+ letters); the prompt ends with the edited file's first `lead_lines` lines, as an answer would start."""
+    words = [w for w in "".join(c if c.isalnum() or c == "_" else " " for c in text).split() if len(w) >= 4]
+    old = max(sorted(set(words)), key=words.count) if words else "data"
+    new = old + "_v2"
+    lead = "".join(text.splitlines(keepends=True)[:lead_lines]).replace(old, new)
+    return (f"# Task: give back the whole file below, with every `{old}` renamed to `{new}`.\n--- {name}\n{text}"
+            f"--- {name} (edited)\n{lead}")
+
+
+def code_prompts(windows: np.ndarray, tokenizer, n: int, file_tokens: int, lead_lines: int) -> list[list[int]]:
+    """The code workload's n prompts, as token ids."""
+    return [tokenizer.encode(code_edit_prompt(text, f"file{i}.py", lead_lines)).ids
+            for i, text in enumerate(code_files(windows, tokenizer, n, file_tokens))]
 
 
 # ---- the offline reference -------------------------------------------------------------------------------------
@@ -163,13 +193,14 @@ def cached(out_dir: str, name: str, key: str, compute: Callable[[], dict]) -> di
     return saved
 
 
-def offline_reference(a, prompts, out_dir, offline: Offline | None = None) -> tuple[list[list[int]], str]:
+def offline_reference(a, prompts, out_dir, offline: Offline | None = None,
+                      name: str = "offline.json") -> tuple[list[list[int]], str]:
     """Greedy answers of each prompt (cut after the first EOS); cached by prompt pool, map and settings."""
     off = offline or Offline(a)
 
     def compute():
         return {"answers": off.generate(prompts, a.new_tokens), "path": off.path, "map": off.map_dir}
-    saved = cached(out_dir, "offline.json", off.key(prompts, a.new_tokens), compute)
+    saved = cached(out_dir, name, off.key(prompts, a.new_tokens), compute)
     return saved["answers"], saved["path"]
 
 
@@ -226,6 +257,26 @@ def independent_plan(a, out_dir, offline=None) -> Plan:
     prompts = prompt_pool(a)
     answers, path = offline_reference(a, prompts, out_dir, offline)
     print(f"offline reference: {len(prompts)} prompts, path {path}", flush=True)
+    return pool_plan(a, prompts, answers, aligned(a.max_len + a.new_tokens), (a.min_len, a.max_len))
+
+
+def code_plan(a, out_dir, offline=None) -> Plan:
+    from kvjax.config_flags import build
+    from kvjax.hf import load_tokenizer
+    from kvjax.preflight import resolve_models
+    from kvjax.run_config import RunConfig
+    tokenizer = load_tokenizer(resolve_models(build(a.config, [], RunConfig)).target.path)
+    prompts = code_prompts(heldout_windows(), tokenizer, a.prompts, a.file_tokens, a.lead_lines)
+    answers, path = offline_reference(a, prompts, out_dir, offline, "offline_code.json")
+    lengths = [len(p) for p in prompts]
+    print(f"offline reference: {len(prompts)} code-editing prompts ({min(lengths)}-{max(lengths)} tokens), "
+          f"path {path}", flush=True)
+    return pool_plan(a, prompts, answers, aligned(max(lengths) + a.new_tokens), (min(lengths), max(lengths)))
+
+
+def pool_plan(a, prompts, answers, capacity: int, warmup: tuple[int, int]) -> Plan:
+    """Each client sends `--requests` prompts of the pool (client c from prompt c * requests on), one after another;
+    a soak runs until its time is up."""
 
     def jobs(concurrency):
         t_end = time.perf_counter() + a.soak
@@ -237,7 +288,7 @@ def independent_plan(a, out_dir, offline=None) -> Plan:
                 yield {"prompt": prompts[i], "answer": answers[i], "tags": {"prompt": i}}
                 j += 1
         return client
-    return Plan(jobs, a.requests, aligned(a.max_len + a.new_tokens), (a.min_len, a.max_len), a.new_tokens)
+    return Plan(jobs, a.requests, capacity, warmup, a.new_tokens)
 
 
 def conversation_plan(a, out_dir, offline=None) -> Plan:
