@@ -228,3 +228,41 @@ def test_a_stopped_plan_resumes_from_the_programs_it_kept(tmp_path, monkeypatch)
     monkeypatch.setattr(store, "code_version", lambda: "edited")
     with pytest.raises(AssertionError, match="compiled again"):
         kvplan.compile_all(stages(), {}, store=str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def deeper_pair(tmp_path_factory):
+    """Tiny checkpoints deep enough for --depth=sampled's three depths to differ (5 and 4 layers)."""
+    import kvjax
+    root = tmp_path_factory.mktemp("deeper")
+
+    def make(name, layers, seed):
+        cfg = kvjax.Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=layers, num_heads=4,
+                                num_kv_heads=2, head_dim=16, rope_theta=1e4, tie_word_embeddings=True,
+                                eos_token_ids=(0,), pad_token_id=0)
+        path = str(root / name)
+        kvjax.save_hf(path, cfg, kvjax.init_params(cfg, jax.random.key(seed), std=0.1))
+        return path
+
+    return [("source.path", make("source", 5, 0)), ("target.path", make("target", 4, 1)),
+            ("source.dtype", "float32"), ("target.dtype", "float32")]
+
+
+def test_sampled_depths_and_peaks_agree_with_the_full_plan(deeper_pair):
+    """--depth=sampled: each program's arguments and outputs extrapolated from three shallow compiles equal the
+    full-depth compile's within 1%, its temporaries never below; --compile=peaks: each stage's peak is the full
+    plan's, from its largest programs alone."""
+    from kvjax.plan import plan_job
+    cfg = build("qwen32_8", deeper_pair, RunConfig)
+    full = plan_job(cfg, "cpu:1", only=("kl",))
+    sampled = plan_job(cfg, "cpu:1", only=("kl",), sampled=True)
+    peaks = plan_job(cfg, "cpu:1", only=("kl",), peaks=2)
+    both = plan_job(cfg, "cpu:1", only=("kl",), sampled=True, peaks=2)
+    for f, s, p, b in zip(full.stages, sampled.stages, peaks.stages, both.stages):
+        assert f.programs and not (f.errors or s.errors or p.errors or b.errors)
+        for cf, cs in zip(f.programs, s.programs):
+            for field in ("argument_bytes", "output_bytes"):
+                assert getattr(cs, field) == pytest.approx(getattr(cf, field), rel=0.01), (cf.program.name, field)
+            assert cs.temp_bytes >= 0.99 * cf.temp_bytes, cf.program.name
+        assert p.peak_bytes == f.peak_bytes and sum(c.compiled for c in p.programs) <= 4 < len(f.programs)
+        assert b.peak_bytes >= 0.99 * f.peak_bytes and sum(c.compiled for c in b.programs) <= 4

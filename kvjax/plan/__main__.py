@@ -15,7 +15,7 @@ slice, DIR/NAME[-serve]-SLICE.{md,json,png} (DIR: --out, default runs/plan) and 
                                 depth (minutes instead of hours for a 32B pair on a small machine; docs/planning.md
                                 says how close it comes)
   --compile=all|peaks           all (default): every program; peaks: only each stage's two largest programs by
-                                their shapes (the stage peaks in a fraction of the time)
+                                their shapes and two heaviest by FLOPs (the stage peaks in a fraction of the time)
   --jobs=N                      compile in N processes (default: the cores, at most 4; each holds a compile of
                                 up to 14 GB: a Qwen3-32B prefill of 16K tokens)
   --no-compile                  lower only (seconds instead of minutes; no memory or cost analysis)
@@ -84,8 +84,6 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigFlagError(f"unknown argument {rest[0]!r}; the flags are:\n{USAGE}")
         if not name:
             raise ConfigFlagError(f"--config=NAME is required (configs: {', '.join(available_configs())})")
-        if opts["peaks"] and opts["depth"] == "sampled":
-            raise ConfigFlagError("--compile=peaks compiles its few programs at full depth: leave out --depth=sampled")
         if not opts["topology"]:
             raise ConfigFlagError("--topology=SLICE is required, e.g. --topology=v5e:2x4 or --topology=v5e,v6e,v5p")
         cfg = build(name, overrides, RunConfig)

@@ -155,7 +155,7 @@ def plan_serve(cfg, slice_name: str, slots: int = 0, context: int = 0, compile: 
         real = job.depths(cfg)
         points = sample_depths(real)
         runs = [serve_stages(cfg, slice_name, cpu_memory_gb, slots, context, split, d) for d in points]
-        plans = extrapolate(stages, held_by, runs, points, real, jobs, [rebuild(d) for d in points])
+        plans = extrapolate(stages, held_by, runs, points, real, jobs, [rebuild(d) for d in points], peaks, store)
     else:
         plans = compile_all(stages, held_by, compile, jobs, rebuild(None), peaks, store)
     plan = Plan(cfg.name, "serve", sl, plans, b.sources, dict(b.mesh.shape), time.perf_counter() - t0)
