@@ -93,7 +93,12 @@ def test_the_command_refuses_bad_flags_in_one_line():
     for args, needle in ((["--config=qwen32_8"], "--topology=SLICE is required"),
                          (["--config=qwen32_8", "--topology=v9:2x2"], "use GEN:SHAPE"),
                          (["--config=qwen32_8", "--topology=v5e:2x4", "--depth=half"], "use full or sampled"),
-                         (["--topology=v5e:2x4"], "--config=NAME is required")):
+                         (["--topology=v5e:2x4"], "--config=NAME is required"),
+                         (["--config=qwen32_8", "--topology=v5e:2x4", "--serve", "--speculative=fast"],
+                          "use one of none, lookup"),
+                         (["--config=qwen32_8", "--topology=v5e:2x4", "--serve", "--speculative=block"],
+                          "pass its directory with --drafter DIR"),
+                         (["--config=qwen32_8", "--topology=v5e:2x4", "--speculative=lookup"], "add --serve")):
         r = subprocess.run([sys.executable, "-m", "kvjax.plan", *args], capture_output=True, text=True, cwd=REPO,
                            env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=120)
         assert r.returncode == 2, (args, r.stderr)

@@ -48,17 +48,19 @@ from kvjax.serve.scheduler import DraftPolicy
 NARROW = (1, 2, 3, 5, 9, 17, 33, 65)  # the verify widths compiled below g + 1 (and g + 1)
 
 
-def build_drafter(config: EngineConfig, target):
+def build_drafter(config: EngineConfig, target, block=None):
     """The drafter of `config.speculative` for the target (config, params); a block drafter trained for another model
-    or block size raises kvjax.drafter.DrafterError (a ValueError) naming it."""
+    or block size raises kvjax.drafter.DrafterError (a ValueError) naming it. `block`: the block drafter of
+    block / combined already built (default: loaded from `config.drafter`; the server plan passes an abstract one)."""
     from kvjax.speculative import LookupDrafter, combined
     cfg, g = target[0], config.rounds_draft
     lo, hi = config.lookup_ngram
     lookup = LookupDrafter(vocab_size=cfg.vocab_size, draft_len=g, max_ngram=hi, min_ngram=lo)
     if config.speculative == "lookup":
         return lookup
-    from kvjax.drafter import load_block_drafter
-    block = load_block_drafter(config.drafter, target, draft_len=g, refine=config.draft_refine)
+    if block is None:
+        from kvjax.drafter import load_block_drafter
+        block = load_block_drafter(config.drafter, target, draft_len=g, refine=config.draft_refine)
     if config.speculative == "block":
         return block
     return combined(block, cfg.vocab_size, min_match=config.min_match, max_ngram=hi).replace(lookup=lookup)
@@ -69,6 +71,48 @@ def verify_widths(draft_len: int) -> tuple[int, ...]:
     count; a round runs the narrowest that pays: DraftPolicy)."""
     top = draft_len + 1
     return tuple(sorted({w for w in NARROW if w < top} | {top}))
+
+
+def start_state(drafter, config: EngineConfig, target, prompts: list[list[int]], rows: int, cache):
+    """The drafter state of a prefilled batch: `rows` rows, prompts[i] in row i (the rest empty); `cache`: the
+    batch's prefilled target cache (each prompt but its last token), which the block drafter's context reads (None:
+    empty rows, the slots' state at start). Traceable under jax.eval_shape (the server plan's shapes)."""
+    from kvjax.speculative import CombinedDrafter, LookupDrafter
+    cfg, params = target
+    capacity = config.capacity
+    parts = {}
+    if isinstance(drafter, (LookupDrafter, CombinedDrafter)):  # the whole prompt is lookup's context
+        width = max([len(p) - 1 for p in prompts] + [1])
+        tokens, lengths = np.zeros((rows, width), np.int32), np.zeros((rows,), np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, :len(p) - 1], lengths[i] = p[:-1], len(p) - 1
+        lookup = drafter if isinstance(drafter, LookupDrafter) else drafter.lookup
+        parts["lookup"] = lookup.start(tokens, lengths, capacity)
+    layers = tuple(drafter.feature_layers)
+    if layers:  # the block drafter: the target's features of each prompt's last draft_context tokens
+        block = drafter if not isinstance(drafter, CombinedDrafter) else drafter.model
+        width = context_width(config, cache.capacity) if cache is not None else 1
+        tokens, lengths, start = (np.zeros((rows, width), np.int32), np.zeros((rows,), np.int32),
+                                  np.zeros((rows,), np.int32))
+        for i, p in enumerate(prompts):
+            n = min(width, len(p) - 1)
+            tokens[i, :n], lengths[i], start[i] = p[len(p) - 1 - n:len(p) - 1], n, len(p) - 1 - n
+        if cache is None:
+            features = jnp.zeros((rows, width, block.dcfg.feature_size), block.params.fc.dtype)
+        else:
+            features = programs.context_features(params, cfg, cache, tokens, start, layers)
+        parts["block"] = block.start(tokens, lengths, capacity, features)
+    if isinstance(drafter, CombinedDrafter):
+        from kvjax.speculative import CombinedState
+        return CombinedState(model=parts["block"], lookup=parts["lookup"], model_rounds=jnp.zeros((), jnp.int32),
+                             lookup_rows=jnp.zeros((rows,), jnp.int32))
+    return parts.get("lookup", parts.get("block"))
+
+
+def context_width(config: EngineConfig, bucket: int) -> int:
+    """The prompt tokens (its last) whose target features start a new row's block drafter context, for a batch
+    prefilled to `bucket` positions."""
+    return min(config.draft_context, bucket)
 
 
 class Drafting:
@@ -85,7 +129,6 @@ class Drafting:
         self.kind = config.speculative
         self.drafter = self.place.put(build_drafter(config, target))
         self.g = self.drafter.draft_len
-        self.layers = tuple(self.drafter.feature_layers)
         self.widths = verify_widths(self.g)
         # the verify pass's target, its weights placed as the slots' (on CPU a tied head gets an explicit [D, V] copy,
         # made where the embedding is: kvjax.speculative.api says why)
@@ -113,38 +156,8 @@ class Drafting:
         return self._start([], rows, None)
 
     def _start(self, prompts: list[list[int]], rows: int, cache):
-        """The drafter state of a prefilled batch: `rows` rows, prompts[i] in row i (the rest empty); `cache`: the
-        batch's prefilled target cache (each prompt but its last token), which the block drafter's context reads."""
-        from kvjax.speculative import CombinedDrafter, LookupDrafter
-        capacity = self.config.capacity
-        parts = {}
-        if isinstance(self.drafter, (LookupDrafter, CombinedDrafter)):  # the whole prompt is lookup's context
-            width = max([len(p) - 1 for p in prompts] + [1])
-            tokens, lengths = np.zeros((rows, width), np.int32), np.zeros((rows,), np.int32)
-            for i, p in enumerate(prompts):
-                tokens[i, :len(p) - 1], lengths[i] = p[:-1], len(p) - 1
-            lookup = self.drafter if isinstance(self.drafter, LookupDrafter) else self.drafter.lookup
-            parts["lookup"] = lookup.start(tokens, lengths, capacity)
-        if self.layers:  # the block drafter: the target's features of each prompt's last draft_context tokens
-            block = self.drafter if not isinstance(self.drafter, CombinedDrafter) else self.drafter.model
-            width = min(self.config.draft_context, cache.capacity) if cache is not None else 1
-            tokens, lengths, start = (np.zeros((rows, width), np.int32), np.zeros((rows,), np.int32),
-                                      np.zeros((rows,), np.int32))
-            for i, p in enumerate(prompts):
-                n = min(width, len(p) - 1)
-                tokens[i, :n], lengths[i], start[i] = p[len(p) - 1 - n:len(p) - 1], n, len(p) - 1 - n
-            if cache is None:
-                features = jnp.zeros((rows, width, block.dcfg.feature_size), block.params.fc.dtype)
-            else:
-                features = programs.context_features(self.params, self.cfg, cache, tokens, start, self.layers)
-            parts["block"] = block.start(tokens, lengths, capacity, features)
-        if isinstance(self.drafter, CombinedDrafter):
-            from kvjax.speculative import CombinedState
-            state = CombinedState(model=parts["block"], lookup=parts["lookup"], model_rounds=jnp.zeros((), jnp.int32),
-                                  lookup_rows=jnp.zeros((rows,), jnp.int32))
-        else:
-            state = parts.get("lookup", parts.get("block"))
-        return self.place.put(state)
+        """start_state placed on the slots' devices."""
+        return self.place.put(start_state(self.drafter, self.config, (self.cfg, self.params), prompts, rows, cache))
 
     def insert(self, placed: list[tuple[int, int, list[int]]], cache) -> None:
         """Start the drafter state of a prefilled batch's requests: `placed` holds (slot, row of `cache`, prompt)
