@@ -176,13 +176,16 @@ kvjax_acceptance_length_count{drafter="lookup"} 20.0
 """
     after = before.replace("10.0", "30.0").replace("40.0", "100.0").replace("50.0", "110.0") + (
         'kvjax_acceptance_length_sum{drafter="none"} 4.0\nkvjax_acceptance_length_count{drafter="none"} 4.0\n'
-        'kvjax_acceptance_length_count{drafter="lookup"} 50.0\nkvjax_accepted_tokens_total{drafter="lookup"} 50.0\n')
+        'kvjax_acceptance_length_count{drafter="lookup"} 50.0\nkvjax_accepted_tokens_total{drafter="lookup"} 50.0\n'
+        'kvjax_step_cost_seconds{rows="16",width="9"} 0.004\nkvjax_step_cost_seconds{rows="16",width="0"} 0.002\n'
+        'kvjax_step_cost_seconds{rows="2",width="17"} 0.003\n')
     after = after.replace('kvjax_acceptance_length_count{drafter="lookup"} 20.0\n', "").replace(
         'kvjax_accepted_tokens_total{drafter="lookup"} 20.0\n', "")
     s = load.draft_stats(before, after)
     assert (s["draft_steps"], s["plain_steps"]) == (20.0, 0.0)
     assert s["drafters"]["lookup"] == {"drafted": 60.0, "accepted": 30.0, "rounds": 30.0, "acceptance_length": 2.0}
     assert s["drafters"]["none"]["acceptance_length"] == 1.0 and s["acceptance_length"] == (60 + 4) / 34
+    assert list(s["step_costs"].items()) == [("2x17", 0.003), ("16x0", 0.002), ("16x9", 0.004)]  # by rows, width
     assert load.draft_stats("", "kvjax_active_slots 0.0\n") == {}  # a server that does not draft
 
 

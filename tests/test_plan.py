@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import pytest
 
 from kvjax import aot
-from kvjax.cache import init_cache
 from kvjax.config_flags import build, parse_argv
 from kvjax.models.config import load_config
 from kvjax.models.decoder import decode_jit
@@ -94,7 +93,12 @@ def test_the_command_refuses_bad_flags_in_one_line():
     for args, needle in ((["--config=qwen32_8"], "--topology=SLICE is required"),
                          (["--config=qwen32_8", "--topology=v9:2x2"], "use GEN:SHAPE"),
                          (["--config=qwen32_8", "--topology=v5e:2x4", "--depth=half"], "use full or sampled"),
-                         (["--topology=v5e:2x4"], "--config=NAME is required")):
+                         (["--topology=v5e:2x4"], "--config=NAME is required"),
+                         (["--config=qwen32_8", "--topology=v5e:2x4", "--serve", "--speculative=fast"],
+                          "use one of none, lookup"),
+                         (["--config=qwen32_8", "--topology=v5e:2x4", "--serve", "--speculative=block"],
+                          "pass its directory with --drafter DIR"),
+                         (["--config=qwen32_8", "--topology=v5e:2x4", "--speculative=lookup"], "add --serve")):
         r = subprocess.run([sys.executable, "-m", "kvjax.plan", *args], capture_output=True, text=True, cwd=REPO,
                            env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=120)
         assert r.returncode == 2, (args, r.stderr)
@@ -204,3 +208,66 @@ def test_the_stages_by_name_are_the_jobs_plan():
         n, overrides, _ = parse_argv([f"--config={name}"])
         cfg = build(n, overrides, RunConfig)
         assert stage_names(cfg) == tuple(plan(cfg)), name
+
+
+def test_a_stopped_plan_resumes_from_the_programs_it_kept(tmp_path, monkeypatch):
+    """compile_all keeps each compiled program's result in the store and a second plan reads it back instead of
+    compiling; a change to kvjax's source (the store's code version) compiles again."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from kvjax import plan as kvplan
+    from kvjax.plan import program, store
+    from kvjax.sharding import make_mesh
+    mesh = make_mesh(1, 1, jax.devices()[:1])
+    x = jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=NamedSharding(mesh, P()))
+    square = aot.jit(lambda a: a @ a.T)
+    stages = lambda: {"s": [program.Program("s", "gram 64 x 32", square, (x,), {}, mesh, 2 * 64 * 64 * 32, 0)]}  # noqa: E731
+    first = kvplan.compile_all(stages(), {}, store=str(tmp_path))[0].programs[0]
+    assert first.compiled and first.output_bytes == 64 * 64 * 4 and len(list(tmp_path.glob("*.json"))) == 1
+
+    def refuse(*a, **k):
+        raise AssertionError("compiled again")
+    monkeypatch.setattr(program, "compile_program", refuse)
+    again = kvplan.compile_all(stages(), {}, store=str(tmp_path))[0].programs[0]
+    assert again.compiled and (again.output_bytes, again.compile_seconds) == (first.output_bytes, first.compile_seconds)
+    monkeypatch.setattr(store, "code_version", lambda: "edited")
+    with pytest.raises(AssertionError, match="compiled again"):
+        kvplan.compile_all(stages(), {}, store=str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def deeper_pair(tmp_path_factory):
+    """Tiny checkpoints deep enough for --depth=sampled's three depths to differ (5 and 4 layers)."""
+    import kvjax
+    root = tmp_path_factory.mktemp("deeper")
+
+    def make(name, layers, seed):
+        cfg = kvjax.Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=layers, num_heads=4,
+                                num_kv_heads=2, head_dim=16, rope_theta=1e4, tie_word_embeddings=True,
+                                eos_token_ids=(0,), pad_token_id=0)
+        path = str(root / name)
+        kvjax.save_hf(path, cfg, kvjax.init_params(cfg, jax.random.key(seed), std=0.1))
+        return path
+
+    return [("source.path", make("source", 5, 0)), ("target.path", make("target", 4, 1)),
+            ("source.dtype", "float32"), ("target.dtype", "float32")]
+
+
+def test_sampled_depths_and_peaks_agree_with_the_full_plan(deeper_pair):
+    """--depth=sampled: each program's arguments and outputs extrapolated from three shallow compiles equal the
+    full-depth compile's within 1%, its temporaries never below; --compile=peaks: each stage's peak is the full
+    plan's, from its largest programs alone."""
+    from kvjax.plan import plan_job
+    cfg = build("qwen32_8", deeper_pair, RunConfig)
+    full = plan_job(cfg, "cpu:1", only=("kl",))
+    sampled = plan_job(cfg, "cpu:1", only=("kl",), sampled=True)
+    peaks = plan_job(cfg, "cpu:1", only=("kl",), peaks=2)
+    both = plan_job(cfg, "cpu:1", only=("kl",), sampled=True, peaks=2)
+    for f, s, p, b in zip(full.stages, sampled.stages, peaks.stages, both.stages):
+        assert f.programs and not (f.errors or s.errors or p.errors or b.errors)
+        for cf, cs in zip(f.programs, s.programs):
+            for field in ("argument_bytes", "output_bytes"):
+                assert getattr(cs, field) == pytest.approx(getattr(cf, field), rel=0.01), (cf.program.name, field)
+            assert cs.temp_bytes >= 0.99 * cf.temp_bytes, cf.program.name
+        assert p.peak_bytes == f.peak_bytes and sum(c.compiled for c in p.programs) <= 4 < len(f.programs)
+        assert b.peak_bytes >= 0.99 * f.peak_bytes and sum(c.compiled for c in b.programs) <= 4

@@ -103,9 +103,11 @@ def test_a_round_accepts_a_different_count_in_each_row(stack):
     active = np.array([True, True, False, False])
     tokens = np.array([prompts[0][-1], prompts[1][-1], 0, 0], np.int32)
     zeros = np.zeros(4, np.int32)
-    cache, toks, n_new, drafted, _ = d.step(True, cache, tokens, active, np.zeros(4, np.float32),
-                                            np.ones(4, np.float32), zeros, zeros, rows=4, sampled=False)
+    ahead = d.lengths.copy()  # the look-ahead of the inserted rows: what their first round drafts
+    cache, toks, n_new, drafted = d.step(d.widths[-1], cache, tokens, active, np.zeros(4, np.float32),
+                                         np.ones(4, np.float32), zeros, zeros, rows=4, sampled=False)
     assert n_new[0] > 1 and n_new[1] == 1 and n_new[2] == n_new[3] == 0 and drafted[0] >= n_new[0] - 1
+    assert list(drafted) == list(ahead) and ahead[0] >= 1
     for row, p in enumerate(prompts):
         greedy = [int(t) for t in np.asarray(kvjax.generate(params, cfg, [p], 6, eos_token_ids=()))[0]]
         assert list(toks[row, :n_new[row]]) == greedy[:n_new[row]]
@@ -193,7 +195,7 @@ def test_drafter_state_follows_the_request_through_plain_steps_and_rounds(stack,
     per emitted token; answers stay the offline ones."""
     from kvjax.serve.drafting import Drafting
     calls = iter(range(10 ** 6))
-    monkeypatch.setattr(Drafting, "choose", lambda self, rows, sampled: next(calls) % 2 == 1)
+    monkeypatch.setattr(Drafting, "choose", lambda self, rows, active, temp: self.widths[-1] * (next(calls) % 2))
     prompts = repeating(stack)[:4]
     want = [offline(stack, p, 20) for p in prompts]
     for kind in ("combined",):
@@ -255,9 +257,9 @@ def test_sampled_rows_follow_the_targets_distribution():
                                 jnp.arange(rows, dtype=jnp.int32))
         d.reset()
         d.insert([(i, i, prompt) for i in range(rows)], batch)
-        _, toks, n_new, drafted, _ = d.step(True, cache, np.full(rows, prompt[-1], np.int32), np.ones(rows, bool),
-                                            temp, top_p, np.arange(rows, dtype=np.int32) + 1000 * seed,
-                                            np.zeros(rows, np.int32), rows=rows, sampled=True)
+        _, toks, n_new, drafted = d.step(d.widths[-1], cache, np.full(rows, prompt[-1], np.int32),
+                                         np.ones(rows, bool), temp, top_p, np.arange(rows, dtype=np.int32) + 1000 * seed,
+                                         np.zeros(rows, np.int32), rows=rows, sampled=True)
         assert (drafted == 2).all() and n_new.min() >= 1
         out.append(np.stack([toks[:, 0], np.where(n_new >= 2, toks[:, 1], -1)], 1))
     out = np.concatenate(out)  # [4 * rows, 2]: each round's first token, its second (-1: it emitted one)
@@ -282,41 +284,52 @@ def test_sampled_rows_follow_the_targets_distribution():
 
 
 def test_the_choice_follows_measured_costs_and_yields():
-    """DraftPolicy: each kind is measured first; then a step drafts when tau / c > 1, tau the recent rounds' tokens
-    per row and c their median time over the plain steps'; the kind not chosen runs again after enough steps of the
-    chosen one that what it wastes is 1% of their time (at least 16), so both stay measured."""
-    p, n = DraftPolicy(), DraftPolicy.MIN_SAMPLES
-    assert not p.choose(4, False)  # no plain step measured yet
-    for _ in range(n):
-        p.observe(False, 4, False, 1.0, 3, 3)
-    assert p.choose(4, False)  # rounds not measured yet
-    for _ in range(n):  # 2.5 plain steps a round, 3 tokens a row
-        p.observe(True, 4, False, 2.5, 9, 3)
-    assert p.choose(4, False) and math.isclose(p.predicted, 3 / 2.5)
-    for _ in range(DraftPolicy.WINDOW):  # the text stops repeating: 2 tokens a row
-        p.observe(True, 4, False, 2.5, 6, 3)
-    assert not p.choose(4, False) and math.isclose(p.predicted, 2 / 2.5)
-    gap = math.ceil((2.5 - 2) / DraftPolicy.EXPLORE_LOSS)  # a round wastes 0.5 of a plain step
-    assert gap > DraftPolicy.MIN_GAP
-    for _ in range(gap - 1):
-        p.observe(False, 4, False, 1.0, 3, 3)
-        assert not p.choose(4, False)
-    p.observe(False, 4, False, 1.0, 3, 3)
-    assert p.choose(4, False)  # a round again, to measure it
-    p.observe(True, 4, False, 2.5, 6, 3)
-    assert not p.choose(4, False)
-    assert not p.choose(8, False)  # another row count is measured on its own
-    for _ in range(n):
-        p.observe(False, 8, False, 1.0, 8, 8)
-        p.observe(True, 8, False, 1.5, 36, 8)
-    gap = math.ceil((1 - 1 / 3) / 1.5 / DraftPolicy.EXPLORE_LOSS)  # drafting pays 3x: a plain step every 45 rounds
-    for _ in range(gap - 1):  # the measuring ended with a round: gap rounds in a row
-        assert p.choose(8, False) and math.isclose(p.predicted, 3.0)
-        p.observe(True, 8, False, 1.5, 36, 8)
-    assert not p.choose(8, False)  # a plain step again, to measure it
-    p.observe(False, 8, False, 1.0, 8, 8)
-    assert p.choose(8, False)
-    assert DraftPolicy("always").choose(8, True)
+    """DraftPolicy: plain steps are measured first and run where no row would draft; then the width with the most
+    predicted tokens per second runs (each row's look-ahead draft, the measured acceptance of its source, the
+    measured cost of each width), so drafting turns off for drafts that are not accepted and for a batch where a
+    round costs more than it emits; a width not chosen runs again once its gap has passed; "always" drafts every
+    step at the narrowest width that holds the longest draft (sampled rows: the widest)."""
+    widths, greedy = (1, 2, 3, 5), [False] * 3
+    p = DraftPolicy("auto", widths, sources=3, draft_len=4)
+    copies, model = ([4] * 3, [2] * 3), ([4] * 3, [0] * 3)  # three rows' drafts: (lengths, sources)
+    for _ in range(DraftPolicy.MIN_SAMPLES):
+        assert p.choose(4, False, *copies, greedy) == 0  # the plain step not measured yet
+        p.observe(0, 4, False, 1.0)
+    assert p.choose(4, False, [0] * 3, [0] * 3, greedy) == 0  # nothing to draft
+    for w, c in ((2, 1.2), (3, 1.4), (5, 1.8)):
+        for _ in range(DraftPolicy.MIN_SAMPLES):
+            p.observe(w, 4, False, c)
+    for _ in range(200):  # lookup's copies (source 2) are accepted, the model drafter's (source 0) are not
+        p.rounds([4, 4], [2, 0], [False, False], [4, 0])
+    assert p.acceptance()[2, 0, 1:].min() > 0.97 and p.acceptance()[0, 0, 1] < 0.02
+    assert p.choose(4, False, *copies, greedy) == 5
+    assert math.isclose(p.predicted, p.expected(5, *copies, greedy) / 1.8 / (3 / 1.0))
+    assert 14.5 < p.expected(5, *copies, greedy) < 15  # 3 rows x (4 accepted + the target's own token)
+    assert p.choose(4, False, [2, 1, 0], [2, 2, 0], greedy) == 3  # no round wider than the longest draft
+    assert p.choose(4, False, *model, greedy) == 0
+    # 64 rows whose copies are all accepted, a round at the full width costing 6 plain steps: not worth it (the
+    # unmeasured widths priced by the measured slope: 1 + 1.25 (w - 1) plain steps)
+    rows64 = ([4] * 64, [2] * 64)
+    for w, c in ((0, 1.0), (5, 6.0)):
+        for _ in range(DraftPolicy.MIN_SAMPLES):
+            p.observe(w, 64, False, c)
+    assert math.isclose(p.cost(64, False, 2), 2.25)
+    assert p.choose(64, False, *rows64, [False] * 64) == 0 and p.predicted < 1
+    # the best other width (2) runs again once its gap has passed: what it loses is EXPLORE_LOSS of a step per step
+    loss = 1 - p.expected(2, *rows64, [False] * 64) / 2.25 / 64
+    gap = max(DraftPolicy.MIN_GAP, math.ceil(loss / DraftPolicy.EXPLORE_LOSS))
+    steps = 2 * DraftPolicy.MIN_SAMPLES
+    while p.choose(64, False, *rows64, [False] * 64) == 0:
+        p.observe(0, 64, False, 1.0)
+        steps += 1
+    assert steps == gap and p.choose(64, False, *rows64, [False] * 64) == 2
+    for _ in range(DraftPolicy.MIN_SAMPLES):  # a step with a sampled row is measured apart
+        assert p.choose(4, True, *copies, [True, False, False]) == 0
+        p.observe(0, 4, True, 1.0)
+    assert p.choose(4, True, *copies, [True, False, False]) == 5  # a sampled row: the full width only
+    always = DraftPolicy("always", widths, sources=3, draft_len=4)
+    assert always.choose(4, False, [1, 2, 0], [1, 1, 0], greedy) == 3
+    assert always.choose(4, True, [1, 2, 0], [1, 1, 0], greedy) == 5
 
 
 def test_bad_settings_are_refused_before_serving(stack, tmp_path):

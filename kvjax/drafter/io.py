@@ -89,3 +89,21 @@ def load_drafter(path: str, target_cfg=None, dtype=jnp.float32) -> tuple[Drafter
             raise DrafterError(f"{path}: vocab_ids must be verifier token ids in [0, {dcfg.layer.vocab_size})")
         params = with_vocab(params, ids)
     return dcfg, params
+
+
+def drafter_shapes(path: str, target_cfg=None, dtype=jnp.float32) -> tuple[DrafterConfig, DrafterParams]:
+    """`load_drafter`'s (config, params) with jax.ShapeDtypeStructs for the params, from the manifest and the weights
+    file's header alone (no tensor is read): what a plan compiles the drafter's programs with."""
+    manifest = load_manifest(path)
+    dcfg = DrafterConfig.from_dict(manifest["config"])
+    if target_cfg is not None:
+        try:
+            dcfg.check_target(target_cfg)
+        except ValueError as e:
+            raise DrafterError(f"{path}: {e}") from None
+    weights = SafetensorsFile(os.path.join(path, WEIGHTS))
+    flat = {name: jax.ShapeDtypeStruct(s.shape, jnp.dtype(dtype)) for name, s in param_specs(dcfg).items()}
+    params = from_flat(dcfg, flat)
+    if "vocab_ids" in weights.keys():
+        params = params.replace(vocab_ids=jax.ShapeDtypeStruct(weights.shape("vocab_ids"), jnp.int32))
+    return dcfg, params

@@ -25,18 +25,22 @@ COMPILED = ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "code
 
 def peak_candidates(stages: dict, n: int) -> set:
     """The (stage, program) indices of each stage's `n` programs with the most bytes beside the weights by their
-    shapes (inputs other than weights, and what the stage keeps beside them): the ones that set its peak."""
+    shapes (inputs other than weights, and what the stage keeps beside them), and its `n` with the most FLOPs: the
+    ones that set its peak. Both, because XLA's temporaries follow the computation, not the inputs: a KL over the
+    vocabulary of a few windows takes 0.1 MB of inputs and 109 MB of temporaries (tests/test_plan.py)."""
     from kvjax.plan import shapes
     out = set()
     for i, progs in enumerate(stages.values()):
         size = [(shapes.nbytes_per_device((p.args, p.kwargs)) - p.weight_bytes + p.kept_bytes, j)
                 for j, p in enumerate(progs)]
+        flops = [(p.flops, j) for j, p in enumerate(progs)]
         out |= {(i, j) for _, j in sorted(size, reverse=True)[:n]}
+        out |= {(i, j) for _, j in sorted(flops, reverse=True)[:n]}
     return out
 
 
 def compile_all(stages: dict, held: dict, compile: bool = True, jobs: int = 1, rebuild=None,
-                peaks: int = 0) -> list[StagePlan]:
+                peaks: int = 0, store: str | None = None, chosen: set | None = None) -> list[StagePlan]:
     """Compile every stage's programs (one compile per distinct program: a later stage calling the same program
     at the same shapes reuses it) into StagePlans. `held`: stage -> {model: weight bytes per device}. Without
     `compile`, the programs are lowered only (no memory or cost analysis; a quick check that they build).
@@ -46,20 +50,29 @@ def compile_all(stages: dict, held: dict, compile: bool = True, jobs: int = 1, r
     device handles, do not travel); XLA compiles one program on one core, so this is what more cores buy.
 
     `peaks` > 0 compiles only each stage's `peaks` largest programs by their shapes (`peak_candidates`) and leaves
-    the others out: the stage peaks in a fraction of the time (docs/planning.md measures how close)."""
+    the others out: the stage peaks in a fraction of the time (docs/planning.md measures how close).
+
+    `store`: a folder keeping each compiled program's result (kvjax.plan.store), so that a plan stopped halfway
+    resumes: a program found there is not compiled again. `chosen`: the (stage, program) indices to compile, the
+    others left out (what `peaks` picks, given)."""
+    from kvjax.plan import store as kept
     from kvjax.plan.program import Compiled, compile_program
     from tqdm import tqdm
     first: dict = {}  # key -> (stage index, program index) of its first occurrence
     for i, progs in enumerate(stages.values()):
         for j, p in enumerate(progs):
             first.setdefault(p.key(), (i, j))
-    chosen = peak_candidates(stages, peaks) if peaks else None
+    chosen = peak_candidates(stages, peaks) if peaks else chosen
     wanted = lambda i, j: compile and (chosen is None or (i, j) in chosen)  # noqa: E731
     results: dict = {}
     skipped = lambda i, j: chosen is not None and (i, j) not in chosen  # noqa: E731
-    if jobs > 1 and rebuild is not None and len(first) > 1:
-        results = _compile_in_workers([(i, j, wanted(i, j)) for i, j in sorted(first.values()) if not skipped(i, j)],
-                                      jobs, rebuild)
+    flat = list(stages.values())
+    for i, j in first.values():
+        if wanted(i, j) and (fields := kept.get(store, flat[i][j])) is not None:
+            results[(i, j)] = {f: fields[f] for f in COMPILED}
+    todo = [(i, j, wanted(i, j)) for i, j in sorted(first.values()) if not skipped(i, j) and (i, j) not in results]
+    if jobs > 1 and rebuild is not None and len(todo) > 1:
+        results |= _compile_in_workers(todo, jobs, rebuild, store)
     done: dict = {}
     out = []
     total = sum(len(ps) for ps in stages.values())
@@ -76,6 +89,7 @@ def compile_all(stages: dict, held: dict, compile: bool = True, jobs: int = 1, r
                     c = Compiled(p)  # left out (peaks): neither lowered nor compiled
                 else:
                     c = done[key] = compile_program(p, compile=wanted(i, j))
+                    kept.put(store, p, {f: getattr(c, f) for f in kept.FIELDS})
                     _progress(bar, c)
                 compiled.append(c)
                 bar.set_postfix_str(p.name[:40])
@@ -84,7 +98,7 @@ def compile_all(stages: dict, held: dict, compile: bool = True, jobs: int = 1, r
     return out
 
 
-def _compile_in_workers(where: list, jobs: int, rebuild) -> dict:
+def _compile_in_workers(where: list, jobs: int, rebuild, store: str | None = None) -> dict:
     import concurrent.futures
     import multiprocessing
     ctx = multiprocessing.get_context("spawn")  # JAX is not fork-safe
@@ -93,20 +107,22 @@ def _compile_in_workers(where: list, jobs: int, rebuild) -> dict:
     parts = [order[w::jobs] for w in range(jobs)]
     out = {}
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-        for part in pool.map(_worker, [(rebuild, part) for part in parts if part]):
+        for part in pool.map(_worker, [(rebuild, part, store) for part in parts if part]):
             out.update(part)
     return out
 
 
 def _worker(task) -> dict:
     """In a fresh process: rebuild the stages, compile the programs at the given (stage, program) indices."""
-    (fn, args), where = task
+    (fn, args), where, store = task
     compile_only_environment()
+    from kvjax.plan import store as kept
     from kvjax.plan.program import compile_program
     stages = list(fn(*args).values())
     out = {}
     for i, j, compile in where:
         c = compile_program(stages[i][j], compile)
+        kept.put(store, stages[i][j], {f: getattr(c, f) for f in kept.FIELDS})  # kept at once: a killed run resumes
         _progress(None, c)
         out[(i, j)] = {f: getattr(c, f) for f in COMPILED}
     return out
@@ -134,7 +150,8 @@ def job_stages(cfg, slice_name: str, cpu_memory_gb: float, only: tuple, depths):
 
 
 def plan_job(cfg, slice_name: str, compile: bool = True, only: tuple[str, ...] = (),
-             cpu_memory_gb: float = 16.0, sampled: bool = False, jobs: int = 1, peaks: int = 0) -> Plan:
+             cpu_memory_gb: float = 16.0, sampled: bool = False, jobs: int = 1, peaks: int = 0,
+             store: str | None = None) -> Plan:
     """The main job of `cfg` (a RunConfig) on a slice: every stage's programs compiled, fitted and priced.
     `sampled`: compile each program at reduced depths and extrapolate its memory and XLA counts to the models' own
     depth (`extrapolate`: a program's buffers are per-layer buffers times the layers plus the rest, and unrolled
@@ -149,10 +166,11 @@ def plan_job(cfg, slice_name: str, compile: bool = True, only: tuple[str, ...] =
         real = job.depths(cfg)
         points = sample_depths(real, cfg)
         plans = extrapolate(stages, held, [job.stage_programs(cfg, sl, only, d)[1] for d in points], points, real,
-                            jobs=jobs, rebuild=[(job_stages, (cfg, slice_name, cpu_memory_gb, only, d)) for d in points])
+                            jobs=jobs, rebuild=[(job_stages, (cfg, slice_name, cpu_memory_gb, only, d)) for d in points],
+                            peaks=peaks, store=store)
     else:
         plans = compile_all(stages, held, compile, jobs, (job_stages, (cfg, slice_name, cpu_memory_gb, only, None)),
-                            peaks)
+                            peaks, store)
     plan = Plan(cfg.name, "job", sl, plans, b.sources, dict(b.mesh.shape), time.perf_counter() - t0)
     plan.notes["compiled_at"] = "sampled depths" if sampled and compile else "full depth"
     if peaks:
@@ -176,18 +194,27 @@ def sample_depths(real: tuple[int, int], cfg=None) -> list[tuple[int, int]]:
 
 
 def extrapolate(stages: dict, held: dict, sampled: list[dict], points: list[tuple[int, int]],
-                real: tuple[int, int], jobs: int = 1, rebuild=None) -> list[StagePlan]:
+                real: tuple[int, int], jobs: int = 1, rebuild=None, peaks: int = 0,
+                store: str | None = None) -> list[StagePlan]:
     """StagePlans of the full-depth `stages` whose compiled figures are fitted, program by program, on the same
     programs compiled at the depths of `sampled` (three dicts as `stages`, from sample_depths): each field is
-    c + b_s L_s + b_t L_t, solved from the three compiles and evaluated at the real depths `real`."""
+    c + b_s L_s + b_t L_t, solved from the three compiles and evaluated at the real depths `real`. `peaks` > 0:
+    only each stage's `peaks` largest programs at full depth (peak_candidates), the others left out."""
     import numpy as np
     from kvjax.plan.program import Compiled
     from kvjax.plan.program import compile_program
     models = ("source", "target")
+    runs_models = lambda p: bool(set(p.holds) & set(models))  # noqa: E731
+    picked = peak_candidates(stages, peaks) if peaks else None
+    # the same choice among each stage's model programs, by their place in the sampled stages (models only)
+    sampled_pick = None if picked is None else {
+        (i, k) for i, progs in enumerate(stages.values())
+        for k, j in enumerate(j for j, p in enumerate(progs) if runs_models(p)) if (i, j) in picked}
     # a program that runs neither model (the map, an insert, a comparison) compiles in seconds at full depth: only
     # the models' forwards are sampled
-    runs = [compile_all({k: [p for p in ps if set(p.holds) & set(models)] for k, ps in s.items()}, held, True, jobs,
-                        None if rebuild is None else (_models_only, (rebuild[n],)))
+    runs = [compile_all({k: [p for p in ps if runs_models(p)] for k, ps in s.items()}, held, True, jobs,
+                        None if rebuild is None else (_models_only, (rebuild[n],)), store=store,
+                        chosen=sampled_pick)
             for n, s in enumerate(sampled)]
     x = np.array([[1.0, ds, dt] for ds, dt in points])
     target = np.array([1.0, real[0], real[1]])
@@ -196,11 +223,20 @@ def extrapolate(stages: dict, held: dict, sampled: list[dict], points: list[tupl
     for i, (name, progs) in enumerate(stages.items()):
         compiled = []
         k = 0
-        for p in progs:
-            if not set(p.holds) & set(models):
+        for j, p in enumerate(progs):
+            if picked is not None and (i, j) not in picked:
+                k += runs_models(p)
+                compiled.append(Compiled(p))  # left out (peaks)
+                continue
+            if not runs_models(p):
                 key = p.key()
                 if key not in full:
-                    full[key] = compile_program(p)
+                    from kvjax.plan import store as kept
+                    if (fields := kept.get(store, p)) is not None:
+                        full[key] = Compiled(p, **{f: fields[f] for f in COMPILED})
+                    else:
+                        full[key] = compile_program(p)
+                        kept.put(store, p, {f: getattr(full[key], f) for f in kept.FIELDS})
                 c = full[key]
                 compiled.append(Compiled(p, **{f: getattr(c, f) for f in FIELDS + ("error", "lower_seconds",
                                                                                     "compile_seconds")}))

@@ -10,16 +10,22 @@ slice, DIR/NAME[-serve]-SLICE.{md,json,png} (DIR: --out, default runs/plan) and 
   --price                       the method's speed claims priced at the pair's shapes on the slice (roofline of
                                 each program; no compile): DIR/NAME-priced-SLICE.{md,json}
   --slots=N --context=T         the server's decode slots and context per slot (default: the most that fit)
+  --speculative=KIND            the server speculates (lookup, block, combined; kvjax.serve.drafting): its drafter's
+                                programs and verify rounds are planned (--draft-len=N: tokens per round, default
+                                the drafter's; --drafter=DIR: the block drafter's directory, its shapes read from it)
   --depth=full|sampled          full (default): compile every program as the job runs it; sampled: compile each
                                 at three reduced depths and extrapolate its memory and XLA counts to the real
                                 depth (minutes instead of hours for a 32B pair on a small machine; docs/planning.md
                                 says how close it comes)
   --compile=all|peaks           all (default): every program; peaks: only each stage's two largest programs by
-                                their shapes (the stage peaks in a fraction of the time)
+                                their shapes and two heaviest by FLOPs (the stage peaks in a fraction of the time)
   --jobs=N                      compile in N processes (default: the cores, at most 4; each holds a compile of
-                                up to a few GB)
+                                up to 14 GB: a Qwen3-32B prefill of 16K tokens)
   --no-compile                  lower only (seconds instead of minutes; no memory or cost analysis)
   --cpu-memory-gb=G             the memory a cpu:N device stands for (default 16)
+
+Each compiled program's result is kept in DIR/compiled/ as soon as it compiles, so a plan stopped halfway resumes
+where it stopped (a result is reused only under the same kvjax source, jax and libtpu; kvjax.plan.store).
 
 Exit status: 0 when every slice asked for fits (for a generation: when one of its slices fits), 1 when one does not,
 2 for a mistake in the command.
@@ -46,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     opts = {"topology": "", "out": "runs/plan", "serve": False, "compile": True, "slots": 0, "context": 0,
             "cpu_memory_gb": 16.0, "depth": "full", "jobs": min(4, os.cpu_count() or 1), "price": False,
-            "peaks": 0}
+            "peaks": 0, "speculative": "none", "draft_len": 0, "drafter": ""}
     rest = []
     try:
         name, overrides, args = parse_argv(argv)
@@ -73,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
                 opts["depth"] = value
             elif key in ("--slots", "--context", "--jobs"):
                 opts[key[2:]] = int(value)
+            elif key in ("--speculative", "--drafter"):
+                opts[key[2:]] = value
+            elif key == "--draft-len":
+                opts["draft_len"] = int(value)
             elif key == "--cpu-memory-gb":
                 opts["cpu_memory_gb"] = float(value)
             else:
@@ -81,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigFlagError(f"unknown argument {rest[0]!r}; the flags are:\n{USAGE}")
         if not name:
             raise ConfigFlagError(f"--config=NAME is required (configs: {', '.join(available_configs())})")
-        if opts["peaks"] and opts["depth"] == "sampled":
-            raise ConfigFlagError("--compile=peaks compiles its few programs at full depth: leave out --depth=sampled")
+        if opts["speculative"] != "none" or opts["draft_len"] or opts["drafter"]:
+            _check_drafting(opts)
         if not opts["topology"]:
             raise ConfigFlagError("--topology=SLICE is required, e.g. --topology=v5e:2x4 or --topology=v5e,v6e,v5p")
         cfg = build(name, overrides, RunConfig)
@@ -113,6 +123,19 @@ def main(argv: list[str] | None = None) -> int:
     if len(summary) > 1:
         _summary(summary, opts["out"], cfg.name + ("-serve" if opts["serve"] else ""))
     return status
+
+
+def _check_drafting(opts: dict) -> None:
+    """The speculative-decoding flags, checked as the server checks them (EngineConfig.draft_problems) before JAX
+    starts; the draft length against the context again once the plan has chosen it."""
+    from kvjax.config_flags import ConfigFlagError
+    from kvjax.serve.config import EngineConfig
+    if not opts["serve"]:
+        raise ConfigFlagError("--speculative, --draft-len and --drafter set the server's drafter: add --serve")
+    ec = EngineConfig(capacity=opts["context"] or EngineConfig.capacity, speculative=opts["speculative"],
+                      draft_len=opts["draft_len"], drafter=opts["drafter"])
+    if problems := ec.draft_problems():
+        raise ConfigFlagError(problems[0])
 
 
 def _price(cfg, slices: list, out: str) -> int:
@@ -182,13 +205,15 @@ def _one(cfg, topology: str, opts: dict, summary: list) -> bool:
 
 def _plan(cfg, sl: str, opts: dict):
     from kvjax import plan as kvplan
+    store = os.path.join(opts["out"], "compiled")  # each program's result as it compiles: a stopped plan resumes
     if opts["serve"]:
         from kvjax.plan.serve import plan_serve
         return plan_serve(cfg, sl, slots=opts["slots"], context=opts["context"], compile=opts["compile"],
                           cpu_memory_gb=opts["cpu_memory_gb"], sampled=opts["depth"] == "sampled", jobs=opts["jobs"],
-                          peaks=opts["peaks"])
+                          peaks=opts["peaks"], store=store, speculative=opts["speculative"],
+                          draft_len=opts["draft_len"], drafter=opts["drafter"])
     return kvplan.plan_job(cfg, sl, compile=opts["compile"], cpu_memory_gb=opts["cpu_memory_gb"],
-                           sampled=opts["depth"] == "sampled", jobs=opts["jobs"], peaks=opts["peaks"])
+                           sampled=opts["depth"] == "sampled", jobs=opts["jobs"], peaks=opts["peaks"], store=store)
 
 
 def _write(plan, out: str) -> None:

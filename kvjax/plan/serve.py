@@ -30,12 +30,13 @@ CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
 SLOTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
-def engine_config(slots: int, context: int, prefix: bool = True, max_step_tokens: int = 0):
+def engine_config(slots: int, context: int, prefix: bool = True, max_step_tokens: int = 0, **drafting):
     """The engine settings a server plan compiles: `slots` rows of `context` positions, the prefix cache on (the
-    conversation workload's setting) and chunked prefill when `max_step_tokens`."""
+    conversation workload's setting), chunked prefill when `max_step_tokens`, and speculative decoding as `drafting`
+    sets it (EngineConfig's speculative, draft_len, drafter, ...; default off)."""
     from kvjax.serve.config import EngineConfig
     return EngineConfig(slots=slots, capacity=context, prefix_cache_mb=1024.0 if prefix else 0.0,
-                        max_step_tokens=max_step_tokens)
+                        max_step_tokens=max_step_tokens, **drafting)
 
 
 def server_programs(b: Builder, ec, split: bool = True) -> dict[str, list[Program]]:
@@ -89,6 +90,10 @@ def server_programs(b: Builder, ec, split: bool = True) -> dict[str, list[Progra
         out["insert"].append(ib.program(f"insert {bs} prompts of {buckets[-1]} into {ec.slots} slots", sp.insert,
                                         (slots, new, b.rows(bs)), {}, 0.0, moved, ("slots",),
                                         extra_weights=held))
+    if ec.drafting:
+        for stage, progs in drafting_programs(b, ec, slots, held).items():
+            out[stage] += progs
+        return out
     db = b.at("decode")
     for rows in sp.row_buckets(ec.slots):
         f32 = lambda n: b.rows(n, jnp.float32)  # noqa: E731
@@ -100,6 +105,153 @@ def server_programs(b: Builder, ec, split: bool = True) -> dict[str, list[Progra
         out["decode"].append(db.program(f"decode step {rows} of {ec.slots} slots x {ec.capacity}", sp.step, args,
                                         dict(rows=rows), flops, moved, ("target", "slots"), extra_weights=held))
     return out
+
+
+def drafter(b: Builder, ec):
+    """The speculating engine's drafter (kvjax.serve.drafting.build_drafter), abstract and replicated as the engine
+    places it: prompt lookup holds no arrays; the block drafter's shapes are read from its directory's manifest and
+    weights header (kvjax.drafter.io.drafter_shapes), never its weights."""
+    from kvjax.serve.drafting import build_drafter
+    tcfg, tparams = b.target
+    block = None
+    if ec.speculative in ("block", "combined"):
+        from kvjax.drafter.block import block_drafter
+        from kvjax.drafter.io import DrafterError, drafter_shapes
+        try:
+            dcfg, dparams = drafter_shapes(ec.drafter, tcfg)
+            block = jax.eval_shape(lambda tp, dp: block_drafter((tcfg, tp), dcfg, dp, ec.rounds_draft,
+                                                                refine=ec.draft_refine), tparams, dparams)
+        except DrafterError as e:
+            raise PlanError(str(e)) from None
+        except ValueError as e:  # a block size it was not trained for, an unreadable weights header
+            raise PlanError(f"{ec.drafter}: {e}") from None
+    return _replicated(b, build_drafter(ec, b.target, block))
+
+
+def drafter_state(b: Builder, ec, drafter, rows: int, bucket: int = 0):
+    """The drafter state (kvjax.serve.drafting.start_state) of `rows` rows, abstract and replicated as the engine
+    places it: of a batch prefilled to `bucket` positions, or (0) the slots' empty state."""
+    from kvjax.serve.drafting import start_state
+    tcfg, tparams = b.target
+    cache = b.cache("target", rows, bucket) if bucket else None
+    state = jax.eval_shape(lambda d, p, c: start_state(d, ec, (tcfg, p), [], rows, c), drafter, tparams, cache)
+    return _replicated(b, state)
+
+
+def _replicated(b: Builder, tree):
+    return jax.tree.map(lambda x: shapes.replicated(x.shape, x.dtype, b.mesh), tree)
+
+
+def drafting_held(b: Builder, ec) -> dict[str, int]:
+    """Bytes per device a speculating server holds beside the models and the slots' cache: the drafter (the block
+    drafter's weights, with its copies of the target's embedding and head rows) and the slots' drafter state."""
+    d = drafter(b, ec)
+    return {"drafter": shapes.nbytes_per_device(d),
+            "drafter state": shapes.nbytes_per_device(drafter_state(b, ec, d, ec.slots))}
+
+
+def drafting_programs(b: Builder, ec, slots, held: int) -> dict[str, list[Program]]:
+    """The programs of a speculating engine (kvjax.serve.drafting) past its prefill and cache insertion, at the
+    shapes it calls them: the block drafter's start (prefill: the target's features of each prompt's last tokens over
+    the prefilled cache, then the drafter's context of them; and the slots' empty state), the new rows' drafter
+    state written into the slots' (insert), and per decode row count a plain step and a verify round at every width
+    of `verify_widths` greedy, at the widest sampled, as the engine warms them up (decode; it runs no `step`)."""
+    from kvjax.serve import drafting as dr
+    from kvjax.serve import programs as sp
+    from kvjax.speculative import CombinedDrafter
+    tcfg, tparams = b.target
+    d = drafter(b, ec)
+    state = drafter_state(b, ec, d, ec.slots)
+    dbytes, sbytes = shapes.nbytes_per_device(d), shapes.nbytes_per_device(state)  # held: not a program's own
+    buckets = sp.buckets(ec.capacity)
+    batches = sorted({sp.batch_size_for(n, ec.max_prefill_batch) for n in range(1, ec.max_prefill_batch + 1)})
+    out: dict[str, list[Program]] = {"prefill": [], "insert": [], "decode": []}
+    layers = tuple(d.feature_layers)
+    if layers:  # the block drafter reads the target's features: its context starts from the prefilled cache
+        block = d.model if isinstance(d, CombinedDrafter) else d
+        dcfg, dparams = block.dcfg, block.params
+        pb = b.at("prefill")
+        fsize = dcfg.feature_size
+
+        def extend(rows: int, width: int, dtype, name: str) -> Program:
+            from kvjax.drafter.block import _extend_jit
+            from kvjax.drafter.model import init_context
+            context = jax.eval_shape(lambda: init_context(dcfg, rows, ec.capacity, dparams.fc.dtype))
+            args = (dparams, dcfg, _replicated(b, context), shapes.replicated((rows, width, fsize), dtype, b.mesh),
+                    shapes.replicated((rows,), jnp.int32, b.mesh))
+            flops = costs.forward_flops(dcfg.layer, rows, width, 0, 0)  # the drafter's K/V of each feature
+            return pb.program(name, _extend_jit, args, {}, flops, shapes.nbytes_per_device(args[2:]), ("drafter",),
+                              extra_weights=shapes.nbytes_per_device(dparams))
+
+        out["prefill"].append(extend(ec.slots, 1, dparams.fc.dtype, f"drafter empty state of {ec.slots} slots"))
+        for bs in batches:
+            widths = set()
+            for bucket in buckets:
+                width = dr.context_width(ec, bucket)
+                args = (tparams, tcfg, b.cache("target", bs, bucket), b.tokens(bs, width), b.rows(bs))
+                feats = sp.context_features.eval_shape(*args, layers=layers)
+                moved = (b.wbytes("target", bs * width, False)
+                         + b.kv_share("target", bs) * costs.kv_bytes(tcfg, bs, bucket, b.itemsize()))
+                out["prefill"].append(pb.program(f"drafter context {bs} x {width} after prefill {bucket}",
+                                                 sp.context_features, args, dict(layers=layers),
+                                                 b.fwd("target", bs, width, bucket, 0), moved, ("target",)))
+                if width not in widths:
+                    widths.add(width)
+                    out["prefill"].append(extend(bs, width, feats.dtype, f"drafter start {bs} x {width}"))
+    ib = b.at("insert")
+    for bs in batches:
+        new = drafter_state(b, ec, d, bs, buckets[-1])
+        moved = 2 * shapes.nbytes_per_device(new)
+        out["insert"] += [
+            ib.program(f"new rows' drafts {bs}", sp.new_rows_lookahead,
+                       (d, new, shapes.replicated((bs,), jnp.int32, b.mesh),
+                        shapes.replicated((bs,), jnp.bool_, b.mesh)), {}, 0.0, moved, ("drafter",),
+                       extra_weights=dbytes),
+            ib.program(f"insert {bs} drafter states into {ec.slots} slots", sp.insert_rows,
+                       (state, new, b.rows(bs)), {}, 0.0, moved, ("drafter state",), extra_weights=sbytes)]
+    db = b.at("decode")
+    rparams = round_params(b)
+    g = d.draft_len
+    extra = held + dbytes + sbytes
+
+    def draft_flops(rows: int, sampled: bool) -> float:
+        """The block drafter's forward of a round (g + 1 positions over its context; a greedy round refines it),
+        priced at the target's vocabulary (its head may read fewer rows): at most."""
+        if not layers:
+            return 0.0
+        return costs.forward_flops(dcfg.layer, rows, g + 1, ec.capacity, g) * (1 + (0 if sampled else ec.draft_refine))
+
+    f32 = lambda n: b.rows(n, jnp.float32)  # noqa: E731
+    inputs = (b.rows(ec.slots), b.rows(ec.slots, jnp.bool_), f32(ec.slots), f32(ec.slots), b.rows(ec.slots),
+              b.rows(ec.slots))
+    for rows in sp.row_buckets(ec.slots):
+        kv = b.kv_share("target", ec.slots) * costs.kv_bytes(tcfg, rows, ec.capacity, b.itemsize())
+        out["decode"].append(db.program(
+            f"plain step {rows} of {ec.slots} slots x {ec.capacity}", sp.plain_step,
+            (tparams, tcfg, slots, d, state) + inputs, dict(rows=rows), b.fwd("target", rows, 1, ec.capacity, 1),
+            b.wbytes("target", rows) + kv, ("target", "slots"), extra_weights=extra))
+        widths = dr.verify_widths(g)
+        for width, sampled in [(w, False) for w in widths] + [(widths[-1], True)]:
+            out["decode"].append(db.program(
+                f"verify round {rows} of {ec.slots} slots x {ec.capacity} width {width}"
+                + (" sampled" if sampled else ""), sp.round_step,
+                (rparams, tcfg, slots, d, state) + inputs + (shapes.replicated((), jnp.int32, b.mesh),),
+                dict(rows=rows, sampled=sampled, width=width),
+                b.fwd("target", rows, width, ec.capacity, width) + draft_flops(rows, sampled),
+                b.wbytes("target", rows * width) + kv, ("target", "slots"), extra_weights=extra))
+    return out
+
+
+def round_params(b: Builder):
+    """The target's weights as the verify round reads them (kvjax.speculative.api.loop_verifier: on CPU a tied head
+    gets an explicit [D, V] copy, replicated here; elsewhere the target's own)."""
+    from kvjax.models.model import Model
+    from kvjax.speculative.api import loop_verifier
+    tcfg, tparams = b.target
+    if b.mesh.devices.flat[0].platform != "cpu" or tparams.lm_head is not None:
+        return tparams
+    head = jax.eval_shape(lambda p: loop_verifier(Model(tcfg, p)).params.lm_head, tparams)
+    return tparams.replace(lm_head=shapes.replicated(head.shape, head.dtype, b.mesh))
 
 
 def capacity_table(b: Builder, max_prefill_batch: int = 8, split: bool = True) -> dict[int, int]:
@@ -119,19 +271,23 @@ def capacity_table(b: Builder, max_prefill_batch: int = 8, split: bool = True) -
     return out
 
 
-def serve_stages(cfg, slice_name: str, cpu_memory_gb: float, slots: int, context: int, split: bool, depths):
+def serve_stages(cfg, slice_name: str, cpu_memory_gb: float, slots: int, context: int, split: bool, depths,
+                 drafting: dict | None = None):
     """The server's stages for a slice by name (what a compile worker rebuilds)."""
     from kvjax.plan import job
     sl = get_slice(slice_name, cpu_memory_gb)
     b = dataclasses.replace(job.pair(cfg, sl, depths), mesh_memory=sl.hbm_bytes)
-    return server_programs(b, engine_config(slots, context), split)
+    return server_programs(b, engine_config(slots, context, **(drafting or {})), split)
 
 
 def plan_serve(cfg, slice_name: str, slots: int = 0, context: int = 0, compile: bool = True,
                cpu_memory_gb: float = 16.0, split: bool = True, sampled: bool = False, jobs: int = 1,
-               peaks: int = 0) -> Plan:
+               peaks: int = 0, store: str | None = None, speculative: str = "none", draft_len: int = 0,
+               drafter: str = "") -> Plan:
     """The server of `cfg` on a slice: the capacity table, and every engine program at (slots, context) compiled
-    (default: 128 slots — the conversation workload's 128 clients — at the longest context that holds them)."""
+    (default: 128 slots — the conversation workload's 128 clients — at the longest context that holds them).
+    `speculative` (lookup, block, combined; `draft_len`, and the block drafter's directory `drafter`): the server
+    speculates (kvjax.serve.drafting), and the plan holds its drafter's programs and its decode rounds."""
     from kvjax.plan import compile_all, extrapolate, job, sample_depths
     t0 = time.perf_counter()
     sl = get_slice(slice_name, cpu_memory_gb)
@@ -144,22 +300,30 @@ def plan_serve(cfg, slice_name: str, slots: int = 0, context: int = 0, compile: 
         context = max(fitting) if fitting else CONTEXTS[0]
     if context < 64 or slots < 1:
         raise PlanError(f"--slots={slots} --context={context}: need at least one slot of at least 64 tokens")
-    ec = engine_config(slots, context)
+    drafting = dict(speculative=speculative, draft_len=draft_len, drafter=drafter)
+    ec = engine_config(slots, context, **drafting)
+    if problems := ec.draft_problems():
+        raise PlanError(problems[0])
+    if sampled and compile and ec.speculative in ("block", "combined"):
+        raise PlanError(f"--speculative={ec.speculative}: the block drafter reads the target's own layers, so it is "
+                        "planned at the target's depth: leave out --depth=sampled")
     stages = server_programs(b, ec, split)
     slots_bytes = shapes.nbytes_per_device(b.cache("target", ec.slots, ec.capacity, keys_transposed=True))
     held = {"target": b.weights("target"), **({"source": b.weights("source")} if split else {}),
-            "slots": slots_bytes}
+            "slots": slots_bytes, **(drafting_held(b, ec) if ec.drafting else {})}
     held_by = {name: held for name in stages}
-    rebuild = lambda d: (serve_stages, (cfg, slice_name, cpu_memory_gb, slots, context, split, d))  # noqa: E731
+    rebuild = lambda d: (serve_stages, (cfg, slice_name, cpu_memory_gb, slots, context, split, d,  # noqa: E731
+                                        drafting))
     if sampled and compile:
         real = job.depths(cfg)
         points = sample_depths(real)
-        runs = [serve_stages(cfg, slice_name, cpu_memory_gb, slots, context, split, d) for d in points]
-        plans = extrapolate(stages, held_by, runs, points, real, jobs, [rebuild(d) for d in points])
+        runs = [serve_stages(cfg, slice_name, cpu_memory_gb, slots, context, split, d, drafting) for d in points]
+        plans = extrapolate(stages, held_by, runs, points, real, jobs, [rebuild(d) for d in points], peaks, store)
     else:
-        plans = compile_all(stages, held_by, compile, jobs, rebuild(None), peaks)
+        plans = compile_all(stages, held_by, compile, jobs, rebuild(None), peaks, store)
     plan = Plan(cfg.name, "serve", sl, plans, b.sources, dict(b.mesh.shape), time.perf_counter() - t0)
-    plan.notes = {"slots": slots, "context": context, "capacity_table": table}
+    plan.notes = {"slots": slots, "context": context, "capacity_table": table,
+                  **({"speculative": ec.speculative, "draft_len": ec.rounds_draft} if ec.drafting else {})}
     if peaks:
         plan.notes["compiled"] = f"each stage's {peaks} largest programs by shape; the others left out"
     return plan

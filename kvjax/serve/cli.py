@@ -77,8 +77,8 @@ def parser() -> argparse.ArgumentParser:
                    "the request's own earlier text, no model), block (a block drafter, --drafter), combined (lookup "
                    "where the text repeats, the block drafter elsewhere); none: one token per step")
     g.add_argument("--draft-len", type=int, default=d.draft_len, metavar="G",
-                   help="tokens drafted per round (default: lookup 8, block / combined 16; the block drafter's "
-                   "must be a block size it was trained for)")
+                   help="tokens drafted per round at most (default 16; block / combined: a block size the block "
+                   "drafter was trained for); a round verifies fewer where the drafts are shorter")
     g.add_argument("--drafter", default=d.drafter, metavar="DIR",
                    help="block / combined: the block drafter's directory, trained for the answering model "
                    "(python -m launch.toy.drafter writes one)")

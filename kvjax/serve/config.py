@@ -13,7 +13,7 @@ TOPOLOGIES = ("serial", "batched", "disaggregated")
 DRAFTERS = ("none", "lookup", "block", "combined")  # --speculative (kvjax.serve.drafting)
 DRAFT_POLICIES = ("auto", "always")  # when a step drafts: where the measured costs say it pays, or every step
 # tokens drafted per round when --draft-len is 0: prompt lookup's copies, the block drafter's trained block
-DEFAULT_DRAFT_LEN = {"lookup": 8, "block": 16, "combined": 16}
+DEFAULT_DRAFT_LEN = {"lookup": 16, "block": 16, "combined": 16}
 
 
 @dataclasses.dataclass(frozen=True)

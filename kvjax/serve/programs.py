@@ -139,8 +139,8 @@ def _decode(params, cfg, cache, tokens, active, temperature, top_p, seeds, count
 
 
 # ---- speculative decoding: a verify round over the slots (kvjax.serve.drafting) ----------------------------------
-# A round verifies at a static width (kvjax.speculative.verify_block says why): for prompt lookup the narrowest
-# compiled one that holds the longest copy, which every step's program looks up ahead for the next (`_ahead`).
+# A round verifies at a static width (kvjax.speculative.verify_block says why), chosen by the engine before the step
+# from what each row would draft, which every step's program looks up ahead for the next (`lookahead`).
 
 def _take_rows(tree, rows: int, slots: int):
     """The first `rows` rows of every per-slot array of a drafter state (leaves whose first axis is the slots);
@@ -163,16 +163,35 @@ def _row_keys(seeds, counters):
     return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
 
 
-def _ahead(drafter, state, tokens, active):
-    """For prompt lookup: the tokens the next round would verify (1 + the longest copy it would draft after each
-    occupied row's next input token `tokens`; a pure look-up, the state is not changed): the engine runs that round
-    at the narrowest compiled width that holds them, or no round when nothing would be drafted. Other drafters
-    always draft: g + 1."""
-    from kvjax.speculative import LookupDrafter
-    if not isinstance(drafter, LookupDrafter):
-        return jnp.int32(drafter.draft_len + 1)
-    drafts = jnp.where(active[:, None], drafter.match(state, tokens)[0], -1)
-    return jnp.max(jnp.sum(jnp.cumprod((drafts >= 0).astype(jnp.int32), axis=-1), axis=-1)) + 1
+def lookahead(drafter, state, tokens, active):
+    """What the next round would draft in each row after its input token `tokens` [B] (traceable; a pure look-up,
+    the state is not changed): (lengths int32 [B]: the drafts a row would propose, 0 for rows not `active`;
+    sources int32 [B]: what drafts them, n >= 1 prompt lookup's copy after a recurring n-gram of n tokens, 0 the
+    model drafter (or nothing)). The engine chooses the next step's verify width from them
+    (kvjax.serve.scheduler.DraftPolicy): a row's acceptance depends on what drafted it, and a round wider than the
+    longest draft verifies nothing more."""
+    from kvjax.speculative import CombinedDrafter, LookupDrafter
+    b, g = tokens.shape[0], drafter.draft_len
+    full = jnp.full((b,), g, jnp.int32)
+    if isinstance(drafter, LookupDrafter):
+        drafts, sources, _ = drafter.match(state, tokens)
+        lengths = jnp.sum(jnp.cumprod((drafts >= 0).astype(jnp.int32), axis=-1), axis=-1)
+    elif isinstance(drafter, CombinedDrafter):  # the copy where its n-gram is long enough, the model drafter else
+        drafts, n, _ = drafter.lookup.match(state.lookup, tokens)
+        copy = n >= drafter.min_match
+        sources = jnp.where(copy, n, 0)
+        # spliced: the model drafter fills a block after a copy's end; else a copy is drafted alone
+        copied = jnp.sum(jnp.cumprod((drafts >= 0).astype(jnp.int32), axis=-1), axis=-1)
+        lengths = full if drafter.splice else jnp.where(copy, copied, full)
+    else:  # a model drafter: every row drafts g
+        lengths, sources = full, jnp.zeros((b,), jnp.int32)
+    return jnp.where(active, lengths, 0).astype(jnp.int32), sources.astype(jnp.int32)
+
+
+@aot.jit
+def new_rows_lookahead(drafter, state, tokens, active):
+    """`lookahead` of a prefilled batch's drafter state (the rows a batch adds: their first round's drafts)."""
+    return lookahead(drafter, state, tokens, active)
 
 
 def _sampling(sampled: bool):
@@ -182,29 +201,27 @@ def _sampling(sampled: bool):
     return Sampling(1.0) if sampled else Sampling()
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "rows", "sampled", "width"), donate_argnames=("cache", "state"))
+@functools.partial(aot.jit, static_argnames=("cfg", "rows", "sampled", "width"), donate_argnames=("cache", "state"))
 def round_step(params, cfg, cache: KVCache, drafter, state, tokens, active, temperature, top_p, seeds, counters,
                step_id, rows: int, sampled: bool, width: int):
     """A verify round over slots [0, rows): each occupied row's drafter proposes up to g tokens after its input token
     (free slots draft nothing), the target reads the input token and the first width - 1 drafts in one forward over
-    its cache (kvjax.speculative.verify_block at the static `width`: the engine knows it from the last step's
-    look-ahead, `_ahead`), and each row keeps its accepted drafts and the target's own next token. Greedy rows
+    its cache (kvjax.speculative.verify_block at the static `width`, which the engine chose from the last step's
+    `lookahead`), and each row keeps its accepted drafts and the target's own next token. Greedy rows
     accept a draft while it is the target's argmax (`accept_greedy`: the answer is the target's greedy decode);
     with `sampled` (static: some slot samples) the other rows take the rejection rule with their own temperature,
     top_p and key (`accept_sampled_rows`), so their tokens are distributed as the target's sampling.
 
     Returns (tokens int32 [S, width], n_new int32 [S]: a row's new tokens are tokens[:n_new] (0 for free slots and
-    past `rows`), drafted int32 [S]: drafts verified, copied int32 [S]: 1 where the draft was prompt lookup's copy
-    (the combined drafter), the tokens the next round would verify (`_ahead`), cache, state). Each row's cache and
-    drafter state roll back to what it accepted; free slots' lengths are reset to 0, as in `step`."""
+    past `rows`), drafted int32 [S]: drafts verified, the next round's drafts (`lookahead`: lengths [S], sources
+    [S]), cache, state). Each row's cache and drafter state roll back to what it accepted; free slots' lengths are
+    reset to 0, as in `step`."""
     from kvjax.speculative.loop import accept_greedy, accept_sampled_rows, verify_block
     s = tokens.shape[0]
     live = active[:rows]
     sub = _take_rows(state, rows, s)
-    before = getattr(sub, "lookup_rows", None)
     key = jax.random.fold_in(jax.random.key(0), step_id)
     drafts, q, sub = drafter.propose(sub, tokens[:rows], key, _sampling(sampled))
-    copied = sub.lookup_rows - before if before is not None else jnp.zeros((rows,), jnp.int32)
     drafts = jnp.where(live[:, None], drafts, -1)
     drafts, q, logits, cache, feats = verify_block((cfg, params), cache, tokens[:rows], drafts, q,
                                                    tuple(drafter.feature_layers), width)
@@ -219,9 +236,10 @@ def round_step(params, cfg, cache: KVCache, drafter, state, tokens, active, temp
     lengths = cache.lengths.at[:rows].add(n_new)  # roll back: the pending token and the accepted drafts stay
     cache = cache.replace(lengths=jnp.where(active, lengths, 0))
     drafted = jnp.sum(jnp.cumprod((drafts >= 0).astype(jnp.int32), axis=-1), axis=-1)
-    ahead = _ahead(drafter, sub, toks[jnp.arange(rows), jnp.maximum(n_new - 1, 0)], live)
+    ahead = lookahead(drafter, sub, toks[jnp.arange(rows), jnp.maximum(n_new - 1, 0)], live)
     pad = lambda a: jnp.pad(a, ((0, s - rows),) + ((0, 0),) * (a.ndim - 1))  # noqa: E731
-    return pad(toks), pad(n_new), pad(drafted), pad(copied), ahead, cache, _put_rows(state, sub, rows, s)
+    return (pad(toks), pad(n_new), pad(drafted), pad(ahead[0]), pad(ahead[1]), cache,
+            _put_rows(state, sub, rows, s))
 
 
 def _full_width(a, width: int):
@@ -230,23 +248,24 @@ def _full_width(a, width: int):
     return jnp.pad(a, ((0, 0), (0, width - a.shape[1])))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "rows"), donate_argnames=("cache", "state"))
+@functools.partial(aot.jit, static_argnames=("cfg", "rows"), donate_argnames=("cache", "state"))
 def plain_step(params, cfg, cache: KVCache, drafter, state, tokens, active, temperature, top_p, seeds, counters,
                rows: int):
     """`step` for an engine that drafts, on a step where it does not: one token per slot, and each occupied row's
     drafter state advances over it without drafting (`advance`: the lookup's context grows by the token, the block
     drafter's context by the target's features of it, returned by this same forward). Returns (next tokens [S], the
-    tokens the next round would verify (prompt lookup's look-ahead: `_ahead`), cache, state)."""
+    next round's drafts (`lookahead`: lengths [S], sources [S]), cache, state)."""
     s = tokens.shape[0]
     nxt, cache, feats = _decode(params, cfg, cache, tokens, active, temperature, top_p, seeds, counters, rows,
                                 tuple(drafter.feature_layers))
     sub = drafter.advance(_take_rows(state, rows, s), tokens[:rows], nxt[:, None],
                           active[:rows].astype(jnp.int32), feats)
-    return (jnp.pad(nxt, (0, s - rows)), _ahead(drafter, sub, nxt, active[:rows]), cache,
-            _put_rows(state, sub, rows, s))
+    lengths, sources = lookahead(drafter, sub, nxt, active[:rows])
+    pad = lambda a: jnp.pad(a, (0, s - rows))  # noqa: E731
+    return pad(nxt), pad(lengths), pad(sources), cache, _put_rows(state, sub, rows, s)
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
+@functools.partial(aot.jit, donate_argnames=("state",))
 def insert_rows(state, new, slots: jax.Array):
     """Write the rows of drafter state `new` (b rows) into rows `slots` [b] of the slots' drafter state, in place;
     a slot index >= the number of slots drops its row (as `insert`). Leaves without a row axis stay as they are."""
@@ -260,7 +279,7 @@ def state_rows(state) -> int:
     return max(a.shape[0] for a in jax.tree.leaves(state) if a.ndim)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "layers"))
+@functools.partial(aot.jit, static_argnames=("cfg", "layers"))
 def context_features(params, cfg, cache: KVCache, tokens, start, layers: tuple):
     """The target's features ([B, T, F], `layers`' outputs) of tokens [B, T] at positions start .. start + T - 1,
     reading its cache before `start` [B] (the prefilled cache of a new batch; nothing is written): what the block

@@ -1,7 +1,7 @@
 """Scheduling: the bounded queue of waiting requests, read in prefill batches of one length bucket, and the answer
 that ends each request (its metrics, its last event). One lock (a Condition) guards the queue; the engine's threads
-share it for the state they hand each other. With speculative decoding, `DraftPolicy` decides per decode step
-whether it drafts, from the measured costs and yields of both kinds of step."""
+share it for the state they hand each other. With speculative decoding, `DraftPolicy` decides how much each decode
+step drafts (a verify round's width, or none), from the measured costs of the steps and acceptances of the drafts."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import numpy as np
 
 from kvjax.serve.config import EngineConfig, Event, QueueFull, Request
 from kvjax.serve.metrics import Metrics
-from kvjax.speculative.cost import speedup
 
 
 class Scheduler:
@@ -91,64 +90,124 @@ class Scheduler:
 
 
 class DraftPolicy:
-    """Whether a decode step drafts (a verify round: kvjax.serve.programs.round_step) or not (a plain
-    step that only advances the drafter states, plain_step): whichever is predicted to make more tokens per second.
+    """How much a decode step drafts: the verify width of a round (each row's pending token and up to width - 1 of
+    its drafts, kvjax.serve.programs.round_step) or 0, a plain step (programs.plain_step): whichever is predicted to
+    emit the most tokens per second. It is the cost model of kvjax.speculative.cost applied to one step, with every
+    part measured by the engine itself:
 
-    The prediction is the cost model of kvjax.speculative.cost in decode-step units: a round emits tau tokens per
-    row (accepted drafts + the target's own token) and costs c plain steps, so drafting pays when
-    speedup(tau, c) = tau / c > 1. Both are measured from the engine's own recent steps at this row count (the last
-    WINDOW of each kind, the whole step: the programs and the answers' bookkeeping): tau the tokens per occupied row
-    of the recent rounds, c the median round time over the median plain step time. So they follow the text (a round
-    in which nothing is drafted emits one token a row at about a plain step's cost), the context length, the batch
-    and the machine. A verify round over many rows costs several plain steps on a compute-bound CPU, so drafting
-    turns off as the batch grows, and back on as it shrinks or the text starts repeating.
+    - Yield. Before a step each occupied row's draft is known (programs.lookahead: its length d and its source, a
+      copy of prompt lookup after a recurring n-gram of n tokens or the model drafter's draft). A round of width w
+      emits from each row 1 + the drafts it accepts, so it is predicted to emit E(w) = rows + sum over rows of
+      P(1) + .. + P(min(d, w - 1)), where P(j) is the measured share of rows that accepted their first j drafts
+      among those that verified j, per source and for greedy and sampled rows apart (recent rounds weigh more:
+      DECAY per round; PRIOR ** j, worth PRIOR_WEIGHT rows, before any is measured). A plain step emits a token a row.
+    - Cost. The median time of the recent steps (WINDOW) of that width at this compiled row count, the whole step
+      (the programs and the answers' bookkeeping). A width not measured yet is priced by the line
+      c(w) = c(plain) * (1 + slope * (w - 1)), the slope the median of the measured widths' (SLOPE before any).
+    - Choice: the largest predicted tokens per second, E(w) / c(w) against rows / c(plain). So drafting follows the
+      text (rows whose copies are accepted), the batch (on a compute-bound CPU a wide round over many rows costs
+      several plain steps, and drafting turns down as the batch grows), the context and the machine.
+    - Measuring: plain steps first (MIN_SAMPLES); then plain and the best other width each run again once their gap
+      has passed since they last ran, the gap such that what they lose against the best is EXPLORE_LOSS of a step
+      per step (at least MIN_GAP, at most MAX_GAP steps), so every estimate stays current and drafting that stopped
+      paying (or starts to) is seen.
 
-    Measuring: a kind with fewer than MIN_SAMPLES measured steps at a row count is run to measure it (plain first:
-    what would run anyway). After that the kind not chosen is run again once per K steps of the chosen one (at least
-    MIN_GAP), K such that its waste is EXPLORE_LOSS of their time: the worse the other kind, the rarer it runs, and
-    both estimates stay current. `mode` "always" drafts every step (tests, and measuring the rounds themselves)."""
+    A sampled row (temperature > 0) only runs the widest round (one compiled program per row count). `mode`
+    "always" drafts every step, at the narrowest width that holds the longest draft (tests, and measuring rounds)."""
 
     WINDOW = 16
-    MIN_SAMPLES = 5
+    MIN_SAMPLES = 3
     EXPLORE_LOSS = 0.01
     MIN_GAP = 16
+    MAX_GAP = 256
+    PRIOR = 0.5
+    PRIOR_WEIGHT = 2.0
+    DECAY = 0.99
+    SLOPE = 0.25
 
-    def __init__(self, mode: str = "auto"):
-        self.mode = mode
-        # (kind, rows, sampled) -> recent steps' (seconds, tokens emitted, occupied rows)
-        self.steps: dict = collections.defaultdict(lambda: collections.deque(maxlen=self.WINDOW))
-        self.estimate: dict = {}  # (kind, rows, sampled) -> (median seconds, tokens per occupied row), as they arrive
-        self.since: dict = collections.defaultdict(int)  # (rows, sampled) -> steps since the kind last changed
-        self.last: dict = {}  # (rows, sampled) -> the kind of the last step (True: a round)
-        self.predicted = float("nan")  # the last predicted speed-up of drafting (the metrics' gauge)
+    def __init__(self, mode: str = "auto", widths: tuple[int, ...] = (2,), sources: int = 1, draft_len: int = 1):
+        self.mode, self.widths, self.g = mode, tuple(sorted(widths)), int(draft_len)
+        # [source, sampled row, j]: row-rounds that verified >= j drafts of that source, and accepted >= j of them
+        self.verified = np.zeros((sources, 2, self.g + 1))
+        self.accepted = np.zeros((sources, 2, self.g + 1))
+        self._cum = None  # the expected accepted drafts per (source, sampled, drafts verified), from the counts
+        self.costs: dict = collections.defaultdict(lambda: collections.deque(maxlen=self.WINDOW))  # (rows, sampled, w)
+        self.count: dict = collections.defaultdict(int)  # (rows, sampled) -> steps so far
+        self.ran: dict = {}  # (rows, sampled, w) -> the step count when width w last ran
+        self.predicted = float("nan")  # the best round's predicted tokens/s over a plain step's (the metrics' gauge)
 
-    def choose(self, rows: int, sampled: bool) -> bool:
-        """Draft this step? `rows`: the step's row count (programs.row_buckets); `sampled`: some row samples."""
+    # ---- the estimates ---------------------------------------------------------------------------------------------
+
+    def acceptance(self) -> np.ndarray:
+        """P(j) per [source, sampled, j] (j = 0 unused): the share of rows that accepted their first j drafts."""
+        prior = self.PRIOR ** np.arange(self.g + 1)
+        return (self.accepted + self.PRIOR_WEIGHT * prior) / (self.verified + self.PRIOR_WEIGHT)
+
+    def expected(self, width: int, lengths, sources, hot) -> float:
+        """Tokens a round of `width` is predicted to emit from rows that would draft `lengths` [R] drafts from
+        `sources` [R] (hot [R]: the row samples)."""
+        if self._cum is None:
+            p = self.acceptance()
+            self._cum = np.concatenate([np.zeros(p.shape[:2] + (1,)), np.cumsum(p[..., 1:], axis=-1)], axis=-1)
+        m = np.minimum(np.asarray(lengths), width - 1)
+        return float(len(m) + self._cum[np.asarray(sources), np.asarray(hot, np.int64), m].sum())
+
+    def cost(self, rows: int, sampled: bool, width: int) -> float:
+        """Seconds a step of `width` (0: plain) takes at `rows` (the plain step's must be measured)."""
+        own = self.costs.get((rows, sampled, width))
+        if own:
+            return float(np.median(own))
+        plain = float(np.median(self.costs[rows, sampled, 0]))
+        slopes = [(float(np.median(c)) / plain - 1.0) / (w - 1) for (r, s, w), c in self.costs.items()
+                  if r == rows and s == sampled and w >= 2 and c]
+        slope = max(float(np.median(slopes)), 0.0) if slopes else self.SLOPE
+        return plain * (1.0 + slope * (width - 1))
+
+    # ---- the choice ----------------------------------------------------------------------------------------------
+
+    def choose(self, rows: int, sampled: bool, lengths, sources, hot) -> int:
+        """The next step's verify width (0: a plain step). `rows`: its compiled row count; lengths, sources, hot
+        [R]: each occupied row's draft (programs.lookahead) and whether it samples; `sampled`: some row does."""
+        top = int(np.max(lengths, initial=0))
+        fits = [w for w in self.widths if w >= top + 1] or [self.widths[-1]]
         if self.mode == "always":
-            return True
-        for kind in ("plain", "draft"):
-            if len(self.steps[kind, rows, sampled]) < self.MIN_SAMPLES:
-                return kind == "draft"
-        (v, tau), (s, _) = self.estimate["draft", rows, sampled], self.estimate["plain", rows, sampled]
-        c = v / s
-        self.predicted = p = speedup(tau, c, 0.0)
-        best = p > 1.0
-        # what one step of the other kind wastes, in plain steps: a round where plain is better costs c and makes
-        # what tau plain steps make (c - tau); a plain step where rounds are better makes 1 / p of a plain step's
-        # worth of rounds (1 - 1 / p); spread over `gap` steps of the chosen kind it is EXPLORE_LOSS of their time
-        waste = (1.0 - 1.0 / p) / c if best else c - tau
-        gap = max(self.MIN_GAP, int(np.ceil(waste / self.EXPLORE_LOSS)))
-        if self.last.get((rows, sampled)) == best and self.since[rows, sampled] >= gap:
-            return not best  # measure the other kind again
+            return self.widths[-1] if sampled else fits[0]
+        key = (rows, sampled)
+        if top == 0 or len(self.costs[rows, sampled, 0]) < self.MIN_SAMPLES:
+            return 0  # nothing to draft, or the plain step not measured yet
+        # a round wider than the narrowest that holds the longest draft verifies nothing more
+        options = [self.widths[-1]] if sampled else [w for w in self.widths if 2 <= w <= fits[0]]
+        rate = {0: len(lengths) / self.cost(rows, sampled, 0)}
+        for w in options:
+            rate[w] = self.expected(w, lengths, sources, hot) / self.cost(rows, sampled, w)
+        best = max(rate, key=rate.get)
+        self.predicted = max(rate[w] for w in options) / rate[0]
+        # measuring: plain and the best other width, each once its gap has passed since it last ran
+        others = [w for w in options if w != best]
+        candidates = ([0] if best else []) + ([max(others, key=rate.get)] if others else [])
+        now = self.count[key]
+        for w in sorted(candidates, key=rate.get, reverse=True):
+            loss = 1.0 - rate[w] / rate[best]
+            gap = min(self.MAX_GAP, max(self.MIN_GAP, int(np.ceil(loss / self.EXPLORE_LOSS))))
+            if now - self.ran.get((rows, sampled, w), 0) >= gap:
+                return w
         return best
 
-    def observe(self, drafted: bool, rows: int, sampled: bool, seconds: float, tokens: int, occupied: int) -> None:
-        """A step of that kind took `seconds` and emitted `tokens` over `occupied` requests."""
-        key = ("draft" if drafted else "plain", rows, sampled)
-        steps = self.steps[key]
-        steps.append((seconds, tokens, max(occupied, 1)))
-        self.estimate[key] = (float(np.median([t for t, _, _ in steps])),
-                              sum(k for _, k, _ in steps) / sum(n for _, _, n in steps))
-        same = self.last.get((rows, sampled)) == drafted
-        self.since[rows, sampled] = self.since[rows, sampled] + 1 if same else 1
-        self.last[rows, sampled] = drafted
+    # ---- what steps did -------------------------------------------------------------------------------------------
+
+    def observe(self, width: int, rows: int, sampled: bool, seconds: float) -> None:
+        """A step of `width` (0: plain) at `rows` took `seconds`."""
+        self.costs[rows, sampled, width].append(seconds)
+        self.count[rows, sampled] += 1
+        self.ran[rows, sampled, width] = self.count[rows, sampled]
+
+    def rounds(self, verified, sources, hot, accepted) -> None:
+        """A round's rows: verified [R] drafts of `sources` [R] (hot [R]: sampled rows), of which each accepted
+        `accepted` [R] (its first ones)."""
+        j = np.arange(self.g + 1)[None]
+        at = (np.asarray(sources), np.asarray(hot, np.int64))
+        self.verified *= self.DECAY
+        self.accepted *= self.DECAY
+        np.add.at(self.verified, at, (j <= np.asarray(verified)[:, None]) & (j > 0))
+        np.add.at(self.accepted, at, (j <= np.asarray(accepted)[:, None]) & (j > 0))
+        self._cum = None

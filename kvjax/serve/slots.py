@@ -127,15 +127,15 @@ class Slots:
         active = np.array([r is not None for r in self.req])
         occupied = np.flatnonzero(active)
         rows = self._rows(active)
-        draft = sampled = False
+        width, sampled = 0, False
         try:
             if self.drafting is None:
                 out, n_new = self.run_step(rows)[:, None], active.astype(np.int32)
             else:
                 sampled = bool((self._temp[active] > 0).any())
-                draft = self.drafting.choose(rows, sampled)
-                self.cache, out, n_new, drafted, copied = self.drafting.step(
-                    draft, self.cache, self._next_in, active, self._temp, self._top_p, self._seed, self._count,
+                width = self.drafting.choose(rows, active, self._temp)
+                self.cache, out, n_new, drafted = self.drafting.step(
+                    width, self.cache, self._next_in, active, self._temp, self._top_p, self._seed, self._count,
                     rows, sampled)
         except Exception as e:  # noqa: BLE001 - the batch step itself failed: every slot in it fails, the cache is rebuilt
             log.exception("decode step failed")
@@ -164,7 +164,8 @@ class Slots:
                 self.req[s] = None
         self.metrics.produced(produced, now)
         if self.drafting is not None:
-            self.drafting.account(draft, rows, sampled, time.perf_counter() - t0, n_new, drafted, copied, occupied)
+            self.drafting.account(width, rows, sampled, time.perf_counter() - t0, n_new, drafted, occupied,
+                                  self._temp)
 
     def _emit(self, s: int, r: Request, toks, now: float) -> int:
         """The step's new tokens of slot s (one, or a round's accepted drafts and the target's token), in one event;

@@ -328,7 +328,20 @@ def draft_stats(before: str, after: str) -> dict:
                "acceptance_length": total.get(d, 0.0) / count[d]} for d in sorted(count) if count[d]}
     rounds = sum(count.values())
     return {"draft_steps": steps.get("draft", 0.0), "plain_steps": steps.get("plain", 0.0), "drafters": per,
-            "acceptance_length": sum(total.values()) / rounds if rounds else float("nan")}
+            "acceptance_length": sum(total.values()) / rounds if rounds else float("nan"),
+            "step_costs": step_costs(after)}
+
+
+def step_costs(text: str) -> dict[str, float]:
+    """The drafting policy's step costs at the end of a level, from /metrics: {"ROWSxWIDTH": seconds} (width 0: a
+    plain step), what it chose each step's width from."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("kvjax_step_cost_seconds{"):
+            labels, _, value = line.rpartition(" ")
+            found = dict(kv.split("=", 1) for kv in labels.partition("{")[2].rstrip("}").split(",") if "=" in kv)
+            out[f'{found["rows"].strip(chr(34))}x{found["width"].strip(chr(34))}'] = float(value)
+    return dict(sorted(out.items(), key=lambda kv: tuple(map(int, kv[0].split("x")))))
 
 
 def prefix_stats(before: dict[str, float], after: dict[str, float]) -> dict:
