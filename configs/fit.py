@@ -11,9 +11,9 @@ held-out windows the calibrate stage cuts are unused (no evaluation); they come 
 
 import dataclasses
 
-from kvjax.gate import GateConfig
+from kvjax.eval.gate import GateConfig
 from kvjax.fitting.residual_config import ResidualConfig
-from kvjax.run_config import DataConfig, EvalConfig, MapConfig, ModelConfig, RunConfig
+from kvjax.run.config import DataConfig, EvalConfig, MapConfig, ModelConfig, RunConfig
 
 
 def no_evaluations() -> EvalConfig:

@@ -29,9 +29,9 @@ the held-out windows (tokenized with the Llama 3 tokenizer the checkpoints carry
 
 from configs.qwen32_8 import FINEWEB_EDU
 from kvjax.eval.arm_settings import ArmSettings
-from kvjax.gate import GateConfig
+from kvjax.eval.gate import GateConfig
 from kvjax.fitting.residual_config import ResidualConfig
-from kvjax.run_config import (DataConfig, DistancesEval, EvalConfig, KLEval, MapConfig, MCEval, ModelConfig,
+from kvjax.run.config import (DataConfig, DistancesEval, EvalConfig, KLEval, MapConfig, MCEval, ModelConfig,
                               NativeKLEval, RetrievalEval, RunConfig, SpeculativeEval, ThroughputEval, TTFTEval)
 
 

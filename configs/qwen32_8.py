@@ -12,9 +12,9 @@ stdlib:train / stdlib:heldout; the multiple-choice sets (eval.mc.hellaswag / eva
 JSONL copies stand in for them. docs/real_pairs.md says what is fetched and how much.
 """
 
-from kvjax.gate import GateConfig
+from kvjax.eval.gate import GateConfig
 from kvjax.fitting.residual_config import ResidualConfig
-from kvjax.run_config import (DataConfig, DistancesEval, EvalConfig, KLEval, MapConfig, MCEval, ModelConfig,
+from kvjax.run.config import (DataConfig, DistancesEval, EvalConfig, KLEval, MapConfig, MCEval, ModelConfig,
                               RetrievalEval, RunConfig, ThroughputEval)
 
 

@@ -17,9 +17,9 @@ rounds after a compile round (9 decode runs per round: a toy decode takes millis
 """
 
 from kvjax.fitting.residual_config import ResidualConfig
-from kvjax.run_config import (DataConfig, EvalConfig, KLEval, MapConfig, MCEval, ModelConfig, RetrievalEval,
-                              RunConfig, ThroughputEval)
-from kvjax.gate import GateConfig
+from kvjax.run.config import (DataConfig, EvalConfig, KLEval, MapConfig, MCEval, ModelConfig, RetrievalEval, RunConfig,
+                              ThroughputEval)
+from kvjax.eval.gate import GateConfig
 
 TOY = "checkpoints/toy"
 

@@ -22,8 +22,8 @@ chance kept) and mapped decoding runs at >= 0.97x the answerer's own speed, side
 import dataclasses
 
 from configs import toy_pruned_quick
-from kvjax.gate import GateConfig
-from kvjax.run_config import PeerConfig
+from kvjax.eval.gate import GateConfig
+from kvjax.run.config import PeerConfig
 
 
 def get_config():

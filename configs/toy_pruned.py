@@ -25,8 +25,8 @@ default run
 import dataclasses
 
 from configs import toy
-from kvjax.gate import GateConfig
-from kvjax.run_config import PeerConfig
+from kvjax.eval.gate import GateConfig
+from kvjax.run.config import PeerConfig
 
 
 def get_config():

@@ -48,8 +48,8 @@ Where the minutes go and why these sizes (the full-size config spends 35 of its 
 import dataclasses
 
 from configs import toy_pruned
-from kvjax.gate import GateConfig
-from kvjax.run_config import PeerConfig
+from kvjax.eval.gate import GateConfig
+from kvjax.run.config import PeerConfig
 
 
 def get_config():

@@ -82,8 +82,8 @@ import dataclasses
 
 from configs import toy
 from kvjax.eval.arm_settings import ArmSettings
-from kvjax.gate import GateConfig
-from kvjax.run_config import NativeKLEval, SpeculativeEval, TTFTEval
+from kvjax.eval.gate import GateConfig
+from kvjax.run.config import NativeKLEval, SpeculativeEval, TTFTEval
 
 def get_config():
     base = toy.get_config()

@@ -20,8 +20,8 @@ import dataclasses
 import os
 
 from configs import qwen32_8
-from kvjax.gate import GateConfig
-from kvjax.run_config import ModelConfig
+from kvjax.eval.gate import GateConfig
+from kvjax.run.config import ModelConfig
 
 ENV = {"source_adapter": "KVJAX_SOURCE_AUDIO", "target_adapter": "KVJAX_TARGET_AUDIO", "test": "KVJAX_AUDIO_TEST",
        "map_train": "KVJAX_AUDIO_MAP_TRAIN"}

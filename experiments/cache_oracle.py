@@ -35,7 +35,7 @@ import optax
 
 import kvjax
 from kvjax.mapper.kl import kl
-from kvjax.models.decoder import forward, forward_nocache, prefill_forward
+from kvjax.models.decoder import forward, prefill_forward
 
 
 def main() -> None:
@@ -72,12 +72,12 @@ def main() -> None:
     P, C = args.prefix, args.cont
     w = np.load(os.path.join(args.toy_dir, "eval", "heldout_windows.npy"))[-args.windows:, : P + C]
     w = jnp.asarray(w.astype(np.int32))
-    teacher = forward_nocache(sparams, scfg, w[:, :-1])[:, P - 1 :]
-    native = forward_nocache(tparams, tcfg, w[:, :-1])[:, P - 1 :]
+    teacher = forward(sparams, scfg, w[:, :-1]).logits[:, P - 1 :]
+    native = forward(tparams, tcfg, w[:, :-1]).logits[:, P - 1 :]
     print(f"native target KL {float(kl(teacher, native).mean()):.4f} nats/token ({args.windows} windows)")
-    mapped = kvjax.apply_map(kvmap, prefill_forward(sparams, scfg, w[:, : P - 1], logits=False).cache,
+    mapped = kvjax.apply_map(kvmap, prefill_forward(sparams, scfg, w[:, : P - 1], logits=None).cache,
                              capacity=P + C, length=P - 1)
-    own = prefill_forward(tparams, tcfg, w[:, : P - 1], logits=False).cache
+    own = prefill_forward(tparams, tcfg, w[:, : P - 1], logits=None).cache
     pad = ((0, 0),) * 3 + ((0, C + 1),) + ((0, 0),)
     own = own.with_stacked(jnp.pad(own.k, pad), jnp.pad(own.v, pad))
     bases = [(n, c) for key, n, c in (("mapped", "mapped cache", mapped), ("own", "target's own cache", own))
@@ -137,7 +137,7 @@ def sampled_oracle(w, source, target, bases, teacher, opt, *, prefix: int, cont:
     prefixes = jnp.repeat(w[:, :P], N, axis=0)  # [W*N, P], window-major
     sampled = kvjax.generate(sparams, scfg, prefixes, C, temperature=1.0, key=jax.random.key(seed), eos_token_ids=())
     seqs = jnp.concatenate([prefixes, sampled], axis=1)  # [W*N, P + C]
-    s_teacher = forward_nocache(sparams, scfg, seqs[:, :-1])[:, P - 1:]
+    s_teacher = forward(sparams, scfg, seqs[:, :-1]).logits[:, P - 1:]
     s_inputs = seqs[:, P - 1:-1]
     log(f"{w.shape[0]} windows x {N} sampled continuations of {C} tokens (temperature 1, seed {seed})")
 

@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from kvjax.stages.plan import MAP_DIRS
+from kvjax.run.layout import MAP_DIRS
 
 
 def parse(argv):
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
 
     import kvjax
     from kvjax.builders import Clock, NativePrefill, PartialRecompute, SourcePrefill
-    from kvjax.eval.agreement import agreement_table
+    from kvjax.eval.token_agreement import agreement_table
     from kvjax.eval.arms import Arm, score_mc_arms
     from kvjax.eval.multiple_choice import load_mc
 

@@ -52,7 +52,7 @@ from kvjax.builders.base import bucket
 from kvjax.builders import NativePrefill
 from kvjax.builders.partial import recompute_jit
 from kvjax.cache import KVCache
-from kvjax.eval.retrieval import load_retrieval
+from kvjax.eval.needle_retrieval import load_retrieval
 from kvjax.mapper.kvmap import KVMap, apply_map, ridge_only
 from kvjax.models.decoder import NEG_INF, embed, finish, head_angles, qkv, rms_norm, unembed
 
@@ -74,7 +74,7 @@ def probe_items(needle_args: list[str], tokenizer, length: int, n: int) -> list:
     from pathlib import Path
 
     from kvjax.eval.multiple_choice import encode
-    from kvjax.eval.retrieval import RetrievalItem
+    from kvjax.eval.needle_retrieval import RetrievalItem
     from launch.toy import evalsets
     fmt = evalsets.parse_args([*needle_args, "--n-retrieval", str(n)])
     docs = evalsets.heldout_docs(Path(REPO) / "checkpoints/toy/data/manifest.json", tokenizer, fmt.haystack)

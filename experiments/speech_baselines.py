@@ -8,9 +8,9 @@ the LM reading NO context ([EOS][\\n] then the text) and reading ANOTHER item's 
 adapter's validation KL between those two says how much of the words' information it carries (the wrong transcript
 keeps the register, position and length of a context, only the words are wrong). Also, with `--adapter [PATH]`
 (default: the shipped adapter of --lm), its PMI accuracy on `--items` multiple-choice items with audio and with the
-transcript (kvjax.eval.audio.correct), and with `--heard work/toy/audio/asr`, the LM reading what the pre-trained
-encoder heard (its greedy CTC transcript of each clip, launch/toy/speech_asr.py): a cascade that says how much of the
-transcript's margin the encoder's hearing leaves for any adapter on top of it.
+transcript (kvjax.eval.audio_transfer.correct), and with `--heard work/toy/audio/asr`, the LM reading what the
+pre-trained encoder heard (its greedy CTC transcript of each clip, launch/toy/speech_asr.py): a cascade that says how
+much of the transcript's margin the encoder's hearing leaves for any adapter on top of it.
 
     python -m experiments.speech_baselines --lm source --adapter work/toy/audio/out3/source --on valid
 
@@ -71,7 +71,7 @@ def main(argv=None) -> None:
         for i, r in enumerate(rows):
             t[i, :len(r)] = r
         out = prefill_jit(lm.params, lm.cfg, jnp.asarray(t), jnp.asarray([len(r) for r in rows], jnp.int32),
-                          last_only=False).logits
+                          logits="all").logits
         return jax.nn.log_softmax(jnp.take_along_axis(out, jnp.asarray(pos)[..., None], 1), -1)
 
     rng = np.random.default_rng(0)
@@ -87,7 +87,7 @@ def main(argv=None) -> None:
             pos = np.array([len(c) + 1 + np.arange(CONT) for c in read])
             kls[name].append(float(jnp.mean(jnp.sum(jnp.exp(teacher) * (teacher - logp(rows, pos)), -1))))
     if args.adapter is not None:  # the adapter's own distillation KL on the same utterances
-        from kvjax.models.audio import load_ultravox
+        from kvjax.hf.ultravox import load_ultravox
         from launch.toy.speech_train import batch, make_fns
         alm = load_ultravox(args.adapter or f"checkpoints/toy/audio/{args.lm}", jnp.float32, lm=lm)
         kl = jax.jit(make_fns(lm, alm.encoder.cfg, alm.projector.cfg))
@@ -99,7 +99,7 @@ def main(argv=None) -> None:
         print(f"{args.lm}: KL(transcript || {name}) = {np.mean(v):.4f} nats/token over {len(keep)} utterances")
 
     def mc_set():
-        from kvjax.eval import audio as A
+        from kvjax.eval import audio_transfer as A
         if args.on == "sealed":
             return A.load_spoken("checkpoints/toy/audio/test", args.items)
         import random
@@ -112,8 +112,8 @@ def main(argv=None) -> None:
 
     if args.adapter is not None:
         from kvjax.builders import NativePrefill
-        from kvjax.builders.audio import AudioPrefill
-        from kvjax.eval import audio as A
+        from kvjax.builders.audio_prefill import AudioPrefill
+        from kvjax.eval import audio_transfer as A
         from kvjax.eval.suite.audio import load_adapter
         alm = load_adapter(args.adapter or f"checkpoints/toy/audio/{args.lm}", (lm.cfg, lm.params), None)
         sealed = mc_set()
@@ -128,7 +128,7 @@ def main(argv=None) -> None:
     if args.heard:
         import dataclasses
         from kvjax.builders import NativePrefill
-        from kvjax.eval import audio as A
+        from kvjax.eval import audio_transfer as A
         from launch.toy.speech_asr import edit_distance, labels, spell, transcribe
         hear = transcribe(args.heard)
         sealed = mc_set()

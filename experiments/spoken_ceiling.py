@@ -8,7 +8,7 @@ same map on the code multiple choice cut to the same length.
 Audio transfer can carry at most what the map carries of the listening model's lead over the answerer; on the
 sealed set's transcripts that is measurable without any encoder. Reads a finished main-job run (its config.json for
 the reader and the answerer, its final map) and scores the sealed spoken set's transcripts (`eval.audio.test`, the
-`toy_audio` prompt: [open][transcript][\\n], endings by PMI, kvjax.eval.audio.correct) three ways: the reader
+`toy_audio` prompt: [open][transcript][\\n], endings by PMI, kvjax.eval.audio_transfer.correct) three ways: the reader
 reading them, the answerer reading them, and the answerer on the map of the reader's cache (the `mapped_text` arm of
 the evaluation `audio`). `--open`: the token that opens the prompt (`eos`, `newline`, or a word), to see whether the
 map's translation of the document-start token decides it. `--hellaswag N...`: the same three on the toy HellaSwag
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
 
     import kvjax
     from kvjax.builders import Mapped, NativePrefill
-    from kvjax.eval import audio as A
+    from kvjax.eval import audio_transfer as A
     from kvjax.eval.arms import make_arms, score_mc_arms
     from kvjax.eval.multiple_choice import load_mc
 

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from kvjax.generation import Sampling, generate, generate_from, pad_prompts
     from kvjax.hf import CheckpointError, load_hf, load_hf_config, load_tokenizer, save_hf
     from kvjax.models.config import ConfigError, Qwen3Config
+    from kvjax.models.family import DecoderConfig
     from kvjax.models.llama import LlamaConfig
     from kvjax.models.model import Model
     from kvjax.models.params import Params, init_params
@@ -23,18 +24,19 @@ if TYPE_CHECKING:
     from kvjax.mapper.kvmap import KVMap, apply_map
     from kvjax.fitting.residual import ResidualConfig, train_residual
     from kvjax.split import SplitResult, native_generate, split_generate
-    from kvjax.gate import GateResult, load_gate
+    from kvjax.eval.gate import GateResult, load_gate
     from kvjax.speculative import SpecResult, speculative_generate, speculative_split_generate
     from kvjax.tensorfile import SafetensorsError
-    from kvjax.models.audio import AudioLM, load_audio_encoder, load_ultravox
+    from kvjax.models.audio_lm import AudioLM
+    from kvjax.hf.ultravox import load_audio_encoder, load_ultravox
 
 __version__ = "0.1.0"
 __all__ = [
     "KVCache", "init_cache", "generate", "Sampling", "pad_prompts", "load_hf", "load_hf_config", "load_tokenizer",
-    "save_hf", "Model", "Qwen3Config", "LlamaConfig", "ConfigError", "CheckpointError", "SafetensorsError", "Params",
-    "init_params", "prefill", "decode_step", "CacheBuilder", "NativePrefill", "Mapped", "Pipelined", "PartialRecompute",
-    "generate_from", "KVMap", "fit_map", "apply_map", "save_map", "load_map", "train_residual",
-    "ResidualConfig", "split_generate", "native_generate", "SplitResult", "GateResult", "load_gate",
+    "save_hf", "Model", "DecoderConfig", "Qwen3Config", "LlamaConfig", "ConfigError", "CheckpointError",
+    "SafetensorsError", "Params", "init_params", "prefill", "decode_step", "CacheBuilder", "NativePrefill", "Mapped",
+    "Pipelined", "PartialRecompute", "generate_from", "KVMap", "fit_map", "apply_map", "save_map", "load_map",
+    "train_residual", "ResidualConfig", "split_generate", "native_generate", "SplitResult", "GateResult", "load_gate",
     "speculative_generate", "speculative_split_generate", "SpecResult",
     "load_audio_encoder", "load_ultravox", "AudioLM",
 ]

@@ -1,5 +1,5 @@
 """`kvjax.audio`: the audio front end's public names in one place (the facade of kvjax.models.whisper and
-kvjax.models.audio, where they are defined and documented).
+kvjax.models.audio_lm, where they are defined and documented).
 
   encoder = kvjax.load_audio_encoder("openai/whisper-large-v3-turbo")  # an HF Whisper directory (or hub name)
   features, frames = kvjax.audio.log_mel([waveform_16khz], encoder.cfg.num_mel_bins)  # WhisperFeatureExtractor
@@ -12,10 +12,10 @@ kvjax.models.audio, where they are defined and documented).
   logits, cache = kvjax.audio.prefill_audio(alm, ids[None], features, frames, audio_mask=mask[None])
 """
 
-from kvjax.models.audio import (AudioConfigs, AudioLM, Projector, ProjectorConfig, ProjectorParams, audio_chunks,
-                                audio_configs, audio_prompt, audio_token_count, expand_audio, init_projector,
-                                load_audio_encoder, load_ultravox, log_mel, merge_audio, prefill_audio, project_forward,
-                                prompt_embeddings, stack_frames)
+from kvjax.hf.ultravox import AudioConfigs, audio_configs, load_audio_encoder, load_ultravox
+from kvjax.models.audio_lm import (AudioLM, Projector, ProjectorConfig, ProjectorParams, audio_chunks, audio_prompt,
+                                   audio_token_count, expand_audio, init_projector, log_mel, merge_audio, prefill_audio,
+                                   project_forward, prompt_embeddings, stack_frames)
 from kvjax.models.whisper import (AudioEncoder, WhisperEncoderConfig, encode, encode_forward, encoded_length,
                                   init_encoder)
 

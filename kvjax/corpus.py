@@ -165,7 +165,7 @@ def identity(source: str) -> dict:
 
 
 def tokenizer_id(checkpoint: str) -> str:
-    """The checkpoint's tokenizer.json as kvjax.stages.markers.model_identity records it ("" when it has none)."""
+    """The checkpoint's tokenizer.json as kvjax.job.markers.model_identity records it ("" when it has none)."""
     path = os.path.join(checkpoint, "tokenizer.json")
     if not os.path.isfile(path):
         return ""

@@ -1,8 +1,8 @@
 """Multi-process runs on JAX's distributed runtime (multi-controller: one Python process per host).
 
-- `initialize` starts ``jax.distributed`` from flags (`split_launch_flags`: the main job's --distributed=...) or
-  the usual environment (``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``; with
-  ``mode="on"`` and none of them, JAX's cluster detection for SLURM, Cloud TPU, MPI, ...). It must run before
+- `initialize` starts ``jax.distributed`` from flags (kvjax.config_flags.split_launch_flags: the main job's
+  --distributed=...) or the usual environment (``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``;
+  with ``mode="on"`` and none of them, JAX's cluster detection for SLURM, Cloud TPU, MPI, ...). It must run before
   anything touches a JAX device.
 - One job, many processes (kvjax.launch): `primary_first` runs a step on process 0 before the others,
   `wait_all` waits in the coordination service (for hours if need be, while process 0 works alone), `replicate`
@@ -29,7 +29,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from kvjax.config_flags import LaunchFlags, split_launch_flags  # noqa: F401  (the main job's flags)
+from kvjax.config_flags import LaunchFlags
 from kvjax.windows import sample_starts
 
 log = logging.getLogger(__name__)
@@ -242,7 +242,7 @@ class Watchdog:
 
 # ---- the main job's command line ---------------------------------------------------------------------------------
 
-# LaunchFlags and split_launch_flags (imported above) live in kvjax.config_flags: read before JAX starts
+# LaunchFlags and split_launch_flags live in kvjax.config_flags: the command line reads them before JAX starts
 
 
 def initialize_from_flags(flags: LaunchFlags) -> bool:

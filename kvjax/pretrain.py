@@ -22,9 +22,9 @@ from tqdm import tqdm
 
 from kvjax import aot
 from kvjax import checkpointing
-from kvjax.models.config import Qwen3Config
+from kvjax.models.family import DecoderConfig
 from kvjax.models.params import Params, init_params
-from kvjax.models.decoder import forward_nocache
+from kvjax.models.decoder import forward
 from kvjax.pretrain_config import TrainConfig
 from kvjax.windows import step_batch
 
@@ -41,9 +41,9 @@ class TrainState:
 jax.tree_util.register_dataclass(TrainState, data_fields=["params", "opt_state", "step"], meta_fields=[])
 
 
-def lm_loss(params: Params, cfg: Qwen3Config, windows: jax.Array, remat: bool = False) -> jax.Array:
+def lm_loss(params: Params, cfg: DecoderConfig, windows: jax.Array, remat: bool = False) -> jax.Array:
     """Mean next-token cross-entropy (nats) of windows int [B, T+1]."""
-    logits = forward_nocache(params, cfg, windows[:, :-1], remat=remat).astype(jnp.float32)
+    logits = forward(params, cfg, windows[:, :-1], remat=remat).logits.astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:]).mean()
 
 
@@ -108,14 +108,14 @@ def batch_at(data: np.ndarray, step: int, batch_size: int, seq_len: int, seed: i
     return batch
 
 
-def init_state(cfg: Qwen3Config, tc: TrainConfig, params: Params | None = None) -> TrainState:
+def init_state(cfg: DecoderConfig, tc: TrainConfig, params: Params | None = None) -> TrainState:
     """Fresh optimizer state and step 0, on random weights or on `params` (continued training, new schedule)."""
     if params is None:
         params = init_params(cfg, jax.random.key(tc.seed), std=tc.init_std)
     return TrainState(params, make_optimizer(tc).init(params), jnp.zeros((), jnp.int32))
 
 
-def make_train_step(cfg: Qwen3Config, tc: TrainConfig):
+def make_train_step(cfg: DecoderConfig, tc: TrainConfig):
     opt = make_optimizer(tc)
 
     def step_fn(state: TrainState, windows):
@@ -127,12 +127,12 @@ def make_train_step(cfg: Qwen3Config, tc: TrainConfig):
     return aot.jit(step_fn, donate_argnums=0)
 
 
-def evaluate(params: Params, cfg: Qwen3Config, batches: list[np.ndarray]) -> float:
+def evaluate(params: Params, cfg: DecoderConfig, batches: list[np.ndarray]) -> float:
     loss = aot.jit(lm_loss, static_argnums=(1,))
     return float(np.mean([loss(params, cfg, b) for b in batches]))
 
 
-def train(cfg: Qwen3Config, tc: TrainConfig, train_tokens: np.ndarray, heldout_tokens: np.ndarray, workdir: str,
+def train(cfg: DecoderConfig, tc: TrainConfig, train_tokens: np.ndarray, heldout_tokens: np.ndarray, workdir: str,
           name: str = "model", stop_at: int | None = None, init: Params | None = None) -> Params:
     """Train (or resume training) a model in `workdir`; returns the params. `stop_at` ends this run early after that
     step (checkpointed); a later call resumes towards `tc.steps`. `init` starts from given weights instead of random

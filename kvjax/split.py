@@ -52,10 +52,11 @@ def native_generate(model: Model, prompts, max_new_tokens: int, *, temperature: 
 
 
 def _gate_failed(gate) -> str:
-    """'' if the gate passed, else why not. `gate`: a kvjax.gate.GateResult (or anything with .passed) or a bool."""
+    """'' if the gate passed, else why not. `gate`: a kvjax.eval.gate.GateResult (or anything with .passed) or a
+    bool."""
     passed = gate if isinstance(gate, (bool, np.bool_)) else getattr(gate, "passed", None)
     if passed is None:
-        raise TypeError(f"gate must be a GateResult (kvjax.gate.load_gate) or a bool, got {type(gate).__name__}")
+        raise TypeError(f"gate must be a GateResult (kvjax.eval.gate.load_gate) or a bool, got {type(gate).__name__}")
     if passed:
         return ""
     summary = getattr(gate, "summary", None)
@@ -74,7 +75,7 @@ def split_generate(source: Model, target: Model, kvmap: KVMap, prompts, max_new_
     block_until_ready (so phases do not overlap; use timings=False for the fastest path). With timings,
     `decode_repeats` > 1 re-runs the decode phase from the same cache and reports its median time.
 
-    `gate`: the map's quality gate (kvjax.gate.GateResult, e.g. kvjax.load_gate("runs/toy/gate.json"), or a bool).
+    `gate`: the map's quality gate (kvjax.eval.gate.GateResult, e.g. kvjax.load_gate("runs/toy/gate.json"), or a bool).
     With a gate the result is a SplitResult (tokens, phases, path, reason); when the gate failed, the map is not
     used: the target prefills the prompt itself (native_generate), a warning is logged, and path is
     "native_target".

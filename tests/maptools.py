@@ -16,7 +16,7 @@ RESIDUAL_ATOL = 1e-4  # residual weights after 20 Adam steps at lr 1e-2
 def native_cache(params, cfg, tokens, lengths=None):
     """A model's own cache of tokens [B, T] (capacity T; traceable): the prefill program without logits."""
     from kvjax.models.decoder import prefill_forward
-    return prefill_forward(params, cfg, tokens, lengths, logits=False).cache
+    return prefill_forward(params, cfg, tokens, lengths, logits=None).cache
 
 
 def tiny_model(layers, hidden, heads, kv_heads, head_dim, seed, theta):

@@ -13,7 +13,7 @@ CFG = kvjax.Qwen3Config(vocab_size=8192, hidden_size=64, intermediate_size=128, 
 def test_arm_table():
     from kvjax import config_flags
     from kvjax.eval import arms
-    from kvjax.run_config import RunConfig
+    from kvjax.run.config import RunConfig
     assert [a.name for a in arms.TABLE] == ["target", "direct", "perhead", "bridge", "ridge", "residual", "partial",
                                             "tail", "partial_tail", "source"]
     assert len({a.colour for a in arms.TABLE}) == len(arms.TABLE)

@@ -16,8 +16,8 @@ import transformers
 from safetensors.numpy import load_file, save_file
 
 import kvjax
-from kvjax.models.audio import (ProjectorConfig, ProjectorParams, audio_chunks, audio_token_count, expand_audio,
-                                log_mel, project_forward, prompt_embeddings, stack_frames)
+from kvjax.models.audio_lm import (ProjectorConfig, ProjectorParams, audio_chunks, audio_token_count, expand_audio,
+                                   log_mel, project_forward, prompt_embeddings, stack_frames)
 from kvjax.models.decoder import embed, prefill_forward, prefill_jit
 from kvjax.models.whisper import encode, encoded_length
 
@@ -350,7 +350,7 @@ def test_a_text_only_prompt_is_exactly_the_plain_prefill(ultravox):
     _equal_trees(cache, plain.cache)
     # the decoder's embeddings hook, fed the tokens' own embeddings, is the same program's numbers
     hooked = jax.jit(prefill_forward, static_argnames=("cfg", "capacity"))(
-        alm.lm.params, alm.lm.cfg, None, lengths, capacity=12, embeds=embed(alm.lm.params, tokens))
+        alm.lm.params, alm.lm.cfg, embed(alm.lm.params, tokens), lengths, capacity=12)
     np.testing.assert_array_equal(np.asarray(hooked.logits), np.asarray(plain.logits))
     _equal_trees(hooked.cache, plain.cache)
 

@@ -12,11 +12,11 @@ import pytest
 
 import kvjax
 from kvjax.builders import Mapped
-from kvjax.builders.audio import AudioPrefill
+from kvjax.builders.audio_prefill import AudioPrefill
 from kvjax.generation import generate_from
 from kvjax.mapper.kvmap import apply_map
-from kvjax.models.audio import (AudioLM, ProjectorConfig, audio_token_count, init_projector, load_ultravox,
-                                prefill_audio, save_ultravox)
+from kvjax.models.audio_lm import AudioLM, ProjectorConfig, audio_token_count, init_projector, prefill_audio
+from kvjax.hf.ultravox import load_ultravox, save_ultravox
 from kvjax.models.decoder import prefill_jit
 from kvjax.models.model import Model
 from kvjax.models.whisper import WhisperEncoderConfig, init_encoder
@@ -74,7 +74,7 @@ def test_audio_prefill_is_the_audio_language_prefill_and_reads_text_alone(setup)
     b.set_audio(*clips(3, seed=1))
     assert b(tokens, lengths, capacity=64) is not got  # other clips: listens again
     text = np.asarray([[OPEN, 7, 8, 9, 10]], np.int32)  # no placeholder: the plain prefill (to float32 rounding)
-    plain = prefill_jit(source[1], source[0], jnp.asarray(text), jnp.asarray([5]), capacity=64, logits=False).cache
+    plain = prefill_jit(source[1], source[0], jnp.asarray(text), jnp.asarray([5]), capacity=64, logits=None).cache
     np.testing.assert_allclose(np.asarray(b.set_audio(None, None)(text, capacity=64).k), np.asarray(plain.k),
                                atol=1e-6)
 
@@ -107,8 +107,8 @@ def test_mapped_audio_cache_reaches_a_text_only_answerer_through_the_unchanged_b
     tcfg, tparams = target
     seq = [int(tokens[0, lengths[0] - 1])]
     for _ in range(4):
-        logits, cache = kvjax.models.decoder.forward(tparams, tcfg, jnp.asarray([[seq[-1]]]), cache)
-        seq.append(int(jnp.argmax(logits[0, -1])))
+        logits, cache = kvjax.models.decoder.decode(tparams, tcfg, jnp.asarray([seq[-1]]), cache)
+        seq.append(int(jnp.argmax(logits[0])))
     assert out[0].tolist() == seq[1:]
 
 
@@ -150,12 +150,12 @@ def test_transcript_teacher_is_the_source_reading_and_the_map_learns_it_judged_b
     assert [t.shape for t in teacher] == [(4, 5, VOCAB)] * 3
     cfg, params = source  # by hand: row 5 alone, its logits predicting each text token
     row = np.asarray([said[5] + list(texts[5])], np.int32)
-    full = prefill_jit(params, cfg, jnp.asarray(row), jnp.asarray([row.shape[1]]), last_only=False).logits[0]
+    full = prefill_jit(params, cfg, jnp.asarray(row), jnp.asarray([row.shape[1]]), logits="all").logits[0]
     np.testing.assert_allclose(teacher[1][1], np.asarray(full[len(said[5]) - 1:-1]), atol=1e-4)
     pool = audio_pool(alm, rows, lengths, texts, f, fr, batch_size=4)
     # the true-text NLL, by hand for the first batch: the answerer reads [last prompt token][text] after the cache
     mapped = apply_map(kvmap, pool.caches[0], capacity=pool.caches[0].capacity)
-    logits, _ = kvjax.models.decoder.forward(target[1], target[0], jnp.asarray(pool.text[0][:, :-1]), mapped)
+    logits = kvjax.models.decoder.forward(target[1], target[0], jnp.asarray(pool.text[0][:, :-1]), mapped).logits
     logp = jax.nn.log_softmax(logits, -1)
     nll0 = -float(jnp.take_along_axis(logp, jnp.asarray(pool.text[0][:, 1:, None]), -1).mean())
     one = pool._replace(caches=pool.caches[:1], teacher=pool.teacher[:1], text=pool.text[:1])
@@ -221,7 +221,7 @@ def record(acc_by_arm, n=200, seed=0):
 def test_metrics_report_and_gate_state_the_seeds_claims():
     from kvjax.eval.suite import audio
     from kvjax.eval.suite.evaluation import MetricsContext, ReportContext
-    from kvjax.gate import GateConfig
+    from kvjax.eval.gate import GateConfig
     ev = record({"target_audio": 0.3, "mapped_audio": 0.5, "source_audio": 0.6, "text_map_audio": 0.4,
                  "source_text": 0.7, "target_text": 0.45, "mapped_text": 0.6})
     m = audio.metrics(ev, MetricsContext(n_boot=2000, final="residual"))
@@ -260,7 +260,7 @@ def test_metrics_report_and_gate_state_the_seeds_claims():
 
 
 def test_sign_flip_p_value():
-    from kvjax.eval.audio import sign_flip_p
+    from kvjax.eval.audio_transfer import sign_flip_p
     assert sign_flip_p(np.zeros(50)) == 1.0
     assert sign_flip_p(np.ones(30)) < 1e-3
     d = np.random.default_rng(0).choice([-1.0, 0.0, 1.0], 400)
@@ -272,7 +272,7 @@ TOY = "checkpoints/toy/audio"
 
 @pytest.mark.skipif(not os.path.isfile(f"{TOY}/source/config.json"), reason="the toy audio adapters are not built")
 def test_the_shipped_toy_adapters_and_sealed_set_load_and_listen():
-    from kvjax.eval import audio as A
+    from kvjax.eval import audio_transfer as A
     from kvjax.eval.suite.audio import AudioEval, load_adapter
     ec = AudioEval()
     meta = json.load(open(f"{TOY}/test/meta.json"))

@@ -13,7 +13,7 @@ from kvjax.fitting.bridge import attention_mass, fit_bridge, mass_weights, match
 from kvjax.kernels.features import layer_features, paired_features
 from kvjax.mapper.kvmap import apply_map
 from kvjax.mapper.ridge import Stats, chunk_stats, solve, to_stats
-from kvjax.models.decoder import embed, finish, head_angles, prefill_forward, qkv
+from kvjax.models.decoder import Stack, forward, prefill_forward
 from maptools import native_cache, tiny_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -105,21 +105,15 @@ def test_weighted_chunks_merge_and_solve_as_weighted_least_squares():
 # ---- attention-mass weights ----------------------------------------------------------------------------------------
 
 def explicit_probs(params, cfg, tokens):
-    """[L, B, Hq, T, T] causal attention probabilities of the model's own prefill, computed head by head."""
+    """[L, B, Hq, T, T] causal attention probabilities of the model's own prefill, computed head by head from each
+    layer's queries and keys."""
     t = tokens.shape[1]
-    cos, sin = head_angles(cfg, jnp.arange(t))
-    x = embed(params, tokens)
-    out = []
-    from kvjax.models.decoder import causal_attention
-    for lp in params.layers:
-        q, k, v = qkv(lp, cfg, x, cos, sin)
-        g = q.shape[2] // k.shape[2]
-        kk = jnp.repeat(k, g, axis=2)  # query head i reads KV head i // g
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, kk) / np.sqrt(q.shape[-1])
-        s = jnp.where(np.tril(np.ones((t, t), bool)), s, -jnp.inf)
-        out.append(jax.nn.softmax(s, -1))
-        x = finish(lp, cfg, x, causal_attention(q, k, v))
-    return np.asarray(jnp.stack(out), np.float64)
+    qs, ks = forward(params, cfg, tokens, logits=None, tap=Stack(lambda s: (s.q, s.k))).tapped
+    g = qs.shape[3] // ks.shape[3]
+    kk = jnp.repeat(ks, g, axis=3)  # query head i reads KV head i // g
+    s = jnp.einsum("lbqhd,lbkhd->lbhqk", qs, kk) / np.sqrt(qs.shape[-1])
+    s = jnp.where(np.tril(np.ones((t, t), bool)), s, -jnp.inf)
+    return np.asarray(jax.nn.softmax(s, -1), np.float64)
 
 
 def test_attention_mass_is_the_mean_probability_from_later_queries(pair):
@@ -187,8 +181,8 @@ def weighted_ridge_prediction(source, target, calib, test, lam, pairing, clip):
     (scfg, sparams), (tcfg, tparams) = source, target
 
     def features(tokens):
-        src = prefill_forward(sparams, scfg, jnp.asarray(tokens), logits=False).cache
-        tgt = prefill_forward(tparams, tcfg, jnp.asarray(tokens), logits=False).cache
+        src = prefill_forward(sparams, scfg, jnp.asarray(tokens), logits=None).cache
+        tgt = prefill_forward(tparams, tcfg, jnp.asarray(tokens), logits=None).cache
         return src, tgt
 
     src, tgt = features(calib)
@@ -291,12 +285,14 @@ SMALL = ["--config.data.max_train_tokens=6000", "--config.data.max_heldout_token
 
 
 def test_bridge_is_a_stage_a_map_directory_and_an_arm(tmp_path, monkeypatch):
-    from kvjax import launch
+    from kvjax.job import command as launch
+    from kvjax.job.stages import plan
+    from kvjax.job.execute import Job
     from kvjax.builders import Mapped
     from kvjax.eval.arms import make_arms
     from kvjax.mapper.artifact import read_manifest
-    from kvjax.stages.plan import MAP_DIRS, fitted_maps
-    from kvjax.stages.report import map_size_bytes
+    from kvjax.run.layout import MAP_DIRS, fitted_maps
+    from kvjax.job.reporting import map_size_bytes
     monkeypatch.chdir(REPO)
     src_path, tgt_path = saved_pair(str(tmp_path / "pair"))
     out = str(tmp_path / "run")
@@ -304,14 +300,14 @@ def test_bridge_is_a_stage_a_map_directory_and_an_arm(tmp_path, monkeypatch):
             *SMALL, "--config.peers.perhead_topk=1"]
     off, _, _ = launch.parse(base)
     cfg, _, _ = launch.parse(base + ["--config.peers.bridge_topk=2", "--config.eval.mc.arms=target,bridge,ridge"])
-    plan_off, plan_on = launch.plan(off), launch.plan(cfg)
+    plan_off, plan_on = plan(off), plan(cfg)
     assert "bridge" not in plan_off and list(plan_on)[:4] == ["calibrate", "ridge", "perhead", "bridge"]
     assert fitted_maps(cfg) == ("perhead", "bridge", "ridge")
     assert plan_on["perhead"].hash == plan_off["perhead"].hash  # the bridge's fields are not the peer's hash
     assert plan_on["mc"].settings["arms"] == ["target", "bridge", "ridge"]
-    assert "bridge" not in launch.plan(launch.parse(base + ["--config.eval.mc.arms=target,bridge"])[0])["mc"].settings[
+    assert "bridge" not in plan(launch.parse(base + ["--config.eval.mc.arms=target,bridge"])[0])["mc"].settings[
         "arms"]  # a run without the bridge map leaves its arm out
-    job = launch.Job(cfg)
+    job = Job(cfg)
     job.check()
     os.makedirs(out)
     with jax.set_mesh(job.mesh()):

@@ -242,15 +242,18 @@ def test_copy_windows_beside_streaming_text_windows_from_a_warm_start(pair, ridg
 
 
 def test_the_default_config_trains_copies_and_gates_on_retrieval_and_preflight_errors():
-    from kvjax import config_flags, launch, preflight
-    from kvjax.run_config import RunConfig
-    cfg = config_flags.build(launch.DEFAULT_CONFIG, [], RunConfig)
+    from kvjax import config_flags
+    from kvjax.job.stages import plan
+    from kvjax.run.config import DEFAULT_CONFIG
+    from kvjax.run import preflight
+    from kvjax.run.config import RunConfig
+    cfg = config_flags.build(DEFAULT_CONFIG, [], RunConfig)
     rc = cfg.residual
     assert rc.copy_windows > 0 and rc.pool_windows > 0 and cfg.gate.min_retrieval == 0.5
     assert "residual" in cfg.eval.retrieval.arms and cfg.eval.retrieval.limit >= 50
     # the copy settings enter the residual stage's hash; a run without them keeps its old one
     off = dataclasses.replace(rc, copy_windows=0)
-    assert launch.plan(cfg)["residual"].hash != launch.plan(dataclasses.replace(cfg, residual=off))["residual"].hash
+    assert plan(cfg)["residual"].hash != plan(dataclasses.replace(cfg, residual=off))["residual"].hash
     assert "copy_windows" not in off.hashed() and rc.hashed()["copy_windows"] == 256
     preflight.validate(cfg)
 
@@ -285,7 +288,7 @@ def test_the_default_config_trains_copies_and_gates_on_retrieval_and_preflight_e
 
 def test_gate_min_retrieval_checks_the_maps_worst_length():
     from kvjax.eval.suite import evaluate_gate
-    from kvjax.gate import GateConfig
+    from kvjax.eval.gate import GateConfig
     rt = {"1024": {"target": 0.0, "source": 0.97, "residual": 0.62, "items": 100},
           "2048": {"target": 0.0, "source": 0.5, "residual": 0.41, "items": 100}}
     passed = evaluate_gate({"retrieval": rt}, GateConfig(min_retrieval=0.4), "residual")

@@ -245,8 +245,8 @@ def test_bad_dataset_sources_name_the_fix(copies, tmp_path):
 
 def test_the_calibrate_hash_covers_the_dataset_and_old_runs_keep_theirs(copies, tmp_path):
     from kvjax import config_flags
-    from kvjax.run_config import RunConfig
-    from kvjax.stages.plan import plan
+    from kvjax.run.config import RunConfig
+    from kvjax.job.stages import plan
     texts, where = copies
     models = [("source.path", "checkpoints/toy/source"), ("target.path", "checkpoints/toy/pruned")]
 

@@ -48,8 +48,8 @@ def test_train_forward_equals_decode_forward(pair):
     (cfg, params), dcfg, dp = pair
     tokens = jax.random.randint(jax.random.key(2), (2, 40), 0, VOCAB)
     feats = jax.jit(dm.target_features, static_argnums=(1, 3))(params, cfg, tokens, dcfg.feature_layers)
-    ref = jax.jit(lambda p, t: kvjax.models.decoder.forward_features(
-        p, cfg, t, kvjax.init_cache(cfg, 2, 128), dcfg.feature_layers, fresh=True)[2])(params, tokens)
+    ref = jax.jit(lambda p, t: kvjax.models.decoder.forward(
+        p, cfg, t, kvjax.init_cache(cfg, 2, 128), fresh=True, features=dcfg.feature_layers).features)(params, tokens)
     np.testing.assert_allclose(feats, ref, atol=1e-5)
     anchors, sizes = jnp.array([[10, 20], [15, 30]]), jnp.array([[16, 4], [4, 16]])
     head = dm.draft_head(params, None)

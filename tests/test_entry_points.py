@@ -7,7 +7,9 @@ import os
 import numpy as np
 import pytest
 
-from kvjax import launch
+from kvjax.job import command as launch
+
+from kvjax.job.stages import plan
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = os.path.join(REPO, "checkpoints", "toy")
@@ -22,7 +24,7 @@ def test_fit_config_with_distributed_flags(tmp_path):
             "--config.map.window_len=64", "--config.data.heldout_window_len=64", "--config.map.select_windows=4",
             "--config.residual.steps=7", "--config.residual.seed=5", "--config.seed=5", "--config.mesh.data=2",
             "--config.mesh.model=1", "--distributed=off", "--step_timeout=600"]
-    from kvjax.distributed import split_launch_flags
+    from kvjax.config_flags import split_launch_flags
     flags, rest = split_launch_flags(argv)
     assert flags.distributed == "off" and flags.step_timeout == 600.0
     cfg, redo, _ = launch.parse(rest)
@@ -31,7 +33,7 @@ def test_fit_config_with_distributed_flags(tmp_path):
     assert (cfg.map.pairing, cfg.map.window_len, cfg.map.select_windows) == ("top3", 64, 4)
     assert (cfg.residual.steps, cfg.residual.seed, cfg.seed) == (7, 5, 5)
     assert (cfg.mesh.data, cfg.mesh.model) == (2, 1)
-    assert list(launch.plan(cfg)) == ["calibrate", "ridge", "residual", "report"]  # the map only
+    assert list(plan(cfg)) == ["calibrate", "ridge", "residual", "report"]  # the map only
 
 
 def test_toy_config_with_evaluations_selected_by_flags():
@@ -44,14 +46,15 @@ def test_toy_config_with_evaluations_selected_by_flags():
     assert cfg.map.pairing == "top3" and cfg.residual.lr == 3e-3 and cfg.residual.rollout
     assert cfg.eval.mc.enabled and cfg.eval.mc.limit == 50 and not cfg.eval.throughput.enabled
     assert (cfg.eval.distances.windows, cfg.eval.kl.windows) == (32, 128)  # held-out rows 0:32 and 32:160
-    assert "throughput" not in launch.plan(cfg) and {"mc", "kl", "distances"} <= set(launch.plan(cfg))
-    from kvjax.preflight import LaunchError
+    assert "throughput" not in plan(cfg) and {"mc", "kl", "distances"} <= set(plan(cfg))
+    from kvjax.run.preflight import LaunchError
     with pytest.raises(LaunchError, match="map.pairing='best'"):
         launch.parse(["--config=toy", "--config.map.pairing=best"])
 
 
 def test_distributed_flags_are_checked_before_anything_runs(tmp_path, capsys, monkeypatch):
-    from kvjax.distributed import ENV_ADDRESS, ENV_ID, ENV_NUM, split_launch_flags
+    from kvjax.distributed import ENV_ADDRESS, ENV_ID, ENV_NUM
+    from kvjax.config_flags import split_launch_flags
     for name in (ENV_ADDRESS, ENV_NUM, ENV_ID):
         monkeypatch.delenv(name, raising=False)
     flags, rest = split_launch_flags(["--config=toy", "--num-processes=4", "--process_id=1", "--redo=report",

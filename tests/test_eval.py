@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.eval import likelihood, multiple_choice, retrieval
+from kvjax.eval import likelihood, multiple_choice, needle_retrieval as retrieval
 from kvjax.eval.stats import bootstrap_ci, paired_bootstrap_ci
-from kvjax.models.decoder import forward_nocache
+from kvjax.models.decoder import forward
 
 REPO = Path(__file__).resolve().parents[1]
 EVAL = REPO / "checkpoints/toy/eval"
@@ -34,7 +34,7 @@ def tok():
     return Tokenizer.from_file(str(TOKENIZER))
 
 
-_forward_nocache = jax.jit(forward_nocache, static_argnums=1)
+_forward = jax.jit(lambda params, tokens: forward(params, CFG, tokens).logits)
 
 
 def reference_logprob(params, context, continuation) -> float:
@@ -42,7 +42,7 @@ def reference_logprob(params, context, continuation) -> float:
     128 tokens, which causal attention ignores: one compile for every test)."""
     seq = np.zeros((1, 128), np.int32)
     seq[0, : len(context) + len(continuation)] = context + continuation
-    logp = np.asarray(jax.nn.log_softmax(_forward_nocache(params, CFG, seq)[0], -1))
+    logp = np.asarray(jax.nn.log_softmax(_forward(params, seq)[0], -1))
     return float(sum(logp[len(context) - 1 + j, t] for j, t in enumerate(continuation)))
 
 
@@ -76,7 +76,7 @@ def test_paired_bootstrap_uses_the_same_items():
 
 # ---- likelihood --------------------------------------------------------------------------------------------------
 
-def test_continuation_logprobs_match_forward_nocache(params):
+def test_continuation_logprobs_match_the_no_cache_forward(params):
     rng = np.random.default_rng(0)
     contexts = [rng.integers(1, CFG.vocab_size, n).tolist() for n in (37, 5, 70)]
     conts = [rng.integers(1, CFG.vocab_size, n).tolist() for n in (5, 9, 1)]
@@ -301,12 +301,12 @@ def test_reading_gap_splits_the_kl(params):
     windows = np.random.default_rng(0).integers(1, 8192, (3, 40))
     m = reading_gap(source, target, windows, prefix=32, short=4, batch_size=2)
     assert all(v.shape == (3,) for v in m.values())
-    # the full view is plain forward_nocache over the whole window
+    # the full view is one no-cache forward over the whole window
     tok = jax.numpy.asarray(windows, jax.numpy.int32)
-    s_full = forward_nocache(source[1], other_cfg, tok[:, :-1])[:, 31:]
-    t_full = forward_nocache(params, CFG, tok[:, :-1])[:, 31:]
+    s_full = forward(source[1], other_cfg, tok[:, :-1]).logits[:, 31:]
+    t_full = forward(params, CFG, tok[:, :-1]).logits[:, 31:]
     np.testing.assert_allclose(m["kl_full"], np.asarray(kl(s_full, t_full).mean(-1)), rtol=1e-4, atol=1e-6)
-    t_short = forward_nocache(params, CFG, tok[:, 28:-1])[:, 3:]  # the first continuation prediction sees 4 tokens
+    t_short = forward(params, CFG, tok[:, 28:-1]).logits[:, 3:]  # the first continuation prediction sees 4 tokens
     np.testing.assert_allclose(m["target_reading"], np.asarray(kl(t_full, t_short).mean(-1)), rtol=1e-4, atol=1e-6)
     lp = jax.nn.log_softmax(t_full, -1)
     ce = -np.take_along_axis(np.asarray(lp), windows[:, 32:, None], -1)[..., 0].mean(-1)
@@ -340,7 +340,7 @@ def test_reading_gap_splits_the_kl(params):
 def test_run_config_eval_is_the_registry():
     from kvjax import config_flags
     from kvjax.eval import suite
-    from kvjax.run_config import EvalConfig, RunConfig
+    from kvjax.run.config import EvalConfig, RunConfig
     fields = [f.name for f in __import__("dataclasses").fields(EvalConfig)]
     assert fields == [*suite.NAMES, "bootstrap"]
     for e in suite.EVALUATIONS:  # every evaluation's settings: defaults as its dataclass, overridable by name
@@ -368,7 +368,7 @@ def test_evaluation_modules_import_no_jax():
                 assert mod.split(".")[0] not in ("jax", "flax", "optax", "orbax"), f"{name} imports {mod}"
                 if mod.startswith("kvjax.") and (REPO / (mod.replace(".", "/") + ".py")).is_file():
                     todo.append(mod)
-    assert "kvjax.eval.suite.kl" in seen and "kvjax.gate" in seen
+    assert "kvjax.eval.suite.kl" in seen and "kvjax.eval.gate" in seen
 
 
 def test_adding_an_evaluation_is_one_module_and_one_registry_line(monkeypatch, tmp_path):
@@ -376,11 +376,11 @@ def test_adding_an_evaluation_is_one_module_and_one_registry_line(monkeypatch, t
     Evaluation record alone."""
     import dataclasses
 
-    from kvjax import launch
+    from kvjax.job.stages import plan
     from kvjax.config_flags import build
     from kvjax.eval import suite
-    from kvjax.gate import GateConfig, check
-    from kvjax.run_config import RunConfig
+    from kvjax.eval.gate import GateConfig, check
+    from kvjax.run.config import RunConfig
 
     @dataclasses.dataclass(frozen=True)
     class EchoEval:
@@ -406,9 +406,9 @@ def test_adding_an_evaluation_is_one_module_and_one_registry_line(monkeypatch, t
                                            for f in dataclasses.fields(base.eval)})
     cfg = dataclasses.replace(base, eval=eval_cfg)
     assert eval_cfg.echo == EchoEval()
-    stage = launch.plan(cfg)["echo"]
+    stage = plan(cfg)["echo"]
     assert stage.settings == {"echo": {"enabled": True, "scale": 2.0}, "final": "residual", "seed": 0}
-    assert "echo" in [s.name for s in launch.plan(cfg)["report"].upstream]
+    assert "echo" in [s.name for s in plan(cfg)["report"].upstream]
     assert suite.preflight(dataclasses.replace(cfg, eval=dataclasses.replace(eval_cfg, echo=EchoEval(scale=0.0)))) \
         == ["eval.echo.scale must be > 0"]
     ctx = suite.EvalContext(cfg, source=None, target=None, map=None, fitted=("ridge", "residual"), heldout=None,
@@ -546,7 +546,7 @@ def test_throughput_reserves_both_devices_and_gates_end_to_end_latency():
     """Reserved accelerator seconds count every device a path holds for the whole request (the split path: two), and
     the gate's latency check is the worst prefix length's split-path / source latency."""
     from kvjax.eval.suite import MetricsContext, throughput
-    from kvjax.gate import GateConfig
+    from kvjax.eval.gate import GateConfig
 
     def row(mapped_latency):
         return {"decode_tps": {"target": 100.0, "source": 50.0, "mapped": 99.0},

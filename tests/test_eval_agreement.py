@@ -15,7 +15,7 @@ from kvjax.eval.arms import ARMS
 from kvjax.eval.suite import agreement, mc
 from kvjax.eval.suite.kl import KLEval
 from kvjax.eval.suite.evaluation import EvalContext, MetricsContext, ReportContext
-from kvjax.gate import GateConfig
+from kvjax.eval.gate import GateConfig
 
 PREFIX, CONT, WINDOWS = 12, 8, 6
 RUN_INFO = {"config": "t", "source": {"name": "S", "params_m": 1.0, "layers": 2, "path": "s", "dtype": "f"},
@@ -73,7 +73,7 @@ def test_registered_after_kl_and_gate_hash_unchanged():
     # in the default job: on, no problems, and it reads no more held-out data than the job read before
     import dataclasses
     from kvjax import config_flags
-    from kvjax.run_config import RunConfig
+    from kvjax.run.config import RunConfig
     cfg = config_flags.build("toy", [], RunConfig)
     assert cfg.eval.agreement.enabled and agreement.preflight(cfg.eval.agreement, cfg) == []
     off = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, agreement=agreement.AgreementEval(False)))
@@ -107,7 +107,7 @@ def test_two_models_match_next_token_agreement_and_skip_an_unbuildable_direct_ar
     its own prefill agrees with its native decode; a direct arm whose map cannot be made is skipped, every ratio to
     it unmeasured (and the gate says so)."""
     from kvjax.builders import Mapped
-    from kvjax.eval.agreement import next_token_agreement
+    from kvjax.eval.token_agreement import next_token_agreement
     from kvjax.mapper.injection import injection_map
     source, target = tiny(1, layers=4), tiny(2)
     direct = injection_map(source[0], target[0])

@@ -11,7 +11,7 @@ from maptools import tiny_pair, VOCAB
 from kvjax.config_flags import build
 from kvjax.eval.suite import rank_sweep as ev
 from kvjax.eval.suite.evaluation import EvalContext, MetricsContext, ReportContext
-from kvjax.run_config import RunConfig
+from kvjax.run.config import RunConfig
 
 # the tiny pair's features: source 2 KV heads x 16 = 32, target 1 x 16 = 16, so full rank is 16
 TEN = (1, 2, 3, 4, 6, 8, 10, 12, 14, None)
@@ -78,7 +78,7 @@ def test_full_rank_is_the_runs_ridge_and_train_loss_falls_with_rank(pair, fitted
     assert [ridge_params(f.kvmap) for f in fits[:2]] == [4 * (32 + 32 * k + k * 16 + 16) for k in (1, 2)]
     # padding to full width changes no output
     tokens = jnp.asarray(windows(2, 16, 5))
-    cache = prefill_forward(sparams, scfg, tokens, logits=False).cache
+    cache = prefill_forward(sparams, scfg, tokens, logits=None).cache
     a, b = apply_map(fits[2].kvmap, cache), apply_map(padded(fits[2].kvmap, 16), cache)
     for x, y in zip((*a.keys, *a.values), (*b.keys, *b.values)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5)
@@ -166,7 +166,7 @@ def test_metrics_and_picks_of_a_hand_made_record():
 
 def test_registered_off_by_default_after_distances(tmp_path):
     from kvjax.eval import suite
-    from kvjax.stages.plan import plan
+    from kvjax.job.stages import plan
     names = list(suite.NAMES)
     assert names.index("rank_sweep") == names.index("distances") + 1 and suite.BY_NAME["rank_sweep"].section == 32
     cfg = build("toy", [("output_dir", str(tmp_path))], RunConfig)

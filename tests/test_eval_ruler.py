@@ -223,7 +223,7 @@ def test_metrics_of_a_hand_made_record():
 
 def test_report_summary_gate_and_chart(tmp_path):
     from kvjax.eval.suite.evaluation import ChartContext, ReportContext
-    from kvjax.gate import GateConfig
+    from kvjax.eval.gate import GateConfig
     m = ruler.metrics(record(), None)
     ctx = ReportContext({}, {"ruler": "ruler.png"}, "residual", "src", "tgt")
     text = "\n".join(ruler.report(m, ctx))
@@ -275,7 +275,7 @@ def test_run_scores_the_items_it_builds_per_task_and_arm(hf_checkpoints):
     import jax
     from kvjax.eval.arm_settings import ArmSettings
     from kvjax.eval.suite.evaluation import EvalContext
-    from kvjax.models.decoder import forward_nocache
+    from kvjax.models.decoder import forward
     source = kvjax.load_hf(hf_checkpoints["gqa2_untied_odd"][0])
     target = kvjax.load_hf(hf_checkpoints["gqa1_tied"][0])
     heldout = np.random.RandomState(0).randint(3, 130, (20, 50))
@@ -293,7 +293,7 @@ def test_run_scores_the_items_it_builds_per_task_and_arm(hf_checkpoints):
             assert s["unseen"] == (task == "niah_single_secret")
             for arm, model in (("target", target), ("source", source)):
                 ids = np.asarray([it.prompt_ids + it.answer_ids for it in items], np.int32)
-                logp = np.asarray(jax.nn.log_softmax(forward_nocache(model[1], model[0], ids).astype(np.float32)))
+                logp = np.asarray(jax.nn.log_softmax(forward(model[1], model[0], ids).logits.astype(np.float32)))
                 start = int(length)
                 want = [sum(float(logp[i, j - 1, ids[i, j]]) for j in range(start, ids.shape[1]))
                         for i in range(len(items))]

@@ -87,7 +87,7 @@ def test_the_command_lines_check_functions_import_no_jax(tmp_path):
     """The checks themselves, called as the commands call them, in a fresh interpreter: the error is raised with JAX
     never imported, and a good config passes them likewise."""
     result = in_fresh_python(
-        "from kvjax import launch\nfrom kvjax.serve import cli\nresult = {}\n"
+        "from kvjax.job import command as launch\nfrom kvjax.serve import cli\nresult = {}\n"
         "for name, argv in [('flag', ['--bogus']), ('field', ['--config.nope=1']),\n"
         "                   ('ckpt', ['--config.target.path=/nonexistent/t'])]:\n"
         "    for who, fn in [('launch', launch.read), ('serve', cli.parse)]:\n"
@@ -111,7 +111,7 @@ def test_the_command_lines_check_functions_import_no_jax(tmp_path):
 def test_every_shipped_config_loads_without_jax():
     result = in_fresh_python(
         "import os\nos.environ.setdefault('KVJAX_SOURCE', ''); os.environ.setdefault('KVJAX_TARGET', '')\n"
-        "from kvjax import config_flags\nfrom kvjax.run_config import RunConfig\n"
+        "from kvjax import config_flags\nfrom kvjax.run.config import RunConfig\n"
         "result = {'names': [config_flags.build(n, [], RunConfig).name for n in config_flags.available_configs()]}\n")
     assert result["heavy"] == [] and "toy" in result["names"]
 
@@ -134,7 +134,7 @@ def test_the_packages_load_their_names_on_first_use():
 # ---- the header checks ----------------------------------------------------------------------------------------------
 
 def test_checkpoint_header_problems(tmp_path):
-    from kvjax.preflight import checkpoint_problems
+    from kvjax.run.preflight import checkpoint_problems
     assert checkpoint_problems(os.path.join(TOY, "source")) == []
     assert "does not exist" in checkpoint_problems(str(tmp_path / "nope"))[0]
     ck = tmp_path / "ck"
@@ -162,7 +162,7 @@ def test_known_model_types_are_the_registered_families():
     """The header check reads the families' model_types from their source (importing them imports JAX); it must
     name exactly what the registry holds."""
     from kvjax.models import family
-    from kvjax.preflight import known_model_types
+    from kvjax.run.preflight import known_model_types
     assert sorted(known_model_types()) == sorted(family._BY_MODEL_TYPE)
 
 
@@ -171,7 +171,7 @@ def test_a_checkpoint_the_loader_refuses_is_refused_by_the_header_check_too(tmp_
     rule of its own."""
     from kvjax.hf import CheckpointError, load_hf_config
     from kvjax.models.config import ConfigError
-    from kvjax.preflight import checkpoint_problems
+    from kvjax.run.preflight import checkpoint_problems
     for header in ({"model_type": "gpt2"}, None):
         ck = tmp_path / f"ck_{header is None}"
         ck.mkdir()
@@ -187,9 +187,10 @@ def test_a_checkpoint_the_loader_refuses_is_refused_by_the_header_check_too(tmp_
 def test_map_directories_come_from_one_table(tmp_path):
     from kvjax import config_flags
     from kvjax.mapper.artifact import MANIFEST
-    from kvjax.run_config import RunConfig
+    from kvjax.run.config import RunConfig
     from kvjax.serve import cli
-    from kvjax.stages.plan import MAP_DIRS, final_arm, plan
+    from kvjax.run.layout import MAP_DIRS, final_arm
+    from kvjax.job.stages import plan
     assert cli.MANIFEST == MANIFEST
     cfg = config_flags.build("toy", [("output_dir", str(tmp_path)), ("peers.perhead_topk", "2"),
                                      ("peers.bridge_topk", "1")], RunConfig)
@@ -202,11 +203,11 @@ def test_map_directories_come_from_one_table(tmp_path):
 def test_stage_hashes_are_those_of_earlier_runs(monkeypatch):
     """A rerun reuses the stages an earlier version of kvjax finished: the hashes of the toy config's map stages
     (with a fixed checkpoint identity) are the ones they have been since before the job was split into
-    kvjax.stages. If you change what a stage depends on on purpose, every earlier run directory recomputes that
+    kvjax.job. If you change what a stage depends on on purpose, every earlier run directory recomputes that
     stage: update these values and say so."""
     from kvjax import config_flags
-    from kvjax.run_config import RunConfig
-    from kvjax.stages import plan as plan_module
+    from kvjax.run.config import RunConfig
+    from kvjax.job import stages as plan_module
     monkeypatch.setattr(plan_module, "model_identity", lambda path: {
         "config.json": f"cfg-{os.path.basename(path)}", "tokenizer.json": "tok", "model.safetensors": [1, 2]})
     monkeypatch.chdir(REPO)

@@ -9,7 +9,7 @@ import pytest
 
 import kvjax
 from kvjax.eval.attention_fidelity import cache_attention, native_attention
-from kvjax.eval.distances import map_distances
+from kvjax.eval.cache_distances import map_distances
 from maptools import native_cache
 from kvjax.mapper.kvmap import apply_map
 from kvjax.fitting.perhead import fit_perhead

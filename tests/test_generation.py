@@ -228,7 +228,7 @@ def test_decode_over_transposed_keys_equals_decode_over_standard_keys(model):
     assert flipped.keys[0].shape == (3, cfg.num_kv_heads, cfg.head_dim, 300)
     assert (flipped.capacity, flipped.head_dim) == (cache.capacity, cache.head_dim) and "transposed" in repr(flipped)
     np.testing.assert_array_equal(flipped.k, cache.k)
-    step = jax.jit(lambda c, t: forward(params, cfg, t[:, None], c))
+    step = jax.jit(lambda c, t: forward(params, cfg, t[:, None], c)[:2])  # (logits, cache)
     for i in range(12):  # row 0 crosses the 128-position window
         nxt = jnp.asarray([3 + i, 9, 100 - i], jnp.int32)
         want, cache = step(cache, nxt)
@@ -251,7 +251,7 @@ def test_decode_over_transposed_keys_equals_decode_over_standard_keys(model):
 
 def test_transposed_keys_helpers_and_refusals(model):
     from kvjax.cache import axes, slice_batch, valid
-    from kvjax.models.decoder import verify_forward
+    from kvjax.models.decoder import forward
     cfg, params = model
     tokens, lengths = kvjax.pad_prompts(prompts(cfg, [5, 9], seed=8))
     _, cache = kvjax.prefill(params, cfg, tokens, kvjax.init_cache(cfg, 2, 16), lengths)
@@ -262,8 +262,8 @@ def test_transposed_keys_helpers_and_refusals(model):
     assert axes(flipped).keys[0] == ("batch", "kv_heads", "head_dim", "cache_seq")
     with pytest.raises(ValueError, match="with_keys_transposed"):
         flipped.map_layers(lambda a: a)
-    with pytest.raises(ValueError, match=r"verify_forward .*with_keys_transposed\(False\)"):
-        verify_forward(params, cfg, jnp.ones((2, 3), jnp.int32), flipped)
+    with pytest.raises(ValueError, match=r"write=False.* reads keys as .*with_keys_transposed\(False\)"):
+        forward(params, cfg, jnp.ones((2, 3), jnp.int32), flipped, write=False)
 
 
 def test_prefill_and_decode_reject_token_ids_outside_the_vocabulary(model):
@@ -330,3 +330,25 @@ def test_every_entry_point_prepares_prompts_alike_and_pads_with_a_pad_id_of_0(mo
                  lambda: kvjax.speculative_generate(model, "lookup", bad, 2)):
         with pytest.raises(ValueError, match=f"token ids must be in \\[0, {cfg.vocab_size}\\)"):
             call()
+
+
+def test_sample_rows_draws_each_row_by_its_own_settings_and_key():
+    """A server's rows sample by their own temperature, top_p and key: a row's token does not depend on the rows
+    beside it, a top_p below the top token's mass keeps only it, and many keys draw softmax(logits / T) restricted to
+    top_p (the distribution `sample` draws from)."""
+    from kvjax.generation import Sampling, sample_rows, sampling_probs
+    logits = jax.random.normal(jax.random.key(0), (4, 12)) * 2
+    temperature, top_p = jnp.array([1.0, 0.7, 2.0, 1.0]), jnp.array([1e-6, 1.0, 0.6, 1.0])
+    keys = jax.random.split(jax.random.key(1), 4)
+    out = np.asarray(sample_rows(logits, temperature, top_p, keys))
+    assert out[0] == int(jnp.argmax(logits[0]))
+    np.testing.assert_array_equal(np.asarray(sample_rows(logits[1:3], temperature[1:3], top_p[1:3], keys[1:3])),
+                                  out[1:3])
+    n = 4000
+    for row in (1, 2):
+        draws = sample_rows(jnp.broadcast_to(logits[row], (n, 12)), jnp.full((n,), temperature[row]),
+                            jnp.full((n,), top_p[row]), jax.random.split(jax.random.key(2 + row), n))
+        freq = np.bincount(np.asarray(draws), minlength=12) / n
+        want = np.asarray(sampling_probs(logits[row:row + 1], Sampling(float(temperature[row]), float(top_p[row]))))[0]
+        assert np.all(freq[want == 0] == 0)
+        np.testing.assert_allclose(freq, want, atol=0.03)

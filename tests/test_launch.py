@@ -16,11 +16,16 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import config_flags, launch, preflight
+from kvjax import config_flags
+from kvjax.job import command as launch
+from kvjax.job.stages import plan
+from kvjax.job.execute import Job
+from kvjax.run.config import DEFAULT_CONFIG
+from kvjax.run import preflight
 from kvjax.config_flags import ConfigFlagError
 from kvjax.eval.suite import evaluate_gate
-from kvjax.gate import GateConfig, load_gate
-from kvjax.run_config import RunConfig
+from kvjax.eval.gate import GateConfig, load_gate
+from kvjax.run.config import RunConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = os.path.join(REPO, "checkpoints", "toy")
@@ -113,11 +118,11 @@ def write_mc_sets(root) -> list[str]:
 
 def nocache_scores(model, mc_files: dict, normalize: str, limit: int, needles: dict) -> tuple[dict, dict]:
     """`model`'s multiple-choice predictions per set and retrieval answer log-probs per length, computed without a
-    cache or a builder: one no-cache forward (kvjax.models.decoder.forward_nocache) over every context + option and
+    cache or a builder: one no-cache forward (kvjax.models.decoder.forward) over every context + option and
     prompt + answer row, the continuation's log-probs summed (an option's normalized as the mc evaluation's
     `normalize` says). `mc_files`: schema -> JSONL path; `needles`: length -> retrieval items."""
     from kvjax.eval.multiple_choice import encode, load_mc
-    from kvjax.models.decoder import forward_nocache
+    from kvjax.models.decoder import forward
     cfg, params = model
     tok = kvjax.load_tokenizer(TOKENIZER)
     rows = []  # (what, token ids, first scored position, normalizer)
@@ -134,7 +139,7 @@ def nocache_scores(model, mc_files: dict, normalize: str, limit: int, needles: d
     tokens = np.zeros((len(rows), max(len(r[1]) for r in rows)), np.int32)  # right-padded: causal, pads come last
     for r, (_, ids, _, _) in enumerate(rows):
         tokens[r, : len(ids)] = ids
-    logits = jax.jit(forward_nocache, static_argnums=1)(params, cfg, tokens)
+    logits = jax.jit(lambda p, t: forward(p, cfg, t).logits)(params, tokens)
     logp = np.asarray(jax.nn.log_softmax(logits.astype(np.float32), -1))
     options, answers = {}, {}
     for r, ((kind, name, i), ids, start, norm) in enumerate(rows):
@@ -197,7 +202,7 @@ def check_real_pair_relations(out: str, source: str, target: str) -> dict:
         for arm, phases in t["phases_s"].items():
             ttft = sum(v for k, v in phases.items() if k != "decode")
             assert t["ttft_s"][arm] == pytest.approx(ttft), (length, arm)
-            # the map (and a transfer) occupy both devices (kvjax.eval.throughput.active_seconds)
+            # the map (and a transfer) occupy both devices (kvjax.eval.decode_throughput.active_seconds)
             active = ttft + phases["decode"] + phases.get("map", 0.0) + phases.get("transfer", 0.0)
             assert t["active_s"][arm] == pytest.approx(active), (length, arm)
     g = metrics["gate"]
@@ -282,7 +287,7 @@ def test_toy_pruned_config_runs_the_shipped_pruned_target_and_gates_on_the_map_g
 def test_default_config_is_the_pruned_pair_with_the_method_goals_in_its_gate():
     """The default run shows the map working: the pruned target, the full-size config's pairing and
     residual width, a teacher pool, the per-head peer, and a gate on cosines, attention fidelity, KL and MC gain."""
-    cfg = config_flags.build(launch.DEFAULT_CONFIG, [], RunConfig)
+    cfg = config_flags.build(DEFAULT_CONFIG, [], RunConfig)
     full = config_flags.build("toy_pruned", [], RunConfig)
     assert (cfg.source, cfg.target) == (full.source, full.target) and cfg.output_dir != full.output_dir
     assert (cfg.map.pairing, cfg.map.residual_rank) == ("top3", 64) and cfg.residual.pool_windows > 0
@@ -290,11 +295,11 @@ def test_default_config_is_the_pruned_pair_with_the_method_goals_in_its_gate():
     g = cfg.gate
     assert g.min_attn_cos is not None and g.min_kl_reduction > 0 and g.min_mc_gap_recovered == 0.6
     assert g.min_mc_gain_ci_lo == 0.0 and g.cos_arm == "ridge"
-    assert list(launch.plan(cfg))[:4] == ["calibrate", "ridge", "residual", "perhead"]
+    assert list(plan(cfg))[:4] == ["calibrate", "ridge", "residual", "perhead"]
     preflight.validate(cfg)
     old = config_flags.build("toy", [], RunConfig)  # the from-scratch pair stays shipped, its gate as before
     assert old.target.path.endswith("toy/target") and old.gate.min_attn_cos is None and old.peers.perhead_topk == 0
-    assert "perhead" not in launch.plan(old) and launch.plan(old)["report"].settings["gate"] == \
+    assert "perhead" not in plan(old) and plan(old)["report"].settings["gate"] == \
         {k: v for k, v in dataclasses.asdict(old.gate).items()
          if k not in ("min_attn_cos", "min_retrieval", "min_audio_gain_ci_lo", "min_audio_gap_recovered",
                       "min_audio_margin_kept", "min_audio_decode_ratio", "min_ruler_unseen", "min_chance_retention",
@@ -466,7 +471,7 @@ def test_split_generate_falls_back_to_native_target_when_the_gate_fails(fitted, 
 
 
 def test_map_distances_match_the_one_shot_metric(fitted):
-    from kvjax.eval.distances import cache_distances, map_distances
+    from kvjax.eval.cache_distances import cache_distances, map_distances
     from maptools import native_cache
     source, target, kvmap = fitted
     windows = np.random.RandomState(1).randint(1, 8192, (3, 48)).astype(np.int32)  # the run's shapes: compiled
@@ -479,7 +484,7 @@ def test_map_distances_match_the_one_shot_metric(fitted):
 
 
 def test_throughput_accounting_follows_the_seed():
-    from kvjax.eval.throughput import active_seconds, ttft_seconds
+    from kvjax.eval.decode_throughput import active_seconds, ttft_seconds
     mapped = {"source_prefill": 1.0, "map": 0.1, "first_token": 0.01, "decode": 0.5}
     native = {"prefill": 1.0, "first_token": 0.02, "decode": 2.0}
     assert ttft_seconds("mapped", mapped) == pytest.approx(1.11)
@@ -598,7 +603,7 @@ def test_qwen32_8_calibrates_on_a_local_copy_of_fineweb_edu_offline(pair, tmp_pa
     cfg, _, _ = launch.parse(["--config=qwen32_8", f"--config.output_dir={out}", "--config.source.dtype=float32",
                               "--config.target.dtype=float32", *SMALL, *write_mc_sets(str(tmp_path)), *text])
     assert cfg.data.train_text == cfg.data.heldout_text == (text[0].split("=", 1)[1],)
-    job = launch.Job(cfg)
+    job = Job(cfg)
     job.check()
     os.makedirs(out)
     with jax.set_mesh(job.mesh()):
@@ -633,7 +638,7 @@ def test_qwen32_8_calibrates_on_a_local_copy_of_fineweb_edu_offline(pair, tmp_pa
     cfg, _, _ = launch.parse(["--config=qwen32_8", f"--config.output_dir={hub_out}", "--config.source.dtype=float32",
                               "--config.target.dtype=float32", *SMALL, *write_mc_sets(str(tmp_path))])
     assert cfg.data.train_text == cfg.data.heldout_text == ("hf:HuggingFaceFW/fineweb-edu:sample-10BT:train",)
-    job = launch.Job(cfg)
+    job = Job(cfg)
     job.check()
     os.makedirs(hub_out)
     with jax.set_mesh(job.mesh()):
@@ -679,7 +684,7 @@ def test_toy_config_resumes_residual_training(pair, tmp_path):
             # the default's fact-copy windows, kept on (a resume with copies) at tiny sizes
             "--config.residual.copy_windows=4", "--config.residual.copy_len=128", "--config.residual.copy_batch=1"]
     cfg, _, _ = launch.parse(argv)
-    job = launch.Job(cfg)
+    job = Job(cfg)
     job.check()
     os.makedirs(out)
     with jax.set_mesh(job.mesh()):
@@ -696,7 +701,7 @@ def test_toy_config_resumes_residual_training(pair, tmp_path):
     assert "resumed from step 2" in log_text and "stage calibrate  reused" in log_text
     metrics = json.load(open(os.path.join(out, "metrics.json")))
     assert set(metrics) >= {"distances", "kl", "gate"} and "mc" not in metrics and "throughput" not in metrics
-    assert metrics["run"]["config"] == launch.DEFAULT_CONFIG and metrics["run"]["map"]["residual_steps"] == 4
+    assert metrics["run"]["config"] == DEFAULT_CONFIG and metrics["run"]["map"]["residual_steps"] == 4
     # the default's peer and fidelity measures: per-head map fitted, sized and scored; attention cosine gated
     assert set(metrics["run"]["maps"]) == {"perhead", "ridge", "residual"}
     assert all(m["size_bytes"] > 0 for m in metrics["run"]["maps"].values())

@@ -17,14 +17,15 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 # The floors, lowest first. A module's floor is that of the longest prefix below naming it (a package name covers
 # its modules); that prefix is also its unit. Lazy imports inside functions count: they are dependencies all the
 # same, only deferred.
-FLOOR_NAMES = ("base", "models", "kernels", "map", "builders", "generation", "training", "decoding", "eval", "job")
+FLOOR_NAMES = ("base", "models", "kernels", "map", "builders", "generation", "training", "decoding", "eval", "run",
+               "commands")
 FLOORS = {
     # 0 base: the vocabulary every floor uses; knows no kvjax type. Logical-axis rules and meshes, processes,
     # token windows, safetensors files, text sources, dataclass <-> flags, the host allocator, orbax checkpoints
     "kvjax.sharding": 0, "kvjax.distributed": 0, "kvjax.windows": 0, "kvjax.tensorfile": 0, "kvjax.corpus": 0,
     "kvjax.config_flags": 0, "kvjax.allocator": 0, "kvjax.checkpointing": 0, "kvjax.aot": 0,
-    # 1 models: the families (config, params, rope, forward, the one prefill program, decode), the KVCache pytree
-    # they read and write, HF checkpoints <-> params
+    # 1 models: the families (config, params, rope, the one forward pass, prefill, decode), the KVCache pytree they
+    # read and write, HF checkpoints <-> params (kvjax.hf, Whisper and Ultravox's included)
     "kvjax.models": 1, "kvjax.cache": 1, "kvjax.hf": 1,
     # 2 kernels: the map's map-and-insert kernel (XLA reference and Pallas bodies) and the features it works in
     "kvjax.kernels": 2,
@@ -39,17 +40,20 @@ FLOORS = {
     # 7 decoding systems: the split path, speculative decoding and speculative KV transfer, the block drafter
     "kvjax.split": 7, "kvjax.speculative": 7, "kvjax.drafter": 7,
     # 8 eval: the evaluations, their arms and registry, the report, the quality gate that judges their metrics
-    "kvjax.eval": 8, "kvjax.gate": 8,
-    # 9 job: `python -m kvjax.launch` (its config, flags, preflight, stages) and the package's public API (kvjax)
-    "kvjax.launch": 9, "kvjax.run_config": 9, "kvjax.preflight": 9, "kvjax.stages": 9,
-    "kvjax.serve": 9,  # `python -m kvjax.serve`: the OpenAI-compatible server over a run's map
-    "kvjax.plan": 9,  # `python -m kvjax.plan`: every program of the job and the server compiled ahead of time
-    "kvjax.audio": 9,  # the audio front end's public names (a facade over kvjax.models.whisper / .audio)
+    "kvjax.eval": 8,
+    # 9 run: a run as the commands read it: its config, the checks before any work, its directory's layout
+    "kvjax.run": 9,
+    # 10 commands: the job that makes a run (`python -m kvjax.launch`: kvjax.job), the server and the compile-only
+    # plan that read one, and the package's public API (kvjax)
+    "kvjax.launch": 10, "kvjax.job": 10,
+    "kvjax.serve": 10,  # `python -m kvjax.serve`: the OpenAI-compatible server over a run's map
+    "kvjax.plan": 10,  # `python -m kvjax.plan`: every program of the job and the server compiled ahead of time
+    "kvjax.audio": 10,  # the audio front end's public names (a facade over kvjax.models.whisper, .audio_lm, kvjax.hf)
 }
 # floors whose units are peers: a unit there imports no other unit of its floor (only lower floors)
 STRICT = tuple(range(2, 8))
 FACADE = "kvjax"  # kvjax/__init__.py re-exports every floor: only the job may import names from it
-FACADE_FLOOR = 9
+FACADE_FLOOR = 10
 
 # launch/: what users run outside the library, one room per purpose
 ROOMS = ("cluster", "bench", "toy")
@@ -58,11 +62,13 @@ ROOMS = ("cluster", "bench", "toy")
 EXPERIMENTS = "experiments"
 # what no test may import: an experiment is checked by the number it gives, not by a test of its internals
 NOT_FOR_TESTS = (EXPERIMENTS, "launch.research")
+# the job (`python -m kvjax.launch`): the command and its stages, which the server must not import
+JOB = ("kvjax.launch", "kvjax.job")
 
 # modules that hold settings only: they must not import JAX (or optax, orbax, flax), directly or through what they
 # import, so that a config can be built and checked without the machinery that runs it
-JAX_FREE = ("kvjax.run_config", "kvjax.fitting.residual_config", "kvjax.pretrain_config", "kvjax.gate",
-            "kvjax.config_flags")
+JAX_FREE = ("kvjax.run.config", "kvjax.run.layout", "kvjax.run.preflight", "kvjax.fitting.residual_config",
+            "kvjax.pretrain_config", "kvjax.eval.gate", "kvjax.config_flags", "kvjax.job.command", "kvjax.job.stages")
 HEAVY = ("jax", "jaxlib", "flax", "optax", "orbax")
 
 
@@ -138,20 +144,15 @@ def floor_violations(root: pathlib.Path) -> list[str]:
     return out
 
 
-def import_cycles(root: pathlib.Path, packages: tuple[str, ...] = ("kvjax",)) -> list[list[str]]:
-    """The import cycles among the modules of `packages` (lazy imports included), each as its modules sorted; a
-    package importing its own submodules (a re-exporting __init__) is no cycle."""
-    mods = {name: path for package in packages for name, path in modules(root, package).items()}
-    graph = {name: {t for _, t, _, _ in imports(name, path, set(mods))
-                    if t in mods and t != name and not name.startswith(t + ".") and t != FACADE}
-             for name, path in mods.items()}
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node of `graph` (Tarjan), each sorted."""
     index, low, stack, on, cycles = {}, {}, [], set(), []
 
-    def visit(v):  # Tarjan's strongly connected components
+    def visit(v):
         index[v] = low[v] = len(index)
         stack.append(v)
         on.add(v)
-        for w in graph[v]:
+        for w in sorted(graph.get(v, ())):
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -168,10 +169,36 @@ def import_cycles(root: pathlib.Path, packages: tuple[str, ...] = ("kvjax",)) ->
             if len(comp) > 1:
                 cycles.append(sorted(comp))
 
-    for v in graph:
+    for v in sorted(graph):
         if v not in index:
             visit(v)
     return cycles
+
+
+def import_cycles(root: pathlib.Path, packages: tuple[str, ...] = ("kvjax",)) -> list[list[str]]:
+    """The import cycles among the modules of `packages` (lazy imports included), each as its modules sorted; a
+    package importing its own submodules (a re-exporting __init__) is no cycle."""
+    mods = {name: path for package in packages for name, path in modules(root, package).items()}
+    return _cycles({name: {t for _, t, _, _ in imports(name, path, set(mods))
+                           if t in mods and t != name and not name.startswith(t + ".") and t != FACADE}
+                    for name, path in mods.items()})
+
+
+def unit_cycles(root: pathlib.Path) -> list[list[str]]:
+    """The import cycles among kvjax's units (FLOORS' entries: a package with all its modules, or a top-level
+    module), function-level imports included: two units that import each other, however deep inside, are one unit
+    in disguise. The facade (kvjax/__init__.py) is no unit."""
+    mods = modules(root, "kvjax")
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        mine = unit_of(name)
+        if mine is None:
+            continue
+        for _, target, _, _ in imports(name, path, set(mods)):
+            theirs = unit_of(target) if target.startswith("kvjax.") else None
+            if theirs is not None and theirs != mine:
+                graph.setdefault(mine, set()).add(theirs)
+    return _cycles(graph)
 
 
 def room_of(module: str) -> str:
@@ -228,6 +255,50 @@ def heavy_imports(root: pathlib.Path, module: str) -> list[str]:
                 out.append(" -> ".join(chain + [target]))
             elif target.startswith("kvjax.") and target != FACADE:
                 todo.append((target, chain + [target]))
+    return out
+
+
+# the pieces of one decoder layer (kvjax.models.decoder and the families): a loop over a model's layers that calls
+# one of them is a forward pass written out again
+LAYER_PIECES = ("qkv", "finish", "attend", "attend_block", "causal_attention", "layer_forward")
+FORWARD_HOME = "kvjax/models/"  # where the one forward pass (and its layer loop) lives
+
+
+def layer_loops(root: pathlib.Path, packages: tuple[str, ...] = ("kvjax", "launch")) -> list[str]:
+    """Loops (for statements and comprehensions) over a model's layers (the iterable reads a `layers` attribute or
+    name) whose body computes a layer (calls one of LAYER_PIECES), outside FORWARD_HOME."""
+
+    def reads_layers(node) -> bool:
+        return any((isinstance(n, ast.Attribute) and n.attr == "layers") or (isinstance(n, ast.Name) and n.id ==
+                   "layers") for n in ast.walk(node))
+
+    def computes_a_layer(nodes) -> bool:
+        for node in nodes:
+            for n in ast.walk(node):
+                if isinstance(n, ast.Call):
+                    f = n.func
+                    name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+                    if name in LAYER_PIECES:
+                        return True
+        return False
+
+    out = []
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            if rel.startswith(FORWARD_HOME):
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), rel)):
+                if isinstance(node, (ast.For, ast.AsyncFor)):
+                    hit = reads_layers(node.iter) and computes_a_layer(node.body)
+                elif isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
+                    body = [node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt]
+                    hit = any(reads_layers(g.iter) for g in node.generators) and computes_a_layer(body)
+                else:
+                    continue
+                if hit:
+                    out.append(f"{rel}:{node.lineno}: a loop over a model's layers that computes them; compose "
+                               "kvjax.models.decoder.forward (its taps, features, depth, reads) instead")
     return out
 
 
@@ -359,7 +430,7 @@ def test_settings_modules_do_not_import_jax():
 
 def test_configs_hold_only_run_configs_of_the_main_job(monkeypatch):
     from kvjax import config_flags
-    from kvjax.run_config import RunConfig
+    from kvjax.run.config import RunConfig
     for var in ("KVJAX_SOURCE", "KVJAX_TARGET"):
         monkeypatch.setenv(var, "/nonexistent")  # configs that read model paths from the environment
     names = config_flags.available_configs()
@@ -368,3 +439,83 @@ def test_configs_hold_only_run_configs_of_the_main_job(monkeypatch):
         assert isinstance(config_flags.load_named(name)[0], RunConfig), f"configs/{name}.py is not a RunConfig"
     assert not [f for f in os.listdir(REPO / "configs") if f.endswith(".py") and f.startswith("_") and
                 f != "__init__.py"], "configs/ holds run configs only; helpers belong to the code that uses them"
+
+
+def test_no_import_cycle_between_units():
+    cycles = unit_cycles(REPO)
+    assert not cycles, ("units that import each other (function-level imports included); move what both need into "
+                        "the lower one: " + "; ".join(" <-> ".join(c) for c in cycles))
+
+
+def test_the_unit_check_catches_a_lazy_cycle(tmp_path):
+    for pkg in ("models", "mapper"):
+        (tmp_path / "kvjax" / pkg).mkdir(parents=True)
+        (tmp_path / "kvjax" / pkg / "__init__.py").write_text("")
+    (tmp_path / "kvjax" / "__init__.py").write_text("")
+    (tmp_path / "kvjax" / "hf.py").write_text("from kvjax.models.config import C\n")
+    (tmp_path / "kvjax" / "models" / "config.py").write_text("C = 1\n")
+    (tmp_path / "kvjax" / "models" / "audio.py").write_text("def load():\n    from kvjax.hf import load_hf\n")
+    (tmp_path / "kvjax" / "mapper" / "kvmap.py").write_text("from kvjax.models import config\n")  # downward: fine
+    assert unit_cycles(tmp_path) == [["kvjax.hf", "kvjax.models"]]
+    assert import_cycles(tmp_path) == []  # no cycle between modules: only between their units
+
+
+def test_no_layer_loop_outside_the_models():
+    problems = layer_loops(REPO)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_layer_loop_check_catches_a_forward_written_out(tmp_path):
+    for pkg in ("kvjax/eval", "kvjax/models", "launch/bench"):
+        (tmp_path / pkg).mkdir(parents=True)
+    (tmp_path / "kvjax" / "eval" / "fidelity.py").write_text(
+        "def f(params, cfg, x, cos, sin):\n"
+        "    for i, lp in enumerate(params.layers):\n"
+        "        q, k, v = qkv(lp, cfg, x, cos, sin)\n"
+        "        x = finish(lp, cfg, x, causal_attention(q, k, v))\n"
+        "    return x\n"
+        "def g(params):\n"
+        "    return [lp.q.shape for lp in params.layers]\n")  # reads the parameters, computes no layer: fine
+    (tmp_path / "launch" / "bench" / "probe.py").write_text(
+        "import kvjax.models.decoder as D\n"
+        "def kv(layers, cfg, h, cos, sin):\n"
+        "    return [D.qkv(lp, cfg, h, cos, sin)[1:] for lp in layers]\n")
+    (tmp_path / "kvjax" / "models" / "decoder.py").write_text(
+        "def forward(params, x):\n    for lp in params.layers:\n        x = finish(lp, x)\n")  # its home: fine
+    assert [p.split(": ")[0] for p in layer_loops(tmp_path)] == ["kvjax/eval/fidelity.py:2",
+                                                                  "launch/bench/probe.py:3"]
+
+
+def test_the_server_does_not_import_the_job():
+    problems = forbidden_imports(REPO, "kvjax/serve", JOB)
+    assert not problems, ("the server reads a run (kvjax.run: its config, checks and directory layout), it does not "
+                          "import the job that makes one:\n" + "\n".join(problems))
+
+
+def test_the_server_check_catches_a_job_import(tmp_path):
+    (tmp_path / "kvjax" / "serve").mkdir(parents=True)
+    (tmp_path / "kvjax" / "serve" / "cli.py").write_text(
+        "from kvjax.run.config import RunConfig\n"
+        "def f():\n    from kvjax.launch import DEFAULT_CONFIG\n    from kvjax.job.command import main\n")
+    assert forbidden_imports(tmp_path, "kvjax/serve", JOB) == [
+        "kvjax/serve/cli.py:3: kvjax.serve.cli imports kvjax.launch.DEFAULT_CONFIG",
+        "kvjax/serve/cli.py:4: kvjax.serve.cli imports kvjax.job.command.main"]
+
+
+def registry_twins(root: pathlib.Path) -> list[str]:
+    """Modules of kvjax/eval/ named as an evaluation's module in kvjax/eval/suite/ (the registry): one name, one
+    module."""
+    suite = {p.stem for p in (root / "kvjax" / "eval" / "suite").glob("*.py")} - {"__init__"}
+    return sorted(f"kvjax/eval/{p.name}" for p in (root / "kvjax" / "eval").glob("*.py") if p.stem in suite)
+
+
+def test_the_evaluation_registry_has_no_twins(tmp_path):
+    twins = registry_twins(REPO)
+    assert not twins, (f"{twins} share a name with an evaluation of kvjax/eval/suite/; name the computation after "
+                       "what it computes (e.g. kvjax.eval.needle_retrieval beside the evaluation `retrieval`)")
+    for d in ("kvjax/eval/suite",):
+        (tmp_path / d).mkdir(parents=True)
+    for f in ("kvjax/eval/suite/__init__.py", "kvjax/eval/suite/kl.py", "kvjax/eval/__init__.py", "kvjax/eval/kl.py",
+              "kvjax/eval/stats.py"):
+        (tmp_path / f).write_text("")
+    assert registry_twins(tmp_path) == ["kvjax/eval/kl.py"]

@@ -349,7 +349,7 @@ def test_minitron4_llama8_runs_end_to_end_on_an_identity_pair(tmp_path, capsys):
     answerer does item for item, and the reader drafts exactly what the answerer would say. (Real pairs: the qwen32_8
     and qwen30a3_sibling jobs, whose relations test_launch.check_real_pair_relations checks.)"""
     from test_launch import SMALL, STDLIB_TEXT, run_job, write_mc_sets
-    from kvjax import launch
+    from kvjax.job import command as launch
     reader, answerer = tiny_llama_pair(str(tmp_path))
     out = str(tmp_path / "run")
     old = os.getcwd()
@@ -430,7 +430,7 @@ def check_identity_pair(out: str, metrics: dict) -> None:
 
 
 def _help(config, capsys) -> str:
-    from kvjax import launch
+    from kvjax.job import command as launch
     capsys.readouterr()
     assert launch.main([f"--config={config}", "--help"]) == 0
     return capsys.readouterr().out

@@ -13,7 +13,7 @@ from kvjax.mapper.kvmap import ridge_only
 from kvjax.mapper.pairing import depth_pairing, topk_pairing
 from kvjax.fitting.residual import ResidualConfig, evaluate_kl
 from kvjax.mapper.ridge import LAMBDAS, Stats, chunk_stats, mse, reference, select, solve, to_stats
-from kvjax.eval.distances import cache_distances
+from kvjax.eval.cache_distances import cache_distances
 from kvjax.models.rope import apply_rope, rope_angles, rope_table, unapply_rope
 
 VOCAB = 96

@@ -15,7 +15,8 @@ import pytest
 
 import kvjax
 from kvjax.hf import tokenizer_mismatch
-from kvjax.models.audio import audio_configs, projector_specs
+from kvjax.hf.ultravox import audio_configs
+from kvjax.models.audio_lm import projector_specs
 from kvjax.models.config import Qwen3Config
 from kvjax.models.llama import LlamaConfig
 from kvjax.models.params import abstract_params

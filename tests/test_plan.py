@@ -20,7 +20,7 @@ from kvjax.models.config import load_config
 from kvjax.models.decoder import decode_jit
 from kvjax.plan import hardware, shapes
 from kvjax.plan.hardware import PlanError
-from kvjax.run_config import RunConfig
+from kvjax.run.config import RunConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = os.path.join(REPO, "configs", "models")
@@ -201,9 +201,9 @@ def test_the_job_refuses_a_config_its_devices_cannot_hold_before_reading_weights
 
 
 def test_the_stages_by_name_are_the_jobs_plan():
-    """kvjax.stages.names (what the plan and the space estimate read, without models) lists the job's stages."""
-    from kvjax.stages.names import stage_names
-    from kvjax.stages.plan import plan
+    """kvjax.run.layout (what the plan and the space estimate read, without models) lists the job's stages."""
+    from kvjax.run.layout import stage_names
+    from kvjax.job.stages import plan
     for name in ("toy_pruned_quick", "toy_reverse", "toy_audio"):
         n, overrides, _ = parse_argv([f"--config={name}"])
         cfg = build(n, overrides, RunConfig)

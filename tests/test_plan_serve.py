@@ -13,7 +13,7 @@ import pytest
 import kvjax
 from kvjax import aot
 from kvjax.config_flags import build
-from kvjax.run_config import RunConfig
+from kvjax.run.config import RunConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(REPO, "checkpoints", "toy", "tokenizer")

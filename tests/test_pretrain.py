@@ -8,7 +8,7 @@ import pytest
 
 import kvjax
 from kvjax.models.params import to_flat
-from kvjax.models.decoder import forward_nocache
+from kvjax.models.decoder import forward
 from kvjax.pretrain import TrainConfig, batch_at, train
 
 CFG = kvjax.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
@@ -23,10 +23,10 @@ def corpus(n=20_000, seed=0):
     return np.where(noise, rng.randint(0, 64, n), base).astype(np.uint16)
 
 
-def test_forward_nocache_equals_cached_prefill():
+def test_the_no_cache_forward_equals_cached_prefill():
     params = kvjax.init_params(CFG, jax.random.key(0), std=0.3)
     tokens = np.random.RandomState(1).randint(0, 64, (2, 300)).astype(np.int32)  # spans several query blocks
-    a = forward_nocache(params, CFG, tokens)
+    a = forward(params, CFG, tokens).logits
     b, _ = kvjax.prefill(params, CFG, tokens, kvjax.init_cache(CFG, 2, 512), fresh=False)  # windowed path
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
 

@@ -48,7 +48,7 @@ def test_without_checkpoints_fails_fast_naming_what_to_pass(tmp_path):
 @pytest.mark.slow  # a whole main job (every stage of qwen32_8's plan, tiny sizes)
 def test_runs_end_to_end_on_tiny_moe_and_dense_checkpoints(tmp_path, capsys):
     from test_launch import SMALL, STDLIB_TEXT, check_real_pair_relations, run_job, write_mc_sets
-    from kvjax import launch
+    from kvjax.job import command as launch
     reader, answerer = tiny_sibling_pair(str(tmp_path))
     out = str(tmp_path / "run")
     old = os.getcwd()

@@ -10,7 +10,7 @@ import shutil
 import subprocess
 import sys
 
-from kvjax import launch
+from kvjax.job import command as launch
 from kvjax.eval import suite
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

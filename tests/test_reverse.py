@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import config_flags, launch
+from kvjax import config_flags
+from kvjax.job.stages import plan
 from kvjax.builders import Mapped, NativePrefill, PartialRecompute
 from kvjax.mapper.injection import injection_map
 from kvjax.fitting.residual_config import ADDED_LATER
-from kvjax.run_config import RunConfig
+from kvjax.run.config import RunConfig
 from test_launch import REPO, TOKENIZER, lookup, run_job, write_mc_sets
 
 
@@ -79,12 +80,12 @@ def test_residual_learns_the_answerers_own_predictions(models, windows):
     from kvjax.builders import NativePrefill
     from kvjax.mapper.kl import kl
     from kvjax.fitting.residual import position_kl, student_logits, window_kl
-    from kvjax.models.decoder import forward_nocache
+    from kvjax.models.decoder import forward
     small, large = models
     kvmap, _ = kvjax.fit_map(small, large, windows[:16], windows[16:], residual_rank=4, batch_size=8)
     tokens = jnp.asarray(windows[:4, :32])
     got = position_kl(kvmap, small, large, tokens, 24, teacher="target")
-    native = forward_nocache(large[1], large[0], tokens[:, :-1])[:, 23:]
+    native = forward(large[1], large[0], tokens[:, :-1]).logits[:, 23:]
     student = student_logits(kvmap, large, NativePrefill(small)(tokens[:, :23], capacity=23), tokens, 24)
     np.testing.assert_allclose(np.asarray(got), np.asarray(kl(native, student)), rtol=1e-5, atol=1e-6)
     assert not np.allclose(np.asarray(got), np.asarray(position_kl(kvmap, small, large, tokens, 24)))
@@ -102,7 +103,7 @@ def test_forward_default_job_is_unchanged():
     """The default (toy) job plans the same stages with the same residual settings as before these evaluations and
     the teacher setting existed (hashes of existing run directories still match)."""
     cfg = config_flags.build("toy", [], RunConfig)
-    stages = launch.plan(dataclasses.replace(cfg, source=dataclasses.replace(cfg.source, path=os.path.join(
+    stages = plan(dataclasses.replace(cfg, source=dataclasses.replace(cfg.source, path=os.path.join(
         REPO, cfg.source.path)), target=dataclasses.replace(cfg.target, path=os.path.join(REPO, cfg.target.path))))
     assert list(stages) == ["calibrate", "ridge", "residual", "distances", "kl", "agreement", "mc", "retrieval",
                             "throughput", "report"]
@@ -111,7 +112,7 @@ def test_forward_default_job_is_unchanged():
     assert not cfg.eval.native_kl.enabled and not cfg.eval.ttft.enabled
     rev = config_flags.build("toy_reverse", [], RunConfig)
     assert rev.residual.teacher == "target" and rev.eval.native_kl.enabled and rev.eval.ttft.enabled
-    assert "teacher" in launch.plan(dataclasses.replace(rev, source=dataclasses.replace(
+    assert "teacher" in plan(dataclasses.replace(rev, source=dataclasses.replace(
         rev.source, path=os.path.join(REPO, rev.source.path)), target=dataclasses.replace(
         rev.target, path=os.path.join(REPO, rev.target.path))))["residual"].settings["residual"]
 

@@ -1,4 +1,4 @@
-"""Rollout divergence (kvjax.eval.rollout) and the residual's rollout training (ResidualConfig.rollout)."""
+"""Rollout divergence (kvjax.eval.divergence) and the residual's rollout training (ResidualConfig.rollout)."""
 
 import dataclasses
 
@@ -8,7 +8,7 @@ import pytest
 
 import kvjax
 from kvjax.builders import NativePrefill
-from kvjax.eval.rollout import rollout_divergence, rollout_table
+from kvjax.eval.divergence import rollout_divergence, rollout_table
 from kvjax.mapper.kvmap import direct_map, ridge_only
 from kvjax.fitting.residual import ResidualConfig, heldout_position_kl, rollout_windows
 from kvjax.windows import step_batch

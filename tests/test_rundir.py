@@ -1,5 +1,5 @@
-"""The run directory of `python -m kvjax.launch` under what machines do: one job per directory (kvjax.stages.lock), a
-full or read-only disk (kvjax.stages.disk), a SIGKILL in any stage. Each job is the command as a subprocess on the
+"""The run directory of `python -m kvjax.launch` under what machines do: one job per directory (kvjax.job.lock), a
+full or read-only disk (kvjax.job.disk), a SIGKILL in any stage. Each job is the command as a subprocess on the
 tiny random pair of test_launch, one CPU device, its final metrics.json compared with an uninterrupted run's of the
 same command (`reference`) but for the fields that differ from run to run (`wall_clock`)."""
 
@@ -20,9 +20,9 @@ import pytest
 
 from test_launch import REPO, SMALL, tiny_pair, write_mc_sets
 
-from kvjax import launch
-from kvjax.stages import disk, lock
-from kvjax.stages.markers import read_json
+from kvjax.job import command as launch
+from kvjax.job import disk, lock
+from kvjax.job.markers import read_json
 
 HARD_TIMEOUT = 600  # seconds for any one job subprocess: a safety net (a whole tiny job takes ~20 s on 2 idle cores)
 # a few seconds a stage: the pair of test_launch at its sizes, the default config's stages (the per-head peer, six
@@ -127,7 +127,7 @@ def in_stage(text: str) -> str:
 
 HOLDER = textwrap.dedent("""
     import sys, time
-    from kvjax.stages import lock
+    from kvjax.job import lock
     held = lock.acquire(sys.argv[1], ["python", "-m", "kvjax.launch", "--config.output_dir=" + sys.argv[1]])
     print("held", flush=True)
     time.sleep(600)
@@ -195,7 +195,7 @@ def test_the_server_reads_a_locked_run(reference):
 # ---- the disk ------------------------------------------------------------------------------------------------------
 
 def test_the_estimate_covers_what_each_stage_wrote(reference):
-    from kvjax.stages.plan import plan
+    from kvjax.job.stages import plan
     out, order, _ = reference
     cfg, _, _ = launch.parse([*JOB, f"--config.output_dir={out}"])
     sizes = disk.estimate(cfg)
@@ -253,7 +253,7 @@ def test_refused_writes_are_one_line_naming_device_path_and_stage(tmp_path):
 REFUSING = textwrap.dedent("""
     import os, sys
     from kvjax import launch
-    from kvjax.stages import evaluate, markers
+    from kvjax.job import evaluations, markers
 
     code, argv = int(sys.argv[1]), sys.argv[2:]
 
@@ -264,7 +264,7 @@ REFUSING = textwrap.dedent("""
             raise OSError(code, os.strerror(code), str(path) + ".tmp")
         return markers.write_json(path, obj)
 
-    evaluate.write_json = write_json
+    evaluations.write_json = write_json
     sys.exit(launch.main(argv))
 """)
 

@@ -402,7 +402,7 @@ def test_a_server_its_devices_cannot_hold_is_refused_before_loading(hf_checkpoin
     """The server's fit check: weights (sharded as the mesh places them) + slots + a prefill batch against
     --config.mesh.device_memory_gb, one message naming what to change; a mesh halves what each device holds."""
     from kvjax.config_flags import build
-    from kvjax.run_config import RunConfig
+    from kvjax.run.config import RunConfig
     from kvjax.serve.cli import ServeError, check_fits
     from kvjax.serve.placement import Placement, held
     from kvjax.sharding import make_mesh

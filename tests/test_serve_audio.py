@@ -27,10 +27,10 @@ import pytest
 
 import kvjax
 from kvjax.builders import Mapped
-from kvjax.builders.audio import AudioPrefill
+from kvjax.builders.audio_prefill import AudioPrefill
 from kvjax.generation import generate_from
-from kvjax.models.audio import (ProjectorConfig, audio_token_count, init_projector, load_ultravox, log_mel,
-                                save_ultravox)
+from kvjax.models.audio_lm import ProjectorConfig, audio_token_count, init_projector, log_mel
+from kvjax.hf.ultravox import load_ultravox, save_ultravox
 from kvjax.models.model import Model
 from kvjax.models.whisper import WhisperEncoderConfig, init_encoder
 from test_serve import Uvicorn
@@ -72,7 +72,7 @@ def audio_part(raw: bytes, fmt: str = "wav") -> dict:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """The run directory and adapter the server reads, and the models and maps for the offline references."""
-    from kvjax.gate import GateResult, save_gate
+    from kvjax.eval.gate import GateResult, save_gate
     from kvjax.mapper.artifact import save_map
     old = os.getcwd()
     os.chdir(REPO)  # the config's checkpoints are relative to the repository
@@ -316,7 +316,7 @@ def test_bad_audio_is_a_4xx_that_says_what_to_send(run):
 
 def test_without_an_audio_map_the_text_map_answers_with_a_warning(run, tmp_path, caplog):
     from kvjax.config_flags import build
-    from kvjax.run_config import RunConfig
+    from kvjax.run.config import RunConfig
     from kvjax.serve.audio import load
     cfg = build("toy_audio", [("output_dir", str(tmp_path)), ("eval.audio.source_adapter", run["adapter"])],
                 RunConfig)
@@ -404,7 +404,7 @@ def test_native_path_without_the_answerers_adapter_refuses_spoken_requests_or_st
                                                                            max_tokens=4, temperature=0))
         assert r.status_code == 200 and r.json()["kvjax"]["path"] == "native_target"
     from kvjax.config_flags import build
-    from kvjax.run_config import RunConfig
+    from kvjax.run.config import RunConfig
     missing = build("toy_audio", [("output_dir", str(tmp_path)), ("eval.audio.source_adapter", run["adapter"]),
                                   ("eval.audio.target_adapter", str(tmp_path / "nothing"))], RunConfig)
     audio, why = load_native(missing, run["source"], run["target"], run["tok"])

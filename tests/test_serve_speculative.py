@@ -238,7 +238,7 @@ def test_sampled_rows_follow_the_targets_distribution():
     row takes the greedy token. 4 x 512 rows of one prompt, one round each (kvjax.serve.programs.round_step)."""
     from kvjax.builders import NativePrefill
     from kvjax.generation.sampling import Sampling, sampling_probs
-    from kvjax.models.decoder import forward_nocache
+    from kvjax.models.decoder import forward
     from kvjax.serve.drafting import Drafting
     from kvjax.serve.metrics import Metrics
     cfg, params = tiny(2, 32, 2, 1, 0, 1e4, 12)
@@ -266,10 +266,10 @@ def test_sampled_rows_follow_the_targets_distribution():
     which = np.tile(np.arange(rows), 4)
 
     def dist(s, toks):
-        logits = forward_nocache(params, cfg, jnp.asarray([toks]))[0, -1]
+        logits = forward(params, cfg, jnp.asarray([toks])).logits[0, -1]
         return np.asarray(sampling_probs(logits, s), np.float64)
 
-    greedy = int(np.argmax(forward_nocache(params, cfg, jnp.asarray([prompt]))[0, -1]))
+    greedy = int(np.argmax(forward(params, cfg, jnp.asarray([prompt])).logits[0, -1]))
     assert (out[which == 7, 0] == greedy).all()
     for k, s in enumerate(settings):
         mine = out[(which % 2 == k) & (which != 7)]

@@ -9,7 +9,7 @@ from flax import struct
 
 import kvjax
 from kvjax.generation import Sampling, sample
-from kvjax.models.decoder import forward_features, forward_nocache, verify_forward, write_block
+from kvjax.models.decoder import forward, stack_kv, write_block
 from kvjax.speculative import (LookupDrafter, ModelDrafter, sampling_probs, speculative_generate,
                                speculative_split_generate)
 from kvjax.speculative.api import transfer_builder
@@ -70,9 +70,10 @@ def test_greedy_equals_the_verifiers_greedy_decode(models):
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
-def test_verify_forward_reads_the_cache_and_write_block_stores_the_block(models):
-    """The loop's read-only verify pass: the logits and features forward_features gives, the cache untouched, and
-    write_block leaves the cache forward_features writes (ragged rows, one row with an empty cache)."""
+def test_the_read_only_verify_pass_and_write_block_store_what_the_writing_pass_stores(models):
+    """The loop's read-only verify pass (forward(write=False) with the stack_kv tap): the logits and features the
+    writing pass gives, and write_block leaves the cache the writing pass writes (ragged rows, one row with an
+    empty cache)."""
     big, _, _ = models
     cfg = big.cfg
     ps = prompts([9, 1, 30], seed=4)
@@ -80,8 +81,10 @@ def test_verify_forward_reads_the_cache_and_write_block_stores_the_block(models)
     cache = kvjax.prefill(big.params, cfg, tokens, kvjax.init_cache(cfg, 3, 64), lengths)[1]
     cache = cache.replace(lengths=jnp.asarray([9, 0, 30], jnp.int32))  # row 1: nothing cached yet
     block = jnp.asarray(np.random.RandomState(2).randint(1, VOCAB, (3, 5)), jnp.int32)
-    want_logits, want_cache, want_feats = forward_features(big.params, cfg, block, cache, (0, 2))
-    logits, k, v, feats = jax.jit(verify_forward, static_argnums=(1, 4))(big.params, cfg, block, cache, (0, 2))
+    want_logits, want_cache, want_feats, _ = forward(big.params, cfg, block, cache, features=(0, 2))
+    verify = jax.jit(lambda p, t, c: forward(p, cfg, t, c, write=False, features=(0, 2), tap=stack_kv))
+    logits, nothing, feats, (k, v) = verify(big.params, block, cache)
+    assert nothing is None  # a pass that does not write returns no cache
     np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), atol=1e-4)
     np.testing.assert_allclose(np.asarray(feats), np.asarray(want_feats), atol=1e-4)
     written = write_block(cache, k, v)
@@ -122,7 +125,7 @@ def test_sampling_follows_the_verifiers_distribution():
     prompt, rows, s = [3, 7, 1, 9], 2000, Sampling(0.9, 0.95)
 
     def dist(model, toks):
-        return np.asarray(sampling_probs(forward_nocache(model.params, cfg, jnp.asarray([toks]))[0, -1], s),
+        return np.asarray(sampling_probs(forward(model.params, cfg, jnp.asarray([toks])).logits[0, -1], s),
                           np.float64)
 
     for d in (drafter, ModelDrafter(drafter, draft_len=2, min_confidence=0.2)):  # fixed and variable-length drafts
@@ -210,7 +213,7 @@ def test_a_feature_drafter_gets_the_verifiers_layer_outputs(models):
     assert np.asarray(counters["rounds"]).tolist() == [3, 3]
     for r, p in enumerate(ps):  # the newest context position: the 8th generated token
         seq = jnp.asarray([p + got[r, :8].tolist()])
-        _, _, ref = forward_features(big.params, cfg, seq, kvjax.init_cache(cfg, 1, 32), (0, 2), fresh=True)
+        ref = forward(big.params, cfg, seq, kvjax.init_cache(cfg, 1, 32), fresh=True, features=(0, 2)).features
         np.testing.assert_allclose(np.asarray(newest[r]), np.asarray(ref[0, -1]), atol=1e-4)
 
 
@@ -398,7 +401,7 @@ def test_combined_drafter_sampling_follows_the_verifiers_distribution():
     s, rows = Sampling(0.9, 0.95), 2000
 
     def dist(toks):
-        return np.asarray(sampling_probs(forward_nocache(verifier.params, cfg, jnp.asarray([toks]))[0, -1], s),
+        return np.asarray(sampling_probs(forward(verifier.params, cfg, jnp.asarray([toks])).logits[0, -1], s),
                           np.float64)
 
     # "3 7" recurs: copy; nothing recurs: block; with overrule = 0.01 the random block drafter cuts the copy short

@@ -96,16 +96,16 @@ def test_source_retrieves_needles_the_target_cannot():
 def test_prune_layers_keeps_the_chosen_layers():
     import jax.numpy as jnp
 
-    from kvjax.models.decoder import forward_nocache
+    from kvjax.models.decoder import forward
     from launch.toy.pruned import prune_layers
     cfg, params = kvjax.load_hf(os.path.join(TOY, "source"))
     tokens = jnp.asarray(np.load(os.path.join(TOY, "eval", "heldout_windows.npy"))[:1, :32].astype(np.int32))
     same_cfg, same = prune_layers(cfg, params, range(cfg.num_layers))
     assert same_cfg == cfg
-    np.testing.assert_array_equal(forward_nocache(same, same_cfg, tokens), forward_nocache(params, cfg, tokens))
+    np.testing.assert_array_equal(forward(same, same_cfg, tokens).logits, forward(params, cfg, tokens).logits)
     pcfg, pruned = prune_layers(cfg, params, (0, 3, 5))
     assert pcfg.num_layers == 3 and all(a is params.layers[i] for a, i in zip(pruned.layers, (0, 3, 5)))
-    assert forward_nocache(pruned, pcfg, tokens).shape == (1, 32, cfg.vocab_size)
+    assert forward(pruned, pcfg, tokens).logits.shape == (1, 32, cfg.vocab_size)
     for bad in ((), (0, 6), (-1,)):
         with pytest.raises(ValueError, match="at least one index"):
             prune_layers(cfg, params, bad)

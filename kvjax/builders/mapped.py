@@ -72,5 +72,5 @@ class Mapped(CacheBuilder, Resumable):
         (source, target), (cfg, params) = state, self.source.model
         start = jnp.copy(source.lengths)  # the prefill donates the source cache
         _, source, _, _ = prefill_jit(params, cfg, jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32),
-                                      source, fresh=fresh, logits=False)
+                                      source, fresh=fresh, logits=None)
         return source, span_jit(self.kvmap, source, target, start, width=int(tokens.shape[1]))

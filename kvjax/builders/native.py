@@ -17,7 +17,7 @@ def prefill_cache(model, tokens, lengths, capacity: int, dtype=None) -> KVCache:
     source under a map), so that they share its compilations."""
     cfg, params = model
     _, cache, _, _ = prefill_jit(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths), capacity=capacity,
-                                 dtype=dtype, logits=False)
+                                 dtype=dtype, logits=None)
     return cache
 
 
@@ -41,21 +41,22 @@ class NativePrefill(CacheBuilder, Resumable):
     def resume(self, state, tokens, lengths, fresh: bool = False) -> tuple[KVCache]:
         cfg, params = self.model
         _, cache, _, _ = prefill_jit(params, cfg, jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32),
-                                     state[0], fresh=fresh, logits=False)
+                                     state[0], fresh=fresh, logits=None)
         return (cache,)
 
     def with_features(self, tokens, lengths=None, *, layers: tuple[int, ...], capacity: int | None = None,
                       clock: Clock | None = None) -> tuple[KVCache, jax.Array]:
         """The cache, and the model's hidden states at `layers` over the prompt (kvjax.models.decoder.
-        forward_features: [B, T, len(layers) * D]): what a drafter that reads the model's features starts from."""
+        forward's `features`: [B, T, len(layers) * D]): what a drafter that reads the model's features starts
+        from."""
         tokens, lengths = as_batch(tokens, lengths)
         capacity = bucket(tokens.shape[1]) if capacity is None else int(capacity)
         if capacity < tokens.shape[1]:
             raise ValueError(f"capacity {capacity} is smaller than the {tokens.shape[1]} prompt tokens")
         cfg, params = self.model
         _, cache, features, _ = prefill_jit(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths),
-                                         capacity=capacity, dtype=self._dtype(), logits=False,
-                                         feature_layers=tuple(int(i) for i in layers))
+                                         capacity=capacity, dtype=self._dtype(), logits=None,
+                                         features=tuple(int(i) for i in layers))
         if clock is not None:
             clock("prefill", (cache, features))
         return cache, features

@@ -18,7 +18,6 @@ reading it produced).
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 
@@ -27,7 +26,7 @@ from kvjax.builders.base import CacheBuilder, Clock
 from kvjax.builders.mapped import Mapped, SourcePrefill
 from kvjax.cache import KVCache
 from kvjax.mapper.kvmap import KVMap
-from kvjax.models.decoder import causal_attention, embed, finish, head_angles, prefill_jit, qkv
+from kvjax.models.decoder import forward, prefill_jit
 
 MODES = ("bottom", "top")
 
@@ -52,26 +51,14 @@ def check_layers(num_layers: int, layers) -> tuple[int, ...]:
 def recompute(params, cfg, tokens: jax.Array, lengths: jax.Array, mapped: KVCache, layers: tuple[int, ...]
               ) -> KVCache:
     """`mapped` (a target cache holding the prompt, slots 0..T-1) with the K/V of `layers` recomputed by the target
-    running over tokens int [B, T] (traceable; `layers` static and non-empty). Layers not in `layers` are read, not
-    written: the target's attention there uses the mapped keys/values."""
-    b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))  # a prompt starts at slot 0
-    cos, sin = head_angles(cfg, positions)
-    x = embed(params, tokens)
-    k_buf, v_buf = list(mapped.keys), list(mapped.values)
-    top = max(layers)
-    for i, lp in enumerate(params.layers[: top + 1]):
-        q, k, v = qkv(lp, cfg, x, cos, sin)  # a mapped layer's k, v are unused: XLA drops their projections
-        if i in layers:
-            k_buf[i] = k_buf[i].at[:, :, :t].set(k.transpose(0, 2, 1, 3).astype(k_buf[i].dtype))
-            v_buf[i] = v_buf[i].at[:, :, :t].set(v.transpose(0, 2, 1, 3).astype(v_buf[i].dtype))
-        else:
-            k = k_buf[i][:, :, :t].transpose(0, 2, 1, 3).astype(q.dtype)  # [B, T, Hkv, hd], post-RoPE like qkv's
-            v = v_buf[i][:, :, :t].transpose(0, 2, 1, 3).astype(q.dtype)
-        if i < top:
-            x = finish(lp, cfg, x, causal_attention(q, k, v))
-    return mapped.replace(keys=tuple(k_buf), values=tuple(v_buf), lengths=lengths,
-                          origin=f"partial{list(layers)}:{mapped.origin}")
+    running over tokens int [B, T] (traceable; `layers` static and non-empty): the model's forward pass up to the
+    highest recomputed layer, from position 0 over the prompt alone, the other layers reading the mapped
+    keys/values (forward's `reads`) instead of computing and writing their own."""
+    depth = max(layers) + 1
+    reads = tuple(i for i in range(depth) if i not in layers)
+    out = forward(params, cfg, tokens, mapped.replace(lengths=jnp.zeros_like(mapped.lengths)), lengths=lengths,
+                  logits=None, fresh=True, reads=reads, depth=depth)
+    return out.cache.replace(origin=f"partial{list(layers)}:{mapped.origin}")
 
 
 recompute_jit = aot.jit(recompute, static_argnames=("cfg", "layers"), donate_argnames=("mapped",))
@@ -101,7 +88,7 @@ class PartialRecompute(CacheBuilder):
         cfg, params = self.model
         if len(self.layers) == cfg.num_layers:  # nothing left to map: the native prefill, at its cost
             _, cache, _, _ = prefill_jit(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths), capacity=capacity,
-                                      logits=False)
+                                      logits=None)
             return clock("recompute", cache)
         mapped = self.mapped.build(tokens, lengths, capacity, clock)
         if not self.layers:

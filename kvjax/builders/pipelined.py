@@ -14,33 +14,37 @@ The target cache it returns equals apply_map(kvmap, source prefill cache) up to 
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
+from flax import struct
 
 from kvjax.builders.base import CacheBuilder, Clock
 from kvjax.cache import KVCache
 from kvjax.kernels.map_insert import map_layer
 from kvjax.mapper.kvmap import KVMap, MapSpec, check_models
-from kvjax.models.config import Qwen3Config
+from kvjax.models.family import DecoderConfig
 from kvjax.models.decoder import LayerTap, prefill_jit
 from kvjax.models.params import Params
 
 
-@dataclasses.dataclass(frozen=True)
+@struct.dataclass
 class MapTap(LayerTap):
     """The map as a tap of the prefill program (kvjax.models.decoder.LayerTap): each target layer is mapped right
     after the last source layer it is paired with, each source layer's K/V are kept only until their last use, and
-    the pass stops at the deepest paired layer. Static settings here; the KVMap arrays come in as tap_args."""
+    the pass need not go past the deepest paired layer (`depth`). A pytree: the KVMap's arrays are its leaves, the
+    rest static."""
 
-    spec: MapSpec
-    length: int  # T: the prompt slots mapped
-    capacity: int
-    dtype: object  # of the target cache
-    cache_dtype: object  # what the source cache would store (the map reads that rounding)
-    impl: str
-    interpret: bool
-    block_t: int | None
+    kvmap: KVMap
+    length: int = struct.field(pytree_node=False)  # T: the prompt slots mapped
+    capacity: int = struct.field(pytree_node=False)
+    dtype: object = struct.field(pytree_node=False)  # of the target cache
+    cache_dtype: object = struct.field(pytree_node=False)  # what the source cache would store (the map reads it)
+    impl: str = struct.field(pytree_node=False)
+    interpret: bool = struct.field(pytree_node=False)
+    block_t: int | None = struct.field(pytree_node=False)
+
+    @property
+    def spec(self) -> MapSpec:
+        return self.kvmap.spec
 
     @property
     def depth(self) -> int:
@@ -49,8 +53,9 @@ class MapTap(LayerTap):
     def start(self):
         return {}, {}  # source layer -> (k, v) in cache layout; target layer -> its mapped (k, v) buffers
 
-    def layer(self, i, k, v, state, kvmap: KVMap):
+    def layer(self, i, seen, state):
         kv, mapped = dict(state[0]), dict(state[1])
+        k, v, kvmap = seen.k, seen.v, self.kvmap
         pairing = self.spec.pairing
         last_use = {s: max(max(p) for p in pairing if s in p) for p in pairing for s in p}
         if i in last_use:
@@ -74,7 +79,7 @@ class MapTap(LayerTap):
                        lengths=jnp.minimum(lengths, self.length), origin="mapped")
 
 
-def pipelined_prefill_map(source: tuple[Qwen3Config, Params], kvmap: KVMap, tokens, lengths=None, *,
+def pipelined_prefill_map(source: tuple[DecoderConfig, Params], kvmap: KVMap, tokens, lengths=None, *,
                           capacity: int | None = None, dtype=None, impl: str = "auto", interpret: bool = False,
                           block_t: int | None = None) -> KVCache:
     """Prefill the source on `tokens` int [B, T] (right-padded; `lengths` [B] real tokens per row, default T) and
@@ -97,9 +102,9 @@ def pipelined_prefill_map(source: tuple[Qwen3Config, Params], kvmap: KVMap, toke
         raise ValueError(f"target capacity {capacity} is smaller than the {t} prompt tokens")
     lengths = jnp.full((b,), t, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
     cache_dtype = jnp.dtype(sparams.embed.dtype)
-    tap = MapTap(kvmap.spec, t, capacity, cache_dtype if dtype is None else jnp.dtype(dtype), cache_dtype, impl,
+    tap = MapTap(kvmap, t, capacity, cache_dtype if dtype is None else jnp.dtype(dtype), cache_dtype, impl,
                  bool(interpret), block_t)
-    mapped = prefill_jit(sparams, scfg, tokens, lengths, logits=False, tap=tap, tap_args=kvmap).tapped
+    mapped = prefill_jit(sparams, scfg, tokens, lengths, logits=None, tap=tap, depth=tap.depth).tapped
     return mapped.replace(origin=f"mapped:{kvmap.map_id}")
 
 

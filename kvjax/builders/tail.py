@@ -64,7 +64,7 @@ class NativeTail(CacheBuilder):
         head, tail, tail_len = split_tail(tokens, lengths, self.n)
         cfg, params = self.model
         _, cache, _, _ = prefill_jit(params, cfg, jnp.asarray(tail), jnp.asarray(tail_len),
-                                     mapped.replace(lengths=jnp.asarray(head)), fresh=False, logits=False)
+                                     mapped.replace(lengths=jnp.asarray(head)), fresh=False, logits=None)
         return clock("tail", cache.replace(origin=f"tail{self.n}:{mapped.origin}"))
 
 

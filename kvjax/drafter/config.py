@@ -19,7 +19,7 @@ class DrafterConfig:
     layer: object  # the target family's config with num_layers = the drafter's layers (its layer shapes)
     feature_layers: tuple[int, ...]  # target layers whose *outputs* (residual stream after the layer) it reads
     block_sizes: tuple[int, ...] = (4, 8, 16)  # drafted tokens per block it was trained for
-    target_fingerprint: str = ""  # Qwen3Config.fingerprint() of the target it was built for
+    target_fingerprint: str = ""  # the target config's fingerprint() (DecoderConfig) it was built for
 
     def __post_init__(self):
         if not self.feature_layers or any(i < 0 for i in self.feature_layers):

@@ -23,7 +23,7 @@ from flax import struct
 
 from kvjax.cache import KVCache, init_cache, window_sizes
 from kvjax.drafter.config import DrafterConfig
-from kvjax.models.decoder import NEG_INF, embed, finish, head_angles, qkv, rms_norm
+from kvjax.models.decoder import NEG_INF, embed, forward, head_angles, keys_values, layers_forward, rms_norm
 from kvjax.models.family import family_of
 from kvjax.models.params import ParamSpec, spec
 
@@ -126,17 +126,10 @@ def grow(params: DrafterParams, dcfg: DrafterConfig, target_params) -> DrafterPa
 # ---- verifier features ---------------------------------------------------------------------------------------------
 
 def target_features(tparams, tcfg, tokens: jax.Array, feature_layers: tuple[int, ...]) -> jax.Array:
-    """The verifier's outputs of `feature_layers` for whole sequences from position 0, concatenated: [B, T, F]
-    (training data; at decode time the verify forward returns the same features)."""
-    from kvjax.models.decoder import causal_attention
-    cos, sin = head_angles(tcfg, jnp.arange(tokens.shape[1]))
-    x, out = embed(tparams, tokens), []
-    for i, lp in enumerate(tparams.layers[: max(feature_layers) + 1]):
-        q, k, v = qkv(lp, tcfg, x, cos, sin)
-        x = finish(lp, tcfg, x, causal_attention(q, k, v))
-        if i in feature_layers:
-            out.append(x)
-    return jnp.concatenate(out, axis=-1)
+    """The verifier's outputs of `feature_layers` for whole sequences from position 0, concatenated in the listed
+    order: [B, T, F] (training data; at decode time the verify pass returns the same features)."""
+    return forward(tparams, tcfg, tokens, logits=None, features=tuple(feature_layers),
+                   depth=max(feature_layers) + 1).features
 
 
 # ---- context: the drafter's cache ----------------------------------------------------------------------------------
@@ -149,13 +142,8 @@ def context_hidden(dp: DrafterParams, dcfg: DrafterConfig, features: jax.Array) 
 
 def context_kv(dp: DrafterParams, dcfg: DrafterConfig, features: jax.Array, positions: jax.Array):
     """Per drafter layer, (k, v) [B, T, Hkv, hd] of context features [B, T, F] at absolute `positions` [B, T]."""
-    h = context_hidden(dp, dcfg, features)
     cos, sin = head_angles(dcfg.layer, positions)
-    out = []
-    for lp in dp.layers:
-        _, k, v = qkv(lp, dcfg.layer, h, cos, sin)  # XLA drops the unused q
-        out.append((k, v))
-    return out
+    return keys_values(dp.layers, dcfg.layer, context_hidden(dp, dcfg, features), cos, sin)
 
 
 def init_context(dcfg: DrafterConfig, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
@@ -233,9 +221,8 @@ def draft_logits(dp: DrafterParams, dcfg: DrafterConfig, tparams, cache: KVCache
     positions = cache.lengths[:, None] + jnp.arange(block + 1, dtype=jnp.int32)[None, :]
     cos, sin = head_angles(dcfg.layer, positions)
     valid = jnp.ones(positions.shape, bool)
-    for i, lp in enumerate(dp.layers):
-        q, k, v = qkv(lp, dcfg.layer, x, cos, sin)
-        x = finish(lp, dcfg.layer, x, _attend_cache(q, k, v, cache, i, valid))
+    x, _ = layers_forward(dp.layers, dcfg.layer, x, cos, sin,
+                          lambda i, q, k, v, c: (_attend_cache(q, k, v, cache, i, valid), c))
     x = rms_norm(x[:, 1:], dp.final_norm, dcfg.layer.rms_norm_eps)
     return jnp.einsum("btd,vd->btv", x, head).astype(jnp.float32)
 
@@ -285,8 +272,9 @@ def train_logits(dp: DrafterParams, dcfg: DrafterConfig, tparams, features: jax.
     ctx = context_kv(dp, dcfg, features, jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)))
     ctx_live = jnp.arange(s)[None, None, :] < anchors[..., None]  # [B, K, S]
     hd = dcfg.layer.head_dim
-    for (kc, vc), lp in zip(ctx, dp.layers):
-        q, kb, vb = qkv(lp, dcfg.layer, x, cos, sin)
+
+    def attention(i, q, kb, vb, carry):  # each block over its context (positions < its anchor) and itself
+        kc, vc = ctx[i]
         hq, hkv = q.shape[2], kb.shape[2]
         qg = q.reshape(b, k, block + 1, hkv, hq // hkv, hd)
         kb = kb.reshape(b, k, block + 1, hkv, hd)
@@ -298,6 +286,8 @@ def train_logits(dp: DrafterParams, dcfg: DrafterConfig, tparams, features: jax.
         probs = jax.nn.softmax(scores.astype(jnp.float32) * hd ** -0.5, axis=-1).astype(vb.dtype)
         o = (jnp.einsum("bnkgts,bskd->bntkgd", probs[..., :s], vc)
              + jnp.einsum("bnkgts,bnskd->bntkgd", probs[..., s:], vb))
-        x = finish(lp, dcfg.layer, x, o.reshape(b, k * (block + 1), hq, hd))
+        return o.reshape(b, k * (block + 1), hq, hd), carry
+
+    x, _ = layers_forward(dp.layers, dcfg.layer, x, cos, sin, attention)
     x = rms_norm(x.reshape(b, k, block + 1, -1)[:, :, 1:], dp.final_norm, dcfg.layer.rms_norm_eps)
     return jnp.einsum("bntd,vd->bntv", x, head).astype(jnp.float32)

@@ -8,20 +8,21 @@ are part of the main job's config, which is read and checked before JAX starts.
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvjax.eval.agreement import next_token_agreement
+    from kvjax.eval.token_agreement import next_token_agreement
     from kvjax.eval.likelihood import continuation_logprobs, heldout_loss, native_prefix_cache, window_losses
     from kvjax.eval.multiple_choice import MCItem, MCResult, load_mc, score_mc
     from kvjax.eval.reading import reading_gap, reading_gaps
-    from kvjax.eval.retrieval import RetrievalItem, RetrievalResult, load_retrieval, score_retrieval
+    from kvjax.eval.needle_retrieval import RetrievalItem, RetrievalResult, load_retrieval, score_retrieval
     from kvjax.eval.stats import CI, bootstrap_ci, paired_bootstrap_ci
 
 _EXPORTS = {  # public name -> its module (the lines above)
-    **dict.fromkeys(["next_token_agreement"], "kvjax.eval.agreement"),
+    **dict.fromkeys(["next_token_agreement"], "kvjax.eval.token_agreement"),
     **dict.fromkeys(["continuation_logprobs", "heldout_loss", "native_prefix_cache", "window_losses"],
                     "kvjax.eval.likelihood"),
     **dict.fromkeys(["MCItem", "MCResult", "load_mc", "score_mc"], "kvjax.eval.multiple_choice"),
     **dict.fromkeys(["reading_gap", "reading_gaps"], "kvjax.eval.reading"),
-    **dict.fromkeys(["RetrievalItem", "RetrievalResult", "load_retrieval", "score_retrieval"], "kvjax.eval.retrieval"),
+    **dict.fromkeys(["RetrievalItem", "RetrievalResult", "load_retrieval", "score_retrieval"],
+                    "kvjax.eval.needle_retrieval"),
     **dict.fromkeys(["CI", "bootstrap_ci", "paired_bootstrap_ci"], "kvjax.eval.stats"),
 }
 

@@ -42,7 +42,7 @@ from kvjax.cache import KVCache, cache_jit
 from kvjax.eval.arm_settings import ArmSettings
 from kvjax.eval.likelihood import bucket, continuation_logprobs, fit_capacity
 from kvjax.eval.multiple_choice import MCItem, MCResult, PrefixFn, encode
-from kvjax.eval.retrieval import RetrievalItem, RetrievalResult
+from kvjax.eval.needle_retrieval import RetrievalItem, RetrievalResult
 from kvjax.generation import pad_prompts
 from kvjax.models.model import Model
 from kvjax.mapper.kvmap import KVMap
@@ -212,7 +212,7 @@ def score_mc_arms(items: list[MCItem], tokenizer, arms: list[Arm], normalize: st
 def _teacher_forced(params, cfg, cache, tokens, answer_lengths):
     """tokens [B, 1 + A] = last prompt token then the answer: (answer sum log-prob [B], top token at each answer
     position [B, A] (-1 past each row's length))."""
-    logits, _ = forward(params, cfg, tokens, cache, lengths=1 + answer_lengths)
+    logits = forward(params, cfg, tokens, cache, lengths=1 + answer_lengths).logits
     logits = logits[:, :-1].astype(jnp.float32)  # position j predicts answer token j
     logp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), tokens[:, 1:, None], -1)[..., 0]
     mask = jnp.arange(tokens.shape[1] - 1)[None, :] < answer_lengths[:, None]

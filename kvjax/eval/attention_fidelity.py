@@ -14,26 +14,16 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from kvjax import aot
-from kvjax.models.decoder import causal_attention, embed, finish, head_angles, qkv
+from kvjax.models.decoder import Stack, causal_attention, forward
 
 
 @functools.partial(aot.jit, static_argnames=("cfg",))
 def native_attention(params, cfg, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The target's queries q [L, B, T, Hq, hd] and attention outputs [L, B, T, Hq, hd] of its own forward pass over
     tokens int [B, T] (from position 0)."""
-    cos, sin = head_angles(cfg, jnp.arange(tokens.shape[1]))
-    x = embed(params, tokens)
-    qs, outs = [], []
-    for lp in params.layers:
-        q, k, v = qkv(lp, cfg, x, cos, sin)
-        attn = causal_attention(q, k, v)
-        qs.append(q)
-        outs.append(attn)
-        x = finish(lp, cfg, x, attn)
-    return jnp.stack(qs), jnp.stack(outs)
+    return forward(params, cfg, tokens, logits=None, tap=Stack(lambda s: (s.q, s.attn))).tapped
 
 
 @aot.jit

@@ -21,9 +21,9 @@ from kvjax import aot
 from kvjax.builders.base import bucket
 from kvjax.builders import NativePrefill
 from kvjax.cache import KVCache, cache_jit, check_compatible, init_cache
-from kvjax.models.config import Qwen3Config
+from kvjax.models.family import DecoderConfig
 from kvjax.models.params import Params
-from kvjax.models.decoder import forward, forward_nocache
+from kvjax.models.decoder import forward
 
 def fit_capacity(cache: KVCache, capacity: int) -> KVCache:
     """The cache with its time axis zero-padded or cut to `capacity` (which must hold every row's valid part)."""
@@ -38,7 +38,7 @@ def fit_capacity(cache: KVCache, capacity: int) -> KVCache:
     return cache.map_layers(lambda a: jnp.pad(a, pad))
 
 
-def native_prefix_cache(params: Params, cfg: Qwen3Config, context_ids, batch: int, capacity: int | None = None,
+def native_prefix_cache(params: Params, cfg: DecoderConfig, context_ids, batch: int, capacity: int | None = None,
                         dtype=None) -> KVCache:
     """A cache of `batch` identical rows holding context_ids[:-1] (the scorers run the last token themselves).
 
@@ -61,7 +61,7 @@ def native_prefix_cache(params: Params, cfg: Qwen3Config, context_ids, batch: in
 @functools.partial(cache_jit, static_argnames=("cfg",))
 def _continuation_logprobs(params, cfg, cache, tokens, cont_lengths):
     """tokens [B, 1 + C] = last context token then the continuation; (sum logprob [B], per-token logprob [B, C])."""
-    logits, _ = forward(params, cfg, tokens, cache, lengths=1 + cont_lengths)
+    logits = forward(params, cfg, tokens, cache, lengths=1 + cont_lengths).logits
     logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)  # position j predicts token j + 1
     token_logp = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]  # [B, C]
     mask = jnp.arange(tokens.shape[1] - 1)[None, :] < cont_lengths[:, None]
@@ -69,7 +69,7 @@ def _continuation_logprobs(params, cfg, cache, tokens, cont_lengths):
     return token_logp.sum(axis=1), token_logp
 
 
-def continuation_logprobs(params: Params, cfg: Qwen3Config, prefix_cache: KVCache, last_tokens, continuations,
+def continuation_logprobs(params: Params, cfg: DecoderConfig, prefix_cache: KVCache, last_tokens, continuations,
                           cont_lengths, return_tokens: bool = False):
     """Log-probability of each row's continuation given its cached prefix and last context token.
 
@@ -98,11 +98,11 @@ def continuation_logprobs(params: Params, cfg: Qwen3Config, prefix_cache: KVCach
 
 @functools.partial(aot.jit, static_argnames=("cfg",))
 def _window_losses(params, cfg, windows):
-    logits = forward_nocache(params, cfg, windows[:, :-1]).astype(jnp.float32)
+    logits = forward(params, cfg, windows[:, :-1]).logits.astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:]).mean(axis=1)
 
 
-def window_losses(params: Params, cfg: Qwen3Config, windows, batch_size: int = 8) -> np.ndarray:
+def window_losses(params: Params, cfg: DecoderConfig, windows, batch_size: int = 8) -> np.ndarray:
     """Mean next-token cross-entropy (nats) of each window int [N, T+1] -> float [N]. The last batch is padded by
     repeating windows (one compiled shape)."""
     windows = np.asarray(windows, np.int32)
@@ -114,6 +114,6 @@ def window_losses(params: Params, cfg: Qwen3Config, windows, batch_size: int = 8
     return np.concatenate(out)[:n]
 
 
-def heldout_loss(params: Params, cfg: Qwen3Config, windows, batch_size: int = 8) -> float:
+def heldout_loss(params: Params, cfg: DecoderConfig, windows, batch_size: int = 8) -> float:
     """Mean cross-entropy (nats per token) over windows int [N, T+1] (all windows have T predicted tokens)."""
     return float(window_losses(params, cfg, windows, batch_size).mean())

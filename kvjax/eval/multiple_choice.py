@@ -26,7 +26,7 @@ from tqdm import tqdm
 from kvjax.cache import KVCache
 from kvjax.eval.likelihood import continuation_logprobs, native_prefix_cache
 from kvjax.generation import pad_prompts
-from kvjax.models.config import Qwen3Config
+from kvjax.models.family import DecoderConfig
 from kvjax.models.params import Params
 
 SCHEMAS = ("hellaswag", "piqa")
@@ -138,7 +138,7 @@ def encode(tokenizer, text: str) -> list[int]:
     return list(getattr(enc, "ids", enc))
 
 
-def score_item(item: MCItem, tokenizer, params: Params, cfg: Qwen3Config, prefix_fn: PrefixFn):
+def score_item(item: MCItem, tokenizer, params: Params, cfg: DecoderConfig, prefix_fn: PrefixFn):
     """(sum log-prob [K], tokens [K], bytes [K]) of one item's options."""
     context = encode(tokenizer, item.context)
     options = [encode(tokenizer, o) for o in item.options]
@@ -151,7 +151,7 @@ def score_item(item: MCItem, tokenizer, params: Params, cfg: Qwen3Config, prefix
     return total, n, np.asarray([len(o.encode()) for o in item.options])
 
 
-def score_mc(items: list[MCItem], tokenizer, params: Params, cfg: Qwen3Config, *, prefix_fn: PrefixFn | None = None,
+def score_mc(items: list[MCItem], tokenizer, params: Params, cfg: DecoderConfig, *, prefix_fn: PrefixFn | None = None,
              normalize: str = "length", progress: bool = True) -> MCResult:
     """Score every option of every item (all items must have the same number of options K).
 

@@ -12,7 +12,7 @@ import string
 import numpy as np
 
 from kvjax.eval.multiple_choice import encode
-from kvjax.eval.retrieval import RetrievalItem
+from kvjax.eval.needle_retrieval import RetrievalItem
 
 DEPTH = (0.1, 0.2)
 

@@ -23,13 +23,13 @@ import numpy as np
 
 from kvjax import aot
 from kvjax.mapper.kl import kl
-from kvjax.models.decoder import forward_nocache
+from kvjax.models.decoder import forward
 
 
 @functools.partial(aot.jit, static_argnames=("cfg", "cont"))
 def _cont_logits(params, cfg, tokens, cont: int):
     """Logits [B, cont, V] predicting tokens[:, -cont:], reading everything before them."""
-    return forward_nocache(params, cfg, tokens[:, :-1])[:, -cont:].astype(jnp.float32)
+    return forward(params, cfg, tokens[:, :-1]).logits[:, -cont:].astype(jnp.float32)
 
 
 @aot.jit

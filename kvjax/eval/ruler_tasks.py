@@ -185,10 +185,10 @@ def task_seed(seed: int, length: int, name: str) -> list[int]:
 
 def make_task_items(task: str | Task, heldout_tokens: np.ndarray, tokenizer, length: int, n: int, seed: int = 0,
                     sizes: Sizes = Sizes()) -> list:
-    """n kvjax.eval.retrieval.RetrievalItem of `length` tokens for one task, from a flat held-out token array
+    """n kvjax.eval.needle_retrieval.RetrievalItem of `length` tokens for one task, from a flat held-out token array
     (deterministic in seed, length and the task's name). `needle_position` is where the asked needle starts (the
     first needle for multivalue, the asked chain's first for vt)."""
-    from kvjax.eval.retrieval import RetrievalItem
+    from kvjax.eval.needle_retrieval import RetrievalItem
     task = TASKS[task] if isinstance(task, str) else task
     lo, hi = sizes.depth
     if not 0 <= lo < hi <= 1:

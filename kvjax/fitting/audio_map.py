@@ -26,7 +26,7 @@ import optax
 from kvjax import aot
 from kvjax.mapper.kl import kl
 from kvjax.mapper.kvmap import KVMap, apply_map
-from kvjax.models.audio import AudioLM, prompt_embeddings_jit
+from kvjax.models.audio_lm import AudioLM, prompt_embeddings_jit
 from kvjax.models.decoder import forward, prefill_jit
 from kvjax.models.model import Model
 
@@ -77,8 +77,7 @@ def audio_pool(source: AudioLM, prompts: np.ndarray, prompt_lengths: np.ndarray,
         mask = np.zeros(rows.shape, bool)
         mask[:, :p.shape[1]] = (p == source.audio_token_index) & (np.arange(p.shape[1])[None] < n[:, None])
         embeds = prompt_embeddings_jit(source, rows, mask, features[sl], frames[sl])
-        out = prefill_jit(source.lm.params, source.lm.cfg, None, jnp.asarray(n + c, jnp.int32), last_only=False,
-                          embeds=embeds)
+        out = prefill_jit(source.lm.params, source.lm.cfg, embeds, jnp.asarray(n + c, jnp.int32), logits="all")
         teacher.append(_text_logits(out.logits, n, c))
         # the cache holds the prompt's first n - 1 positions for the student (it reads the last prompt token itself)
         caches.append(out.cache.replace(lengths=jnp.asarray(n - 1, out.cache.lengths.dtype)))
@@ -100,7 +99,7 @@ def transcript_teacher(source: Model, prompts: np.ndarray, prompt_lengths: np.nd
     for i in range(0, len(prompts), batch_size):
         p, n, x = prompts[i:i + batch_size], prompt_lengths[i:i + batch_size], texts[i:i + batch_size]
         rows = _prompt_then_text(p, n, x)
-        logits = prefill_jit(params, cfg, jnp.asarray(rows), jnp.asarray(n + c, jnp.int32), last_only=False).logits
+        logits = prefill_jit(params, cfg, jnp.asarray(rows), jnp.asarray(n + c, jnp.int32), logits="all").logits
         out.append(_text_logits(logits, n, c))
     return out
 
@@ -110,7 +109,7 @@ def _student_logits(kvmap: KVMap, target: Model, cache, text: jax.Array) -> jax.
     (traceable)."""
     tcfg, tparams = target
     mapped = apply_map(kvmap, cache, capacity=cache.capacity)  # rows keep their lengths: text goes after them
-    return forward(tparams, tcfg, text[:, :-1], mapped)[0]
+    return forward(tparams, tcfg, text[:, :-1], mapped).logits
 
 
 def student_kl(kvmap: KVMap, target: Model, cache, teacher: jax.Array, text: jax.Array) -> jax.Array:

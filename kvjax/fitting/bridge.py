@@ -43,7 +43,7 @@ from kvjax.kernels.features import layer_features, paired_features
 from kvjax.mapper.kvmap import KVMap, LinearMap, spec_for
 from kvjax.mapper.pairing import Pairing, check_pairing, depth_pairing
 from kvjax.mapper.ridge import LAMBDAS, Stats, chunk_stats, r2, reference, select, solve, to_stats
-from kvjax.models.decoder import causal_attention, embed, finish, head_angles, prefill_forward, qkv
+from kvjax.models.decoder import Stack, forward, prefill_forward
 from kvjax.models.model import Model
 
 MATCH_LAMBDA = 1e-3  # the single-head fits that rank source heads (relative to the mean eigenvalue of cov(x))
@@ -76,16 +76,12 @@ def attention_mass(params, cfg, tokens: jax.Array) -> jax.Array:
     head the mean attention probability position j receives from the queries at or after it (i >= j: the last
     position's is its own query's), averaged over the head's query heads. sum_j (T - j) * mass[j] = T."""
     t = tokens.shape[1]
-    cos, sin = head_angles(cfg, jnp.arange(t))
-    x = embed(params, tokens)
     readers = (t - jnp.arange(t)).astype(jnp.float32)  # queries that can read position j
-    out = []
-    for lp in params.layers:
-        q, k, v = qkv(lp, cfg, x, cos, sin)
-        g = q.shape[2] // k.shape[2]
-        out.append(_received(q, k) / (g * readers))
-        x = finish(lp, cfg, x, causal_attention(q, k, v))
-    return jnp.stack(out)
+
+    def mass(s):  # the layer's received probability, averaged over each KV head's query group and the readers
+        return _received(s.q, s.k) / (s.q.shape[2] // s.k.shape[2] * readers)
+
+    return forward(params, cfg, tokens, logits=None, tap=Stack(mass)).tapped
 
 
 def mass_weights(mass: jax.Array, clip: float | None = CLIP) -> jax.Array:
@@ -116,8 +112,8 @@ def _head_stats(sparams, tparams, scfg, tcfg, pairing: Pairing, columns: Columns
                 refs):
     """Per target layer, kind and head: the chunk statistics of its chosen source columns -> its features, weighted
     by its attention mass when `weighted`."""
-    src = prefill_forward(sparams, scfg, tokens, logits=False).cache
-    tgt = prefill_forward(tparams, tcfg, tokens, logits=False).cache
+    src = prefill_forward(sparams, scfg, tokens, logits=None).cache
+    tgt = prefill_forward(tparams, tcfg, tokens, logits=None).cache
     weights = mass_weights(attention_mass(tparams, tcfg, tokens), clip) if weighted else None  # [L, B, Hkv, T]
     flat = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731
     flat_mask, hd = mask.reshape(-1), tcfg.head_dim

@@ -17,7 +17,7 @@ from kvjax import distributed, sharding
 from kvjax.kernels.features import layer_features, paired_features
 from kvjax.mapper.pairing import Pairing
 from kvjax.mapper.ridge import Stats, chunk_stats, to_stats
-from kvjax.models.config import Qwen3Config
+from kvjax.models.family import DecoderConfig
 from kvjax.models.decoder import prefill_forward
 from kvjax.models.model import Model
 from kvjax.models.params import shard_params
@@ -38,8 +38,8 @@ def pairs_of(pairing: Pairing, targets: tuple[int, ...] | None = None) -> Pairs:
 
 @functools.partial(aot.jit, static_argnames=("scfg", "tcfg", "pairs"))
 def _window_stats(sparams, tparams, scfg, tcfg, pairs: Pairs, tokens, mask, refs):
-    src = prefill_forward(sparams, scfg, tokens, logits=False).cache  # the models' own caches
-    tgt = prefill_forward(tparams, tcfg, tokens, logits=False).cache
+    src = prefill_forward(sparams, scfg, tokens, logits=None).cache  # the models' own caches
+    tgt = prefill_forward(tparams, tcfg, tokens, logits=None).cache
     flat_mask = mask.reshape(-1)
     out = []
     for i, (t, layers) in enumerate(pairs):
@@ -51,12 +51,12 @@ def _window_stats(sparams, tparams, scfg, tcfg, pairs: Pairs, tokens, mask, refs
     return out
 
 
-def feature_sizes(scfg: Qwen3Config, tcfg: Qwen3Config, pairing: Pairing) -> list[tuple[int, int]]:
+def feature_sizes(scfg: DecoderConfig, tcfg: DecoderConfig, pairing: Pairing) -> list[tuple[int, int]]:
     """(Fx, Fy) of each target layer's statistics (keys and values alike)."""
     return [(len(layers) * scfg.num_kv_heads * scfg.head_dim, tcfg.num_kv_heads * tcfg.head_dim) for layers in pairing]
 
 
-def _refs32(scfg: Qwen3Config, tcfg: Qwen3Config, pairing: Pairing, refs) -> list[tuple[np.ndarray, np.ndarray]]:
+def _refs32(scfg: DecoderConfig, tcfg: DecoderConfig, pairing: Pairing, refs) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per target layer (key ref, value ref) as float32 [Fx, Fy]; zeros (statistics of y itself) where refs is None."""
     sizes = feature_sizes(scfg, tcfg, pairing)
     if refs is None:
@@ -155,8 +155,8 @@ def _sharded_stats_fn(scfg, tcfg, pairs: Pairs, mesh: Mesh, s_shardings, t_shard
     out = NamedSharding(mesh, P(sharding.RULES["batch"]))
 
     def fn(sparams, tparams, tokens, mask, refs):
-        src = prefill_forward(sparams, scfg, tokens, logits=False).cache
-        tgt = prefill_forward(tparams, tcfg, tokens, logits=False).cache
+        src = prefill_forward(sparams, scfg, tokens, logits=None).cache
+        tgt = prefill_forward(tparams, tcfg, tokens, logits=None).cache
         split = lambda a: a.reshape(shards, -1, a.shape[-1])  # noqa: E731  [B, T, F] -> [S, B/S*T, F]
         m = mask.reshape(shards, -1)
         stats = jax.vmap(chunk_stats, in_axes=(0, 0, 0, None))

@@ -24,7 +24,7 @@ from kvjax.fitting.calibrate import batches_of, collect_stats
 from kvjax.mapper.kvmap import KVMap, LinearMap, spec_for
 from kvjax.mapper.pairing import Pairing
 from kvjax.mapper.ridge import LAMBDAS, RidgeFit, Stats, mse, reference, solve
-from kvjax.models.config import Qwen3Config
+from kvjax.models.family import DecoderConfig
 from kvjax.models.model import Model
 
 RIDGE_PARTS = ("mu", "w_in", "w_out", "bias")  # the parameters of a map without residual, as the method stores them
@@ -80,7 +80,7 @@ def rank_grid(ranks, max_rank: int) -> list[int | None]:
     return sorted(r for r in clipped if r < max_rank) + ([None] if full else [])
 
 
-def map_from_fits(fits: list[tuple[RidgeFit, RidgeFit]], stats: SweepStats, scfg: Qwen3Config, tcfg: Qwen3Config,
+def map_from_fits(fits: list[tuple[RidgeFit, RidgeFit]], stats: SweepStats, scfg: DecoderConfig, tcfg: DecoderConfig,
                   rank: int | None) -> KVMap:
     """A KVMap of per-layer (key, value) ridge fits, no residual (zero rank-1 network); the residual input scale as
     fit_map sets it."""
@@ -106,7 +106,7 @@ def truncated(fit: RidgeFit, rank: int | None) -> RidgeFit:
     return dataclasses.replace(fit, w_in=fit.w_in[:, :r], w_out=fit.w_out[:r])
 
 
-def fit_ranks(stats: SweepStats, scfg: Qwen3Config, tcfg: Qwen3Config, ranks, lams=LAMBDAS) -> list[RankFit]:
+def fit_ranks(stats: SweepStats, scfg: DecoderConfig, tcfg: DecoderConfig, ranks, lams=LAMBDAS) -> list[RankFit]:
     """The reduced-rank ridge map at each of `ranks` (None: full), lambda chosen per rank, layer and kind on the
     held-out statistics as kvjax.mapper.ridge.select chooses it (with one lambda in `lams`: that lambda). One solve
     per (layer, kind, lambda) serves every rank (truncated)."""
@@ -133,13 +133,13 @@ def fit_ranks(stats: SweepStats, scfg: Qwen3Config, tcfg: Qwen3Config, ranks, la
     return out
 
 
-def fit_rank(stats: SweepStats, scfg: Qwen3Config, tcfg: Qwen3Config, rank: int | None, lams=LAMBDAS) -> RankFit:
+def fit_rank(stats: SweepStats, scfg: DecoderConfig, tcfg: DecoderConfig, rank: int | None, lams=LAMBDAS) -> RankFit:
     return fit_ranks(stats, scfg, tcfg, [rank], lams)[0]
 
 
 def ridge_params(kvmap: KVMap) -> int:
     """Parameters of the map's ridge part as the method stores them (mu, w_in, w_out, bias per target layer and
-    kind; float32, 4 bytes each): what kvjax.stages.report counts for a ridge map's size_bytes."""
+    kind; float32, 4 bytes each): what kvjax.job.reporting counts for a ridge map's size_bytes."""
     return int(sum(getattr(m, p).size for m in (*kvmap.keys, *kvmap.values) for p in RIDGE_PARTS))
 
 

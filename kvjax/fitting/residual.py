@@ -30,7 +30,7 @@ from tqdm import tqdm
 from kvjax import aot
 from kvjax import checkpointing, distributed, sharding
 from kvjax.distributed import TokenWindows
-from kvjax.generation import Sampling, decode_loop
+from kvjax.generation import greedy_continuation
 from kvjax.mapper.artifact import load_map, read_manifest
 from kvjax.fitting.calibrate import model_on_mesh
 from kvjax.fitting.copy_windows import COPY_SKIP, fact_format, fact_windows
@@ -39,7 +39,7 @@ from kvjax.mapper.kl import kl
 from kvjax.mapper.kvmap import KVMap, apply_map, kvmap_shardings
 from kvjax.fitting.residual_config import ResidualConfig
 from kvjax.fitting.teacher_pool import Pool, build_pool, pool_of, teacher_logits
-from kvjax.models.decoder import forward, forward_nocache, prefill_forward
+from kvjax.models.decoder import forward, prefill_forward
 from kvjax.windows import step_batch, step_starts
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ def student_logits(kvmap: KVMap, target: Model, source_cache, tokens: jax.Array,
     """The target's logits [B, T', V] for tokens[:, prefix-1:-1] read after the mapped cache of tokens[:, :prefix-1]."""
     tcfg, tparams = target
     mapped = apply_map(kvmap, source_cache, capacity=tokens.shape[1], length=prefix - 1)
-    return forward(tparams, tcfg, tokens[:, prefix - 1 : -1], mapped)[0]
+    return forward(tparams, tcfg, tokens[:, prefix - 1 : -1], mapped).logits
 
 
 def position_kl(kvmap: KVMap, source: Model, target: Model, tokens: jax.Array, prefix: int,
@@ -86,9 +86,9 @@ def position_kl(kvmap: KVMap, source: Model, target: Model, tokens: jax.Array, p
     having read the prefix natively: the teacher when the reader is the weaker model)."""
     scfg, sparams = source
     tmodel = {"source": source, "target": target}[teacher]
-    teacher_logits = forward_nocache(tmodel[1], tmodel[0], tokens[:, :-1])[:, prefix - 1 :]
+    teacher_logits = forward(tmodel[1], tmodel[0], tokens[:, :-1]).logits[:, prefix - 1 :]
     teacher = jax.lax.stop_gradient(teacher_logits)
-    src_cache = jax.lax.stop_gradient(prefill_forward(sparams, scfg, tokens[:, : prefix - 1], logits=False).cache)
+    src_cache = jax.lax.stop_gradient(prefill_forward(sparams, scfg, tokens[:, : prefix - 1], logits=None).cache)
     return kl(teacher, student_logits(kvmap, target, src_cache, tokens, prefix))
 
 
@@ -100,14 +100,13 @@ def window_kl(kvmap: KVMap, source: Model, target: Model, tokens: jax.Array, pre
 
 
 def rollout_windows(kvmap: KVMap, source: Model, target: Model, prefix_tokens: jax.Array, n: int) -> jax.Array:
-    """prefix + the target's greedy continuation of n tokens from the mapped prefix cache (traceable)."""
+    """prefix + the target's greedy continuation of n tokens (kvjax.generation.greedy_continuation) from the mapped
+    cache of prefix[:-1] (traceable)."""
     (scfg, sparams), (tcfg, tparams) = source, target
-    b, p = prefix_tokens.shape
-    source_cache = prefill_forward(sparams, scfg, prefix_tokens[:, :-1], logits=False).cache
+    p = prefix_tokens.shape[1]
+    source_cache = prefill_forward(sparams, scfg, prefix_tokens[:, :-1], logits=None).cache
     mapped = apply_map(kvmap, source_cache, capacity=p + n, length=p - 1)
-    logits, mapped = forward(tparams, tcfg, prefix_tokens[:, -1:], mapped)
-    out, _, _ = decode_loop(tparams, tcfg, mapped, logits[:, 0], n, jax.random.key(0), Sampling(), (), 0)
-    return jnp.concatenate([prefix_tokens, out], axis=1)
+    return jnp.concatenate([prefix_tokens, greedy_continuation(tparams, tcfg, mapped, prefix_tokens[:, -1], n)], axis=1)
 
 
 @functools.partial(aot.jit, static_argnames=("source_cfg", "target_cfg", "prefix", "teacher"))

@@ -1,5 +1,5 @@
 """The residual training's settings, in a module without JAX, optax or orbax, so that a run config
-(``kvjax.run_config``) can hold them without importing the trainer (``kvjax.fitting.residual``)."""
+(``kvjax.run.config``) can hold them without importing the trainer (``kvjax.fitting.residual``)."""
 
 from __future__ import annotations
 

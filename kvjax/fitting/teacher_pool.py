@@ -68,10 +68,10 @@ def _pool_batch(sparams, tparams, scfg, tcfg, tokens, prefix: int, teacher: str)
     the source as teacher one pass gives both (causal: its cache of the first prefix - 1 positions is the prefix's)."""
     inputs = tokens[:, :-1]
     model_params, model_cfg = (sparams, scfg) if teacher == "source" else (tparams, tcfg)
-    _, cache, h, _ = prefill_forward(model_params, model_cfg, inputs, last_only=False, logits=False,
-                                     feature_layers=(model_cfg.num_layers - 1,))
+    _, cache, h, _ = prefill_forward(model_params, model_cfg, inputs, logits=None,
+                                     features=(model_cfg.num_layers - 1,))
     if teacher != "source":
-        cache = prefill_forward(sparams, scfg, inputs[:, : prefix - 1], logits=False).cache
+        cache = prefill_forward(sparams, scfg, inputs[:, : prefix - 1], logits=None).cache
     return cache.k[:, :, :, : prefix - 1], cache.v[:, :, :, : prefix - 1], h[:, prefix - 1 :]
 
 

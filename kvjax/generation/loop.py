@@ -19,12 +19,12 @@ from kvjax.builders import CacheBuilder, Clock
 from kvjax.cache import KVCache, cache_jit
 from kvjax.generation.prompts import prepare
 from kvjax.generation.sampling import Sampling, sample
-from kvjax.models.config import Qwen3Config
-from kvjax.models.decoder import decode_jit, forward, prefill_forward
+from kvjax.models.family import DecoderConfig
+from kvjax.models.decoder import decode, decode_jit, prefill_forward
 from kvjax.models.params import Params
 
 
-def decode_loop(params: Params, cfg: Qwen3Config, cache: KVCache, logits: jax.Array, max_new_tokens: int,
+def decode_loop(params: Params, cfg: DecoderConfig, cache: KVCache, logits: jax.Array, max_new_tokens: int,
                 key: jax.Array, sampling: Sampling, eos_ids: tuple[int, ...], pad_id: int):
     """From the logits [B, V] of each row's last cached token, produce max_new_tokens tokens [B, N] (traceable).
 
@@ -54,15 +54,24 @@ def decode_loop(params: Params, cfg: Qwen3Config, cache: KVCache, logits: jax.Ar
 
     def body(state):
         i, out, cache, tok, done, count, key = state
-        logits, cache = forward(params, cfg, tok[:, None], cache)
+        logits, cache = decode(params, cfg, tok, cache)
         key, sub = jax.random.split(key)
-        nxt, new_done = pick(logits[:, 0], sub, done)
+        nxt, new_done = pick(logits, sub, done)
         count = count + (~done).astype(jnp.int32)
         out = jax.lax.dynamic_update_slice(out, nxt[:, None], (0, i))
         return i + 1, out, cache, nxt, new_done, count, key
 
     _, out, cache, _, _, count, _ = jax.lax.while_loop(cond, body, (1, out, cache, tok, done, count, key))
     return out, cache.with_keys_transposed(False), count
+
+
+def greedy_continuation(params: Params, cfg: DecoderConfig, cache: KVCache, last: jax.Array, n: int) -> jax.Array:
+    """The model reads `last` [B] (each row's last prompt token) after `cache` (room for n more positions), then
+    decode_loop picks n tokens greedily with no stop at EOS: int32 [B, n] (traceable). The rollouts of training and
+    evaluation (kvjax.fitting.residual, kvjax.eval.divergence, kvjax.eval.needle_retrieval) continue a built cache
+    with it."""
+    logits, cache = decode(params, cfg, last, cache)
+    return decode_loop(params, cfg, cache, logits, n, jax.random.key(0), Sampling(), (), 0)[0]
 
 
 def _generate(params, cfg, tokens, lengths, key, *, max_new_tokens, capacity, sampling, eos_ids, pad_id,
@@ -76,7 +85,7 @@ _generate_jit = aot.jit(_generate, static_argnames=("cfg", "max_new_tokens", "ca
                                                     "pad_id", "cache_dtype"))
 
 
-def generate(params: Params, cfg: Qwen3Config, prompt, max_new_tokens: int, *, prompt_lengths=None,
+def generate(params: Params, cfg: DecoderConfig, prompt, max_new_tokens: int, *, prompt_lengths=None,
              temperature: float = 0.0, top_p: float = 1.0, key: jax.Array | None = None,
              eos_token_ids=None, pad_token_id: int | None = None, cache_dtype=None) -> jax.Array:
     """Generate max_new_tokens tokens after each prompt; returns int32 [B, N].

@@ -39,6 +39,20 @@ def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+
+def sample_rows(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, keys: jax.Array) -> jax.Array:
+    """`sample` with each row's own settings and key: logits [B, V], temperature, top_p and keys [B] (arrays, so
+    rows of one batch may differ: a server's requests, each sampling the same tokens whatever shares its batch).
+    Next tokens int32 [B]; a row's temperature must be > 0 (a greedy row's result is unused: take the argmax)."""
+    x = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)[:, None]
+    order = jnp.argsort(-x, axis=-1)
+    sorted_x = jnp.take_along_axis(x, order, axis=-1)
+    probs = jax.nn.softmax(sorted_x, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly more likely tokens, as `sample`
+    sorted_x = jnp.where(before < top_p[:, None], sorted_x, -jnp.inf)
+    choice = jax.vmap(jax.random.categorical)(keys, sorted_x)
+    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
 def sampling_probs(logits: jax.Array, sampling: Sampling) -> jax.Array:
     """The distribution `sample` draws from, as probabilities [..., V] f32: softmax(logits / T), restricted to the
     smallest set of most likely tokens whose mass reaches top_p (a token is kept when the mass of strictly more

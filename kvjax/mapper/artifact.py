@@ -16,7 +16,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from kvjax.mapper.kvmap import KVMap, LinearMap, MapSpec
-from kvjax.models.config import Qwen3Config
+from kvjax.models.family import DecoderConfig
 from kvjax.models.rope import Rope
 
 MANIFEST = "manifest.json"
@@ -125,7 +125,7 @@ def _restore(path: str, like: dict) -> dict:
         return ckptr.restore(path, args=ocp.args.PyTreeRestore(item=like, restore_args=restore_args))
 
 
-def load_map(path: str, source: Qwen3Config | None = None, target: Qwen3Config | None = None,
+def load_map(path: str, source: DecoderConfig | None = None, target: DecoderConfig | None = None,
              sharding: jax.sharding.Sharding | None = None) -> KVMap:
     """Load a map saved on any mesh or process count; with `source`/`target` configs, refuse (clearly) a map fitted
     for other models. Every array goes to `sharding` (e.g. NamedSharding(mesh, P()) to replicate it over a mesh;

@@ -11,10 +11,10 @@ import numpy as np
 
 from kvjax.mapper.kvmap import KVMap, LinearMap, direct_map, spec_for
 from kvjax.mapper.pairing import depth_pairing
-from kvjax.models.config import Qwen3Config
+from kvjax.models.family import DecoderConfig
 
 
-def injection_map(source: Qwen3Config, target: Qwen3Config) -> KVMap:
+def injection_map(source: DecoderConfig, target: DecoderConfig) -> KVMap:
     """The direct-injection baseline as a map: each target layer gets its nearest-depth source layer's features
     unchanged (kvjax.mapper.kvmap.direct_map) or, when widths differ, cut / zero-padded to the target's width."""
     pairing = depth_pairing(source.num_layers, target.num_layers)
@@ -30,6 +30,6 @@ def injection_map(source: Qwen3Config, target: Qwen3Config) -> KVMap:
     return KVMap(keys=layers, values=layers, spec=spec_for(source, target, pairing, None, 1))
 
 
-def injection_kind(source: Qwen3Config, target: Qwen3Config) -> str:
+def injection_kind(source: DecoderConfig, target: DecoderConfig) -> str:
     same = (source.num_kv_heads, source.head_dim) == (target.num_kv_heads, target.head_dim)
     return "copy" if same else "width-matched (cut / zero-padded)"

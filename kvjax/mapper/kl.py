@@ -1,6 +1,6 @@
 """KL(teacher || student) between two models' next-token distributions: the residual map's training loss
 (``kvjax.fitting.residual``) and the evaluations' measure of how far a cache moves the answering model
-(``kvjax.eval.agreement``, ``kvjax.eval.reading``). Its own module so that measuring does not import training."""
+(``kvjax.eval.token_agreement``, ``kvjax.eval.reading``). Its own module so that measuring does not import training."""
 
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ from kvjax.cache import KVCache
 from kvjax.kernels.map_insert import map_layer, resolve_impl
 from kvjax.mapper.pairing import Pairing
 from kvjax.mapper.ridge import RidgeFit
-from kvjax.models.config import Qwen3Config
+from kvjax.models.family import DecoderConfig
 from kvjax.models.rope import Rope, apply_rope, rope_table, unapply_rope
 
 ATTENTION_THETA = 10_000.0  # RoPE of the translator's own attention (its head width is its own, not a model's)
@@ -169,7 +169,7 @@ def kvmap_shardings(kvmap: KVMap, mesh: Mesh, rules=None) -> KVMap:
     return tree_shardings(kvmap, kvmap_axes(kvmap), mesh, rules)
 
 
-def spec_for(source: Qwen3Config, target: Qwen3Config, pairing: Pairing, rank: int | None,
+def spec_for(source: DecoderConfig, target: DecoderConfig, pairing: Pairing, rank: int | None,
              residual_rank: int) -> MapSpec:
     return MapSpec(pairing=pairing, source_fingerprint=source.fingerprint(), target_fingerprint=target.fingerprint(),
                    source_rope=source.rope, target_rope=target.rope,
@@ -218,7 +218,7 @@ def widen_residual(kvmap: KVMap, residual_rank: int, key: jax.Array) -> KVMap:
                          spec=dataclasses.replace(kvmap.spec, residual_rank=residual_rank))
 
 
-def direct_map(source: Qwen3Config, target: Qwen3Config, pairing: Pairing) -> KVMap:
+def direct_map(source: DecoderConfig, target: DecoderConfig, pairing: Pairing) -> KVMap:
     """The direct-injection baseline: copy each paired source layer's K/V unchanged (keys re-rotated with the
     target's RoPE). Only defined when a pairing has one source layer and the KV shapes agree."""
     if (source.num_kv_heads, source.head_dim) != (target.num_kv_heads, target.head_dim):
@@ -235,7 +235,7 @@ def direct_map(source: Qwen3Config, target: Qwen3Config, pairing: Pairing) -> KV
     return KVMap(keys=layers, values=layers, spec=spec_for(source, target, pairing, None, 1))
 
 
-def check_models(kvmap: KVMap, source: Qwen3Config, target: Qwen3Config) -> None:
+def check_models(kvmap: KVMap, source: DecoderConfig, target: DecoderConfig) -> None:
     """A map is only valid for the models it was fitted on."""
     got = (source.fingerprint(), target.fingerprint())
     want = (kvmap.spec.source_fingerprint, kvmap.spec.target_fingerprint)

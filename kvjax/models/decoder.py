@@ -1,14 +1,26 @@
 """The decoder every model family shares, as pure functions over (Params, KVCache).
 
-The family (kvjax.models.family) supplies a layer's qkv and finish pieces; this module supplies the rest: attention
-over the cache, the forward pass, prefill and decode with their input checks. One function, `forward`, serves prefill (many tokens per row) and decode (one token per row): it writes the new
-keys/values into the cache at each row's own positions and attends over a static window of the cache that covers
-every row's live part (see kvjax.cache.window_sizes), so decode cost grows with the context, not the capacity.
+The family (kvjax.models.family) supplies a layer's qkv and finish pieces; this module supplies the rest, in reading
+order:
+
+  attention       causal attention within fresh sequences (blocked), attention over a static window of one layer's
+                  cache (kvjax.cache.window_sizes: decode cost grows with the context, not the capacity), and
+                  attention over the cache plus a block not written into it (the speculative verify pass)
+  layers_forward  the layer loop, the only one in the library: forward and the block drafter compose it
+  forward         the one forward pass: tokens or embeddings in; a cache written, only read, or none; taps that read
+                  every layer; hidden states of chosen layers; a stopping depth; logits of every position, of each
+                  row's last real token, or none. Prefill, decode, the verify pass, the no-cache forwards of training
+                  and scoring, partial recomputation, the drafter's features and the evaluations' attention reads are
+                  all calls of it
+  programs        prefill_jit (a new or given cache) and decode_jit (one token per row), the cache donated, and
+                  their host-checked entry points `prefill` and `decode_step`
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+import functools
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +72,7 @@ def _attend_window(q, k, v, q_pos, kv_len, window: int, keys_transposed: bool = 
     """
     b, t, hkv = q.shape[0], q.shape[1], k.shape[1]
     g = q.shape[2] // hkv
-    k = _rows_window(k, b, window, 3 if keys_transposed else 2)  # the first B rows (forward_features says when fewer)
+    k = _rows_window(k, b, window, 3 if keys_transposed else 2)  # the first B rows (forward says when fewer)
     v = _rows_window(v, b, window)
     key_pos = jnp.arange(window)
     q_pos = jnp.tile(q_pos, (1, g))  # [B, G*T], matching _group's row order
@@ -117,36 +129,10 @@ def attend_block(q, k, v, k_new, v_new, start):
                       q, k_new, v_new, start)
 
 
-def verify_forward(params: Params, cfg, tokens: jax.Array, cache: KVCache, feature_layers: tuple[int, ...] = ()):
-    """`forward_features` that leaves the cache untouched: tokens [B, T] after each row's cached positions ->
-    (logits [B, T, V], k [L, B, T, Hkv, hd], v [L, B, T, Hkv, hd], features or None). `write_block` stores k/v.
-
-    Why: the speculative loop picks how many tokens to verify at run time (lax.switch over the lengths). A branch
-    that wrote into the cache would make XLA:CPU copy the whole cache into and out of the conditional (~0.3 ms a
-    round on the toy source, a fifth of the verify pass); reading it is free, and one write after the switch
-    stores the block. Same numbers as `forward_features` up to float summation order."""
-    _standard_keys(cache, "verify_forward")
-    b, t = tokens.shape
-    start = cache.lengths
-    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    cos, sin = head_angles(cfg, positions)
-    x = embed(params, tokens)
-    ks, vs, feats = [], [], {}
-    for i, lp in enumerate(params.layers):
-        q, k, v = qkv(lp, cfg, x, cos, sin)
-        x = finish(lp, cfg, x, attend_block(q, cache.keys[i], cache.values[i], k, v, start))
-        ks.append(k)
-        vs.append(v)
-        if i in feature_layers:
-            feats[i] = x
-    features = jnp.concatenate([feats[i] for i in feature_layers], axis=-1) if feature_layers else None
-    logits = unembed(params, rms_norm(x, params.final_norm, cfg.rms_norm_eps))
-    return logits, jnp.stack(ks), jnp.stack(vs), features
-
-
 def write_block(cache: KVCache, k: jax.Array, v: jax.Array) -> KVCache:
-    """Store verify_forward's k/v [L, B, T, Hkv, hd] at each row's positions lengths .. lengths + T - 1 (all layers;
-    positions past the capacity drop). `lengths` is left as it is: the caller sets what was accepted."""
+    """Store the k/v [L, B, T, Hkv, hd] of a pass that did not write them (`forward(..., write=False)` with a
+    `stack_kv` tap) at each row's positions lengths .. lengths + T - 1 (all layers; positions past the capacity drop).
+    `lengths` is left as it is: the caller sets what was accepted."""
     _standard_keys(cache, "write_block")
     positions = cache.lengths[:, None] + jnp.arange(k.shape[2], dtype=jnp.int32)[None, :]  # [B, T]
     return cache.replace(keys=tuple(_write(buf, new, positions) for buf, new in zip(cache.keys, k)),
@@ -186,22 +172,6 @@ def finish(lp, cfg, x, attn):
     return family_of(cfg).finish(lp, cfg, x, attn)
 
 
-def layer_forward(lp, cfg, x, cos, sin, cache: KVCache, layer: int, positions, kv_len,
-                  fresh: bool = False):
-    """One decoder layer over cached context. x [B, T, D]; returns (x, cache with this layer's K/V written, and
-    those K/V as computed: k [B, T, Hkv, hd] after RoPE, v [B, T, Hkv, hd]). `fresh`: the cache held nothing before
-    these tokens, so attention needs only their own K/V."""
-    q, k, v = qkv(lp, cfg, x, cos, sin)
-    kb = _write_keys(cache.keys[layer], k, positions, cache.keys_transposed)
-    vb = _write(cache.values[layer], v, positions)
-    cache = cache.replace(keys=_replaced(cache.keys, layer, kb), values=_replaced(cache.values, layer, vb))
-    if fresh:
-        attn = causal_attention(q, k, v)
-    else:
-        attn = attend(q, kb, vb, positions, kv_len, cache.keys_transposed)  # [B, T, Hq, hd]
-    return finish(lp, cfg, x, attn), cache, k, v
-
-
 def causal_attention(q, k, v, block: int = 128):
     """Causal GQA attention within sequences that start at position 0: q [B, T, Hq, hd], k/v [B, T, Hkv, hd].
 
@@ -237,149 +207,247 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
     return constrain(params.embed[tokens], ("batch", None, None))
 
 
-def forward_nocache(params: Params, cfg, tokens: jax.Array, remat: bool = False) -> jax.Array:
-    """Logits [B, T, V] of whole sequences from position 0, without a cache (training, scoring)."""
-    b, t = tokens.shape
-    cos, sin = head_angles(cfg, jnp.arange(t))
-
-    def layer(lp, x):
-        q, k, v = qkv(lp, cfg, x, cos, sin)
-        return finish(lp, cfg, x, causal_attention(q, k, v))
-
-    if remat:
-        layer = jax.checkpoint(layer)
-    x = embed(params, tokens)
-    for lp in params.layers:
-        x = layer(lp, x)
-    return unembed(params, rms_norm(x, params.final_norm, cfg.rms_norm_eps))
-
-
 def unembed(params: Params, x: jax.Array) -> jax.Array:
     if params.lm_head is None:
         return jnp.einsum("btd,vd->btv", x, params.embed)
     return jnp.einsum("btd,dv->btv", x, params.lm_head)
 
 
-def forward(params: Params, cfg, tokens: jax.Array, cache: KVCache, lengths: jax.Array | None = None,
-            last_only: bool = False, fresh: bool = False) -> tuple[jax.Array, KVCache]:
-    """Run `tokens` [B, T] (right-padded; `lengths` [B] real tokens per row, default T) after each row's cached
-    positions. Returns logits [B, T, V] (or [B, V] at each row's last real token when `last_only`) and the cache with
-    `lengths` advanced. `fresh` (static) promises that the cache is empty (all lengths 0): attention then uses
-    block-causal attention over the new tokens alone instead of reading the cache."""
-    logits, cache, _ = forward_features(params, cfg, tokens, cache, (), lengths, last_only, fresh)
-    return logits, cache
+# ---- the forward pass ----------------------------------------------------------------------------------------------
+
+class Seen(NamedTuple):
+    """One layer as the forward pass computed it: what a LayerTap reads."""
+
+    q: jax.Array  # [B, T, Hq, hd], after RoPE
+    k: jax.Array  # [B, T, Hkv, hd], after RoPE: the layer's own projection of the tokens
+    v: jax.Array  # [B, T, Hkv, hd]
+    attn: jax.Array  # [B, T, Hq, hd]: the attention output, before the output projection
+    out: jax.Array  # [B, T, D]: the layer's output (its residual stream after attention and MLP)
 
 
-def forward_features(params: Params, cfg, tokens: jax.Array, cache: KVCache, feature_layers: tuple[int, ...],
-                     lengths: jax.Array | None = None, last_only: bool = False, fresh: bool = False):
-    """`forward`, also returning the hidden states of `feature_layers` (static): the OUTPUT of each listed layer
-    (its residual stream after attention and MLP, before the final norm; HF's hidden_states[i + 1]) at every input
-    position, concatenated in the listed order: [B, T, len(feature_layers) * D] (None when the tuple is empty). A
-    speculative drafter that reads the verifier's features (kvjax.speculative) gets them from the verify pass.
+def layers_forward(layers, cfg, x: jax.Array, cos, sin, attention, carry=None, seen=None, remat: bool = False):
+    """The decoder's layer loop: x [B, T, D] through `layers` (a family's layer pytrees), each layer's q, k, v from
+    the family's qkv, its attention from attention(i, q, k, v, carry) -> (attn [B, T, Hq, hd], carry), then the
+    family's finish. seen(i, Seen) is called after each layer; `remat` recomputes each layer in the backward pass
+    (jax.checkpoint: training memory; no `seen` then). Returns (x, carry).
 
-    `tokens` may have fewer rows (b) than the cache: they are the cache's first b rows, the others are neither read
-    nor written (a server's decode step over its occupied slots only: attention reads b rows, not all of them)."""
-    return _forward(params, cfg, tokens, cache, feature_layers, lengths, last_only, fresh)[:3]
+    Every forward pass in the library is this loop: `forward` (its attention reads and writes the cache, or attends
+    within the tokens) and the block drafter (kvjax.drafter.model: its attention reads a context of features)."""
+    if remat and seen is not None:
+        raise ValueError("layers_forward: remat recomputes the layers in the backward pass and cannot show them to "
+                         "`seen`; pass one or the other")
+    for i, lp in enumerate(layers):
+        def step(lp, x, carry, i=i):
+            q, k, v = qkv(lp, cfg, x, cos, sin)
+            attn, carry = attention(i, q, k, v, carry)
+            return finish(lp, cfg, x, attn), carry, Seen(q, k, v, attn, None)
 
-
-def _forward(params, cfg, tokens, cache, feature_layers, lengths, last_only, fresh, tap=None, tap_args=None,
-             embeds=None):
-    """forward_features, and a `tap` (see LayerTap) that sees every layer's keys and values: (logits, cache,
-    features, the tap's result or None). A tap that stops below the top layer leaves logits and cache
-    meaningless (the caller drops them). `embeds` [B, T, D], when given, are the input instead of the tokens'
-    embeddings (tokens may then be None)."""
-    b, t = (tokens if embeds is None else embeds).shape[:2]
-    if lengths is None:
-        lengths = jnp.full((b,), t, jnp.int32)
-    rows = cache.lengths.shape[0]
-    start = cache.lengths[:b]
-    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
-    kv_len = start + lengths
-    cos, sin = head_angles(cfg, positions)
-    x = embed(params, tokens) if embeds is None else constrain(embeds.astype(params.embed.dtype),
-                                                                ("batch", None, None))  # [B, T, D]
-    feats = {}
-    tapped = None if tap is None else tap.start()
-    for i, lp in enumerate(params.layers[: len(params.layers) if tap is None else tap.depth]):
-        x, cache, k, v = layer_forward(lp, cfg, x, cos, sin, cache, i, positions, kv_len, fresh)
-        if tap is not None:
-            tapped = tap.layer(i, k, v, tapped, tap_args)
-        if i in feature_layers:
-            feats[i] = x
-    features = jnp.concatenate([feats[i] for i in feature_layers], axis=-1) if feature_layers else None
-    if last_only:
-        x = x[jnp.arange(b), jnp.maximum(lengths - 1, 0)][:, None]  # [B, 1, D]
-    logits = unembed(params, rms_norm(x, params.final_norm, cfg.rms_norm_eps))
-    if last_only:
-        logits = logits[:, 0]
-    cache = cache.replace(lengths=kv_len if b == rows else cache.lengths.at[:b].set(kv_len))
-    return logits, cache, features, (None if tap is None else tap.result(tapped, lengths))
+        if remat:
+            x, carry = jax.checkpoint(lambda lp, x, carry: step(lp, x, carry)[:2])(lp, x, carry)
+            continue
+        out, carry, view = step(lp, x, carry)
+        if seen is not None:
+            seen(i, view._replace(out=out))
+        x = out
+    return x, carry
 
 
-# ---- public entry points (jitted, cache donated) -----------------------------------------------------------------
-
-class Prefilled(NamedTuple):
-    """What the prefill program returns (fields None where not asked for)."""
-
-    logits: jax.Array | None  # [B, V] at each row's last real token (or [B, T, V] without last_only)
-    cache: KVCache | None
-    features: jax.Array | None  # [B, T, len(feature_layers) * D]
-    tapped: object = None  # a LayerTap's result
+def keys_values(layers, cfg, x: jax.Array, cos, sin) -> list[tuple[jax.Array, jax.Array]]:
+    """Per layer, the keys (after RoPE) and values [B, T, Hkv, hd] its projections make of the same input x
+    [B, T, D] (a block drafter's context: every drafter layer reads the verifier's features; XLA drops the unused
+    queries)."""
+    return [qkv(lp, cfg, x, cos, sin)[1:] for lp in layers]
 
 
 class LayerTap:
-    """Something that reads each layer's keys and values while the prefill program computes them, in the same
-    compiled program (e.g. kvjax.builders.pipelined maps each target layer of a cache map as soon as its source layers
-    exist, and never stores the source's cache). A tap is static (hashable: its settings); its arrays come in as
-    `tap_args`. `depth`: layers the pass runs (below all of them, the prefill program returns no logits and no cache:
-    the upper layers were never computed). start() -> state; layer(i, k, v, state, tap_args) -> state, with k
-    [B, T, Hkv, hd] after RoPE and v [B, T, Hkv, hd]; result(state, lengths) -> what the program returns as `tapped`."""
-
-    depth: int
+    """Something that reads every layer while a forward pass computes it, in the same compiled program (e.g.
+    kvjax.builders.pipelined maps each target layer of a cache map as soon as its source layers exist, and never
+    stores the source's cache). start() -> state; layer(i, seen: Seen, state) -> state; result(state, lengths [B]:
+    real tokens per row) -> what the pass returns as `tapped`. A tap passed through a compiled program (prefill_jit)
+    is a pytree: its arrays are leaves, its settings static (a flax struct dataclass)."""
 
     def start(self):
         raise NotImplementedError
 
-    def layer(self, i, k, v, state, tap_args):
+    def layer(self, i: int, seen: Seen, state):
         raise NotImplementedError
 
     def result(self, state, lengths):
         raise NotImplementedError
 
 
-def prefill_forward(params: Params, cfg, tokens: jax.Array, lengths: jax.Array | None = None,
-                    cache: KVCache | None = None, *, capacity: int | None = None, dtype=None, last_only: bool = True,
-                    fresh: bool = False, feature_layers: tuple[int, ...] = (), logits: bool = True,
-                    tap: LayerTap | None = None, tap_args=None, embeds: jax.Array | None = None) -> Prefilled:
-    """The library's one prefill, traceable (`prefill_jit` is it compiled, the cache donated): read tokens int
-    [B, T] (right-padded; `lengths` [B] real tokens per row, default T) after what `cache` holds or, with cache None,
-    into a new empty cache of `capacity` positions (default T) and `dtype` (default the params'), sharded by its
-    logical axes under an active mesh (batch over 'data', kv heads over 'model').
+@dataclasses.dataclass(frozen=True)
+class Stack(LayerTap):
+    """The tap that stacks fn(seen) over the layers the pass runs: fn's result (an array or a pytree of them) with a
+    leading layer axis [L, ...]. For taps built inside a traced program (fn is compared by identity: a new fn per
+    call would recompile a compiled one)."""
 
-    Returns Prefilled(logits, cache, features, tapped): logits [B, V] at each row's last real token with `last_only`
-    (else [B, T, V]), None when `logits` is False (XLA then drops the unembedding); features as forward_features's
-    for `feature_layers` (a drafter reading the model's hidden states); `tap` (static, a LayerTap) reads every
-    layer's keys and values as they are computed. `fresh` promises a given cache is empty (a new one always is).
-    `embeds` [B, T, D]: input embeddings read instead of the tokens' (tokens may then be None), e.g. an
-    audio-language prompt's (kvjax.models.audio)."""
+    fn: Callable[[Seen], object]
+
+    def start(self):
+        return ()
+
+    def layer(self, i, seen, state):
+        return state + (self.fn(seen),)
+
+    def result(self, state, lengths):
+        return jax.tree.map(lambda *layers: jnp.stack(layers), *state)
+
+
+stack_kv = Stack(lambda s: (s.k, s.v))  # every layer's own keys and values: ([L, B, T, Hkv, hd], [L, B, T, Hkv, hd])
+
+
+class Forward(NamedTuple):
+    """What a forward pass returns (fields None where not asked for)."""
+
+    logits: jax.Array | None  # [B, T, V], or [B, V] at each row's last real token
+    cache: KVCache | None  # with the tokens' keys/values written and `lengths` advanced
+    features: jax.Array | None  # [B, T, len(features) * D]
+    tapped: object = None  # the tap's result
+
+
+LOGITS = ("all", "last", None)
+# forward's options that shape the program (static under jit)
+STATIC_OPTIONS = ("logits", "fresh", "write", "reads", "features", "depth", "remat")
+
+
+def forward(params: Params, cfg, inputs: jax.Array, cache: KVCache | None = None, *, lengths: jax.Array | None = None,
+            logits: str | None = "all", fresh: bool = False, write: bool = True, reads: tuple[int, ...] = (),
+            features: tuple[int, ...] = (), tap: LayerTap | None = None, depth: int | None = None,
+            remat: bool = False) -> Forward:
+    """The model over `inputs` (traceable): token ids int [B, T], or input embeddings float [B, T, D] (e.g. an
+    audio-language prompt's, kvjax.models.audio_lm), right-padded with `lengths` [B] real tokens per row (default T).
+    Every option but `lengths` (and `tap`'s arrays) is static.
+
+    The cache:
+      None         the tokens are whole sequences from position 0, attending only to each other (training, scoring)
+      a KVCache    the tokens follow each row's cached positions; every layer writes their keys/values at those
+                   positions and attends over the smallest static window of the cache holding every row's live part.
+                   `inputs` may have fewer rows (b) than the cache: they are its first b rows, the others are neither
+                   read nor written (a server's step over its occupied slots). `fresh` promises that every row
+                   starts at position 0 (all lengths 0): attention then runs over the tokens alone (blocked causal).
+                   `write` False: nothing is written (the returned cache is None); each layer attends over the cache
+                   and the tokens' own keys/values (the verify pass: a `stack_kv` tap returns those, write_block
+                   stores them). `reads`: layers that take the keys/values of these positions from the cache (which
+                   must hold them, e.g. a mapped cache) instead of computing and writing their own (partial
+                   recomputation, kvjax.builders.partial).
+
+    What comes back (Forward): logits "all" [B, T, V], "last" [B, V] at each row's last real token, or None (XLA then
+    drops the final norm and the unembedding); `features`, the outputs of the listed layers (the residual stream
+    after each, before the final norm: HF's hidden_states[i + 1]) concatenated in the listed order
+    [B, T, len(features) * D] (the verifier's features a speculative drafter reads); `tap` (a LayerTap) reads every
+    layer as it is computed; `depth` runs only layers 0 .. depth - 1 (then logits must be None, and a cache comes
+    back with only those layers written); `remat` recomputes each layer in the backward pass (training)."""
+    depth = cfg.num_layers if depth is None else int(depth)
+    if logits not in LOGITS:
+        raise ValueError(f"forward: logits must be one of {LOGITS}, got {logits!r}")
+    if not 1 <= depth <= cfg.num_layers:
+        raise ValueError(f"forward: depth must be in 1..{cfg.num_layers} (the model's layers), got {depth}")
+    if logits is not None and depth < cfg.num_layers:
+        raise ValueError(f"forward: logits need all {cfg.num_layers} layers; pass logits=None with depth={depth}")
+    if any(not 0 <= i < depth for i in (*features, *reads)):
+        raise ValueError(f"forward: features {features} and reads {reads} must be layers of the {depth} the pass "
+                         "runs")
+    if cache is None and (reads or fresh or not write):
+        raise ValueError("forward: fresh, write=False and reads describe how the pass uses a cache; pass one")
+    b, t = inputs.shape[:2]
+    if inputs.ndim == 2:
+        x = embed(params, inputs)  # [B, T, D]
+    else:
+        x = constrain(inputs.astype(params.embed.dtype), ("batch", None, None))
+    if lengths is None:
+        lengths = jnp.full((b,), t, jnp.int32)
+
+    feats, state = {}, None if tap is None else tap.start()
+
+    def seen(i, view):
+        nonlocal state
+        if tap is not None:
+            state = tap.layer(i, view, state)
+        if i in features:
+            feats[i] = view.out
+
+    layers = params.layers[:depth]
+    watch = seen if tap is not None or features else None
     if cache is None:
-        b, t = (tokens if embeds is None else embeds).shape[:2]
+        cos, sin = head_angles(cfg, jnp.arange(t))
+        x, _ = layers_forward(layers, cfg, x, cos, sin, lambda i, q, k, v, c: (causal_attention(q, k, v), c),
+                              None, watch, remat)
+    else:
+        start = cache.lengths[:b]
+        positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+        kv_len = start + lengths
+        cos, sin = head_angles(cfg, positions)
+        if write:
+            attention = functools.partial(_attend_writing, positions=positions, kv_len=kv_len, fresh=fresh,
+                                          reads=reads)
+        else:
+            _standard_keys(cache, "forward(write=False)")
+            attention = lambda i, q, k, v, c: (attend_block(q, c.keys[i], c.values[i], k, v, start), c)  # noqa: E731
+        x, written = layers_forward(layers, cfg, x, cos, sin, attention, cache, watch, remat)
+        rows = cache.lengths.shape[0]
+        cache = None if not write else written.replace(
+            lengths=kv_len if b == rows else cache.lengths.at[:b].set(kv_len))
+    out = None
+    if logits is not None:
+        if logits == "last":
+            x = x[jnp.arange(b), jnp.maximum(lengths - 1, 0)][:, None]  # [B, 1, D]
+        out = unembed(params, rms_norm(x, params.final_norm, cfg.rms_norm_eps))
+        if logits == "last":
+            out = out[:, 0]
+    return Forward(out, cache, jnp.concatenate([feats[i] for i in features], axis=-1) if features else None,
+                   None if tap is None else tap.result(state, lengths))
+
+
+def _attend_writing(i, q, k, v, cache: KVCache, *, positions, kv_len, fresh: bool, reads: tuple[int, ...]):
+    """Layer i's attention in a pass that writes the cache: its k/v stored at `positions`, then attention over the
+    cache (or, `fresh`, over the tokens alone); a layer in `reads` takes k/v from the cache instead."""
+    if i in reads:
+        if fresh:  # the tokens hold positions 0 .. T - 1: attention over the cache's first T
+            k, v = _cached(cache, i, q.shape[0], q.shape[1], q.dtype)
+            return causal_attention(q, k, v), cache
+        return attend(q, cache.keys[i], cache.values[i], positions, kv_len, cache.keys_transposed), cache
+    kb = _write_keys(cache.keys[i], k, positions, cache.keys_transposed)
+    vb = _write(cache.values[i], v, positions)
+    cache = cache.replace(keys=_replaced(cache.keys, i, kb), values=_replaced(cache.values, i, vb))
+    if fresh:
+        return causal_attention(q, k, v), cache
+    return attend(q, kb, vb, positions, kv_len, cache.keys_transposed), cache  # [B, T, Hq, hd]
+
+
+def _cached(cache: KVCache, i: int, b: int, t: int, dtype) -> tuple[jax.Array, jax.Array]:
+    """Layer i's cached k/v at positions 0 .. t - 1 of its first b rows, as [B, T, Hkv, hd] in `dtype`."""
+    keys = cache.keys[i][:b]
+    keys = keys[..., :t].transpose(0, 3, 1, 2) if cache.keys_transposed else keys[:, :, :t].transpose(0, 2, 1, 3)
+    return keys.astype(dtype), cache.values[i][:b, :, :t].transpose(0, 2, 1, 3).astype(dtype)
+
+
+# ---- programs (jitted, cache donated) ------------------------------------------------------------------------------
+
+def prefill_forward(params: Params, cfg, inputs: jax.Array, lengths: jax.Array | None = None,
+                    cache: KVCache | None = None, *, capacity: int | None = None, dtype=None,
+                    logits: str | None = "last", **options) -> Forward:
+    """`forward` over prompts (traceable; `prefill_jit` is it compiled, the cache donated), by default returning the
+    logits at each row's last real token. With `cache` None, into a new empty cache of `capacity` positions (default
+    T) and `dtype` (default the params'), sharded by its logical axes under an active mesh (batch over 'data', kv
+    heads over 'model'). `options`: forward's. A pass that stops below the top layer (`depth`) returns no cache: its
+    upper layers were never computed."""
+    if cache is None:
+        b, t = inputs.shape[:2]
         cache = init_cache(cfg, b, t if capacity is None else capacity, dtype or params.embed.dtype)
-        cache, fresh = cache.map_layers(lambda a: constrain(a, LAYER_AXES)), True
-    out, cache, features, tapped = _forward(params, cfg, tokens, cache, feature_layers, lengths, last_only, fresh,
-                                            tap, tap_args, embeds)
-    whole = tap is None or tap.depth >= cfg.num_layers  # a tap that stopped early left no usable logits or cache
-    return Prefilled(out if logits and whole else None, cache if whole else None, features, tapped)
+        cache, options = cache.map_layers(lambda a: constrain(a, LAYER_AXES)), {**options, "fresh": True}
+    out = forward(params, cfg, inputs, cache, lengths=lengths, logits=logits, **options)
+    return out if options.get("depth") in (None, cfg.num_layers) else out._replace(cache=None)
 
 
 def decode(params, cfg, tokens, cache):
     """One token per row int [B] after the cache (traceable): (logits [B, V], cache)."""
-    logits, cache = forward(params, cfg, tokens[:, None], cache)
-    return logits[:, 0], cache
+    out = forward(params, cfg, tokens[:, None], cache)
+    return out.logits[:, 0], out.cache
 
 
-prefill_jit = cache_jit(prefill_forward, static_argnames=("cfg", "capacity", "dtype", "last_only", "fresh",
-                                                        "feature_layers", "logits", "tap"), donate_argnames=("cache",))
+prefill_jit = cache_jit(prefill_forward, static_argnames=("cfg", "capacity", "dtype") + STATIC_OPTIONS,
+                        donate_argnames=("cache",))
 decode_jit = cache_jit(decode, static_argnames=("cfg",), donate_argnames=("cache",))
 
 
@@ -451,7 +519,7 @@ def prefill(params: Params, cfg, tokens, cache: KVCache, lengths=None, *, last_o
     if fresh is None:
         fresh = not cached.any()
     lengths = None if lengths is None else _int32(lengths, host_lengths)
-    out = prefill_jit(params, cfg, _int32(tokens, host_tokens), lengths, cache, last_only=last_only,
+    out = prefill_jit(params, cfg, _int32(tokens, host_tokens), lengths, cache, logits="last" if last_only else "all",
                       fresh=bool(fresh))
     return out.logits, out.cache
 

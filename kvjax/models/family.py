@@ -18,9 +18,39 @@ kvjax/models/__init__.py; no edit to the decoder, the mapper or the evaluations.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Protocol
 
 from kvjax.models.hfconfig import ConfigError
+
+
+class DecoderConfig(Protocol):
+    """A model's config as code shared by every family reads it (the decoder, the cache, the map, the builders, the
+    evaluations): the type such code is annotated with. Each family's config class (Qwen3Config, LlamaConfig,
+    Qwen3MoeConfig, ...) is one: a frozen, hashable dataclass (a static argument of jitted functions) with these
+    fields and methods; what only one family has stays behind its own layer pieces."""
+
+    vocab_size: int
+    hidden_size: int  # D
+    num_layers: int  # L
+    num_heads: int  # query heads
+    num_kv_heads: int  # key/value heads
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int | None
+
+    @property
+    def rope(self):  # kvjax.models.rope.Rope: theta and any scaling
+        ...
+
+    def fingerprint(self) -> str:  # hash of the fields that define the model's math
+        ...
+
+    def to_hf_dict(self) -> dict:  # the HF config.json it reads back from
+        ...
 
 
 @dataclasses.dataclass(frozen=True)

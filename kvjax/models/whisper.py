@@ -14,7 +14,7 @@ before conv2 (so each convolution sees the zero padding it would see alone), att
 encoded length, and the output there is zero. (Ultravox masks attention the same way but lets a batch's padding frames
 reach a row's last frame through the convolutions; here a row never depends on its batch.)
 
-Log-mel features come from transformers' `WhisperFeatureExtractor` (kvjax.models.audio.log_mel says how).
+Log-mel features come from transformers' `WhisperFeatureExtractor` (kvjax.models.audio_lm.log_mel says how).
 """
 
 from __future__ import annotations
@@ -320,11 +320,11 @@ def check_features(cfg: WhisperEncoderConfig, features, frames, what: str = "enc
     if len(shape) != 3 or shape[1] != cfg.num_mel_bins:
         raise ValueError(f"{what}: input_features must be [B, {cfg.num_mel_bins}, T] log-mel frames (the encoder's "
                          f"num_mel_bins; WhisperFeatureExtractor(feature_size={cfg.num_mel_bins}), see "
-                         f"kvjax.models.audio.log_mel), got shape {list(shape)}")
+                         f"kvjax.models.audio_lm.log_mel), got shape {list(shape)}")
     b, _, t = shape
     if not 1 <= t <= cfg.max_frames:
         raise ValueError(f"{what}: {t} mel frames; the encoder takes 1..{cfg.max_frames} (30 s, 2 * "
-                         f"max_source_positions); split longer audio with kvjax.models.audio.audio_chunks")
+                         f"max_source_positions); split longer audio with kvjax.models.audio_lm.audio_chunks")
     host = np.full((b,), t, np.int32) if frames is None else np.asarray(jax.device_get(frames))
     if host.shape != (b,) or not np.issubdtype(host.dtype, np.integer) or host.min() < 1 or host.max() > t:
         raise ValueError(f"{what}: frames must be [B] = [{b}] integers in 1..{t} (valid mel frames per row, e.g. the "

@@ -48,7 +48,7 @@ def _error(msg: str, status: int = 2) -> int:
 def main(argv: list[str] | None = None) -> int:
     from kvjax.config_flags import ConfigFlagError, available_configs, build, parse_argv
     from kvjax.plan.hardware import CHIPS, PlanError
-    from kvjax.run_config import RunConfig
+    from kvjax.run.config import RunConfig
     argv = sys.argv[1:] if argv is None else argv
     opts = {"topology": "", "out": "runs/plan", "serve": False, "compile": True, "slots": 0, "context": 0,
             "cpu_memory_gb": 16.0, "depth": "full", "jobs": min(4, os.cpu_count() or 1), "price": False,

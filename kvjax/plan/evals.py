@@ -74,7 +74,7 @@ def arm_programs(b: Builder, arm: str, maps: _Maps, final: str, cfg, rows: int, 
 
 def _arms(ec, cfg) -> tuple[str, ...]:
     from kvjax.eval.arms import available
-    from kvjax.stages.plan import fitted_maps
+    from kvjax.run.layout import fitted_maps
     return available(ec.arms, fitted_maps(cfg))
 
 
@@ -84,7 +84,7 @@ def distances(b: Builder, ec, cfg, maps: _Maps, final: str) -> list[Program]:
     attention over each mapped cache (attention_fidelity.cache_attention). The native cache, the shared source
     cache and the native queries and outputs stay alive while the maps run."""
     from kvjax.eval import attention_fidelity
-    from kvjax.stages.plan import fitted_maps
+    from kvjax.run.layout import fitted_maps
     rows, t = ec.batch_size, ec.window_len
     tcfg = b.target.cfg
     out = [b.prefill("target", rows, t), b.prefill("source", rows, t)]
@@ -109,7 +109,7 @@ def _agreement(b: Builder, rows: int, prefix: int, cont: int, builders: list[lis
                ) -> list[Program]:
     """agreement_table: the references (both models' no-cache forward over the window), each builder's cache of
     the prefix, the target's logits from it over the continuation (agreement._student) and the comparison."""
-    from kvjax.eval import agreement
+    from kvjax.eval import token_agreement as agreement
     (scfg, sparams), (tcfg, tparams) = b.source, b.target
     w = prefix + cont
     tokens = b.tokens(rows, w)
@@ -138,7 +138,7 @@ def kl(b: Builder, ec, cfg, maps: _Maps, final: str) -> list[Program]:
     """The final map's KL and next-token agreement (agreement_table), and every other fitted map's KL
     (residual.heldout_window_kl)."""
     from kvjax.fitting.residual import heldout_window_kl
-    from kvjax.stages.plan import fitted_maps
+    from kvjax.run.layout import fitted_maps
     rows, prefix, cont = ec.batch_size, ec.prefix_len, ec.cont_len
     w = prefix + cont
     build = [b.prefill("source", rows, prefix - 1, w), b.apply_map(maps(final), rows, prefix - 1, w,
@@ -261,7 +261,7 @@ def native_kl(b: Builder, ec, cfg, maps: _Maps, final: str) -> list[Program]:
     return _agreement(b, rows, prefix, cont, builders, "native KL")
 
 
-TTFT_HEADROOM = 64  # kvjax.eval.ttft.measure_ttft's cache room past the prompt
+TTFT_HEADROOM = 64  # kvjax.eval.first_token.measure_ttft's cache room past the prompt
 
 
 def ttft(b: Builder, ec, cfg, maps: _Maps, final: str) -> list[Program]:
@@ -324,7 +324,7 @@ def speculative(b: Builder, ec, cfg, maps: _Maps, final: str) -> list[Program]:
     the native arm (generate_from), plain drafting (the answerer's prefill, the drafter's own prefill, the loop),
     the transfer arms (the drafter's prefill, the map, the repair and the tail asked for, the loop) and prompt
     lookup (the answerer's prefill, the loop)."""
-    from kvjax.eval.speculative import _capacity
+    from kvjax.eval.speculative_timing import _capacity
     from kvjax.speculative.draft import ModelDrafter
     from kvjax.speculative.lookup import LookupDrafter, LookupState
     rows, n = ec.batch_size, ec.new_tokens
@@ -362,8 +362,9 @@ AUDIO_ENDING = 64  # tokens of a spoken item's ending, bucketed
 
 def audio_lm(b: Builder, who: str, shapes_dir: str, dtype):
     """An abstract AudioLM around the abstract `who` model: the adapter's encoder and projector from its Ultravox
-    config.json (kvjax.models.audio.audio_configs), replicated on the mesh as the adapter loads them."""
-    from kvjax.models.audio import AudioLM, audio_configs, init_projector
+    config.json (kvjax.hf.ultravox.audio_configs), replicated on the mesh as the adapter loads them."""
+    from kvjax.models.audio_lm import AudioLM, init_projector
+    from kvjax.hf.ultravox import audio_configs
     from kvjax.models.whisper import init_encoder
     c = audio_configs(shapes_dir, text_path=b.sources.get(who)) if b.sources.get(who) != shapes_dir else \
         audio_configs(shapes_dir)
@@ -377,9 +378,9 @@ def audio_lm(b: Builder, who: str, shapes_dir: str, dtype):
 
 
 def _listen(b: Builder, who: str, alm, rows: int, length: int, capacity: int, what: str) -> list[Program]:
-    """AudioPrefill's programs (kvjax.models.audio.prefill_audio): the prompt's embeddings (encoder, projector,
+    """AudioPrefill's programs (kvjax.models.audio_lm.prefill_audio): the prompt's embeddings (encoder, projector,
     merge: prompt_embeddings_jit, one clip a row), then the model's prefill over them (prefill_jit with embeds)."""
-    from kvjax.models.audio import prompt_embeddings_jit
+    from kvjax.models.audio_lm import prompt_embeddings_jit
     from kvjax.models.decoder import prefill_jit
     enc = alm.encoder.cfg
     feats = shapes.replicated((rows, enc.num_mel_bins, AUDIO_CLIP), jnp.float32, b.mesh)
@@ -395,9 +396,9 @@ def _listen(b: Builder, who: str, alm, rows: int, length: int, capacity: int, wh
                       shapes.nbytes_per_device((alm.encoder.params, alm.projector.params)) + b.wbytes(who, 1, False),
                       (who,)),
             b.program(f"{what} prefill over audio embeddings {rows} x {length}", prefill_jit,
-                      (m.params, m.cfg, None, b.rows(rows)),
-                      dict(capacity=capacity, dtype=jnp.dtype(b.dtype), logits=False, last_only=True,
-                           feature_layers=(), embeds=embeds), prefill.flops, prefill.hbm_bytes, (who,))]
+                      (m.params, m.cfg, embeds, b.rows(rows)),
+                      dict(capacity=capacity, dtype=jnp.dtype(b.dtype), logits=None), prefill.flops,
+                      prefill.hbm_bytes, (who,))]
 
 
 def audio(b: Builder, ec, cfg, maps: _Maps, final: str) -> list[Program]:
@@ -408,7 +409,7 @@ def audio(b: Builder, ec, cfg, maps: _Maps, final: str) -> list[Program]:
     `shapes`)."""
     from kvjax.eval.likelihood import _continuation_logprobs
     from kvjax.fitting import audio_map as am
-    from kvjax.models.audio import audio_token_count
+    from kvjax.models.audio_lm import audio_token_count
     src_alm = audio_lm(b, "source", cfg.source.shapes or ec.source_adapter, b.dtype)
     tgt_alm = audio_lm(b, "target", cfg.target.shapes or ec.target_adapter, b.dtype)
     prompt = 1 + int(audio_token_count(AUDIO_CLIP, 8)) + 1  # open, the clip's tokens, the line break

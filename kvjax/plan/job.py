@@ -1,9 +1,9 @@
 """The main job's programs, stage by stage, for a RunConfig on a slice: what `python -m kvjax.launch` would compile.
 
-The stages are the job's own plan (kvjax.stages.plan): calibrate (host work only: tokenizing and cutting windows),
+The stages are the job's own plan (kvjax.run.layout): calibrate (host work only: tokenizing and cutting windows),
 ridge / residual / perhead / bridge (kvjax.plan.fitting), one stage per enabled evaluation (kvjax.plan.evals, one
 entry per evaluation of the registry), report (host work only). Every stage holds both models once loaded
-(kvjax.stages.context loads the pair on first use), so a stage's resident set is both models' weights plus its
+(kvjax.job.context loads the pair on first use), so a stage's resident set is both models' weights plus its
 largest program's working memory.
 """
 
@@ -17,15 +17,15 @@ from kvjax.plan import evals, fitting, shapes
 from kvjax.plan.hardware import PlanError, Slice
 from kvjax.plan.program import Program
 from kvjax.plan.programs import Builder
-from kvjax.preflight import ROLES
-from kvjax.stages.names import stage_names
-from kvjax.stages.plan import final_arm, fitted_maps
+from kvjax.run.preflight import ROLES
+from kvjax.run.layout import stage_names
+from kvjax.run.layout import final_arm, fitted_maps
 
 HOST_ONLY = ("calibrate", "report")  # stages that compile nothing
 
 
 def mesh_for(cfg, sl: Slice):
-    """The job's mesh on the slice's devices (kvjax.preflight.make_mesh's rule: data x model, model = the rest)."""
+    """The job's mesh on the slice's devices (kvjax.run.preflight.make_mesh's rule: data x model, model = the rest)."""
     from kvjax import sharding
     n = len(sl.devices)
     data = cfg.mesh.data

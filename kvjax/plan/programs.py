@@ -107,7 +107,7 @@ class Builder:
         m = self.model(who)
         capacity = capacity or length
         args = (m.params, m.cfg, self.tokens(rows, length), self.rows(rows))
-        kwargs = dict(logits=logits, last_only=last_only, feature_layers=tuple(feature_layers))
+        kwargs = dict(logits=("last" if last_only else "all") if logits else None, features=tuple(feature_layers))
         if cache:
             args += (self.cache(who, rows, capacity),)
         else:

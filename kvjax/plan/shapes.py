@@ -29,7 +29,7 @@ def model_config(mc, role: str):
     for where in (path, mc.shapes):
         if where and os.path.isfile(os.path.join(where, "config.json")):
             if where == mc.shapes and _model_type(where) == "ultravox":  # an audio LM's shapes: its text model's
-                from kvjax.models.audio import audio_configs
+                from kvjax.hf.ultravox import audio_configs
                 return audio_configs(where).lm, where
             return load_config(os.path.join(where, "config.json")), where
     name = mc.name or role

@@ -42,7 +42,7 @@ from kvjax.serve.protocol import ApiError, AudioPart
 
 log = logging.getLogger("kvjax.serve")
 
-SAMPLE_RATE = 16_000  # Whisper's (kvjax.models.audio.SAMPLING_RATE)
+SAMPLE_RATE = 16_000  # Whisper's (kvjax.models.audio_lm.SAMPLING_RATE)
 HOP = 160  # samples per mel frame (WhisperFeatureExtractor.hop_length)
 MAX_PARTS = 4  # input_audio parts per request
 HEADER_SLACK = 64 * 1024  # bytes a WAV may hold besides its samples (headers, metadata chunks)
@@ -89,14 +89,14 @@ def read_wav(raw: bytes, where: str) -> np.ndarray:
 
 
 def frames_of(samples: int) -> int:
-    """Mel frames the feature extractor makes of `samples` samples (kvjax.models.audio.log_mel pads a clip to at
+    """Mel frames the feature extractor makes of `samples` samples (kvjax.models.audio_lm.log_mel pads a clip to at
     least two hops, then to a whole hop)."""
     return -(-max(samples, 2 * HOP) // HOP)
 
 
 @dataclasses.dataclass
 class AudioServing:
-    """What the server answers spoken requests with: `alm` (kvjax.models.audio.AudioLM: the source's adapter around
+    """What the server answers spoken requests with: `alm` (kvjax.models.audio_lm.AudioLM: the source's adapter around
     the source model, or on the native audio path the answerer's own around the target), `kvmap` (the audio map;
     None: the native audio path, the answerer listens itself), the prompt template (`open_id`, `close_ids`),
     `map_path` and `adapter` (where the map and the listening adapter came from, for the logs and /v1/models) and
@@ -187,20 +187,20 @@ class AudioServing:
     def clips(self, parts) -> list[np.ndarray]:
         """Every part checked and turned into its log-mel features (float32 [M, frames]), in order. Runs off the event
         loop (the feature extractor takes milliseconds per second of audio)."""
-        from kvjax.models.audio import log_mel
+        from kvjax.models.audio_lm import log_mel
         if len(parts) > self.max_parts:
             raise ApiError(400, f"{len(parts)} input_audio parts; this server takes at most {self.max_parts} per "
                                 "request", param="messages")
         waves = [self.decode(p) for p in parts]
         out = []
-        for w in waves:  # one clip at a time, as kvjax.models.audio.log_mel extracts each
+        for w in waves:  # one clip at a time, as kvjax.models.audio_lm.log_mel extracts each
             f, n = log_mel([w], self.alm.encoder.cfg.num_mel_bins, feature_extractor=self.feature_extractor)
             out.append(np.ascontiguousarray(f[0, :, :int(n[0])]))
         return out
 
     def audio_tokens(self, clip: np.ndarray) -> int:
-        """The prompt positions of one clip (kvjax.models.audio.audio_token_count)."""
-        from kvjax.models.audio import audio_token_count
+        """The prompt positions of one clip (kvjax.models.audio_lm.audio_token_count)."""
+        from kvjax.models.audio_lm import audio_token_count
         return int(audio_token_count(int(clip.shape[1]), self.alm.stack_factor, self.window))
 
     def prompt(self, clips: list[np.ndarray], text_ids: list[int]) -> list[int]:

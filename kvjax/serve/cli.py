@@ -24,11 +24,10 @@ import sys
 
 from kvjax import allocator
 from kvjax.config_flags import ConfigFlagError, available_configs, build, parse_argv
-from kvjax.launch import DEFAULT_CONFIG  # the main job's default run is the served one
-from kvjax.preflight import LaunchError, model_problems, resolve_models
-from kvjax.run_config import RunConfig
+from kvjax.run.config import DEFAULT_CONFIG, RunConfig  # DEFAULT_CONFIG: the main job's default run is the served one
+from kvjax.run.layout import MAP_DIRS, final_arm
+from kvjax.run.preflight import LaunchError, model_problems, resolve_models
 from kvjax.serve.config import DRAFT_POLICIES, DRAFTERS, TOPOLOGIES, EngineConfig
-from kvjax.stages.plan import MAP_DIRS, final_arm
 
 log = logging.getLogger("kvjax.serve")
 MANIFEST = "manifest.json"  # a saved map's (kvjax.mapper.artifact.MANIFEST; that module imports JAX)

@@ -20,7 +20,8 @@ import numpy as np
 from kvjax import aot
 from kvjax.builders import Mapped, NativePrefill
 from kvjax.cache import KVCache, init_cache, window_sizes
-from kvjax.models.decoder import forward_features, verify_forward
+from kvjax.generation.sampling import sample_rows
+from kvjax.models.decoder import forward
 
 
 def buckets(capacity: int) -> tuple[int, ...]:
@@ -51,8 +52,8 @@ def audio_builder(source, target, kvmap, alm, clips: list[np.ndarray]):
     """The cache builder of a batch of spoken prompts: the source's audio-language model (alm, around `source`)
     listens to `clips` (log-mel [M, frames] each, in the order of their placeholder runs, row by row), `kvmap` (the
     audio map) translates its cache: offline `Mapped(source, target, kvmap, shared=AudioPrefill(alm).set_audio(..))`.
-    The clips are zero-padded to a multiple of 128 frames (kvjax.eval.audio.clip_inputs; per-clip frames are passed,
-    so padding is masked): a few encoder programs cover every length."""
+    The clips are zero-padded to a multiple of 128 frames (kvjax.eval.audio_transfer.clip_inputs; per-clip frames are
+    passed, so padding is masked): a few encoder programs cover every length."""
     return Mapped(source, target, kvmap, name="audio", shared=own_audio_builder(alm, clips))
 
 
@@ -60,8 +61,8 @@ def own_audio_builder(alm, clips: list[np.ndarray]):
     """An audio-language model (alm) listens to `clips` (as `audio_builder`) and its own LM's cache answers: offline
     `AudioPrefill(alm).set_audio(..)`. The server's native audio path (alm: the answerer's own adapter), and the
     listening half of the split one."""
-    from kvjax.builders.audio import AudioPrefill
-    from kvjax.eval.audio import clip_inputs
+    from kvjax.builders.audio_prefill import AudioPrefill
+    from kvjax.eval.audio_transfer import clip_inputs
     features, frames, _ = clip_inputs(clips, alm.stack_factor, alm.encoder.cfg.max_frames)
     return AudioPrefill(alm, name="audio", memo=False).set_audio(features, frames)
 
@@ -102,20 +103,6 @@ def insert(cache: KVCache, new: KVCache, slots: jax.Array) -> KVCache:
                          values=put(cache.values, new.values, 2), lengths=lengths)
 
 
-def _sample_rows(logits, temperature, top_p, seeds, counters):
-    """One token per row with the row's own temperature, top-p and key (seed, tokens generated so far): a seeded
-    request samples the same tokens whatever else shares the batch."""
-    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
-    x = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)[:, None]
-    order = jnp.argsort(-x, axis=-1)
-    sorted_x = jnp.take_along_axis(x, order, axis=-1)
-    probs = jax.nn.softmax(sorted_x, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly more likely tokens (as kvjax.generation.sample)
-    sorted_x = jnp.where(before < top_p[:, None], sorted_x, -jnp.inf)
-    choice = jax.vmap(jax.random.categorical)(keys, sorted_x)
-    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-
-
 def row_buckets(slots: int) -> tuple[int, ...]:
     """The decode step's row counts: powers of two below `slots`, and `slots`."""
     return tuple(sorted({1 << i for i in range(max(slots - 1, 0).bit_length()) if 1 << i < slots} | {slots}))
@@ -140,13 +127,13 @@ def step(params, cfg, cache: KVCache, tokens, active, temperature, top_p, seeds,
 def _decode(params, cfg, cache, tokens, active, temperature, top_p, seeds, counters, rows: int, layers: tuple):
     """`step`'s work (traceable): (next tokens [rows], cache, the verifier's features of `layers` [rows, 1, F] or
     None)."""
-    logits, cache, feats = forward_features(params, cfg, tokens[:rows, None], cache, layers)
-    logits = logits[:, 0]
+    out = forward(params, cfg, tokens[:rows, None], cache, features=layers)
+    logits, cache, feats = out.logits[:, 0], out.cache, out.features
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampled = temperature[:rows] > 0
     nxt = jax.lax.cond(jnp.any(sampled & active[:rows]),
-                       lambda: jnp.where(sampled, _sample_rows(logits, temperature[:rows], top_p[:rows],
-                                                               seeds[:rows], counters[:rows]), greedy),
+                       lambda: jnp.where(sampled, sample_rows(logits, temperature[:rows], top_p[:rows],
+                                                              _row_keys(seeds[:rows], counters[:rows])), greedy),
                        lambda: greedy)
     return nxt, cache.replace(lengths=jnp.where(active, cache.lengths, 0)), feats
 
@@ -171,7 +158,8 @@ def _put_rows(tree, sub, rows: int, slots: int):
 
 
 def _row_keys(seeds, counters):
-    """Each row's key: its request's seed and the tokens it generated so far (as `_sample_rows`)."""
+    """Each row's key: its request's seed and the tokens it generated so far (a seeded request samples the same
+    tokens whatever else shares the batch)."""
     return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
 
 
@@ -296,4 +284,5 @@ def context_features(params, cfg, cache: KVCache, tokens, start, layers: tuple):
     """The target's features ([B, T, F], `layers`' outputs) of tokens [B, T] at positions start .. start + T - 1,
     reading its cache before `start` [B] (the prefilled cache of a new batch; nothing is written): what the block
     drafter's context starts from (kvjax.serve.drafting)."""
-    return verify_forward(params, cfg, tokens, cache.replace(lengths=start), layers)[3]
+    return forward(params, cfg, tokens, cache.replace(lengths=start), write=False, logits=None,
+                   features=layers).features

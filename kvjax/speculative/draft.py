@@ -16,7 +16,7 @@ from flax import struct
 from kvjax.builders import NativePrefill
 from kvjax.cache import KVCache
 from kvjax.generation import Sampling, draw, sampling_probs
-from kvjax.models.decoder import forward
+from kvjax.models.decoder import decode, forward
 
 
 @struct.dataclass
@@ -68,13 +68,13 @@ class ModelDrafter:
             return draw(q, k), q, sure
 
         def one(cache):  # no row carries an extra token: a plain 1-token step
-            logits, cache = forward(params, cfg, last[:, None], cache)
-            return logits[:, 0], cache
+            return decode(params, cfg, last, cache)
 
         def two(cache):  # [extra, last] where a row has an extra, [last, pad] (length 1) where not
             first = jnp.where(state.has_extra[:, None], jnp.stack([state.extra, last], 1),
                               jnp.stack([last, jnp.zeros_like(last)], 1))
-            return forward(params, cfg, first, cache, 1 + state.has_extra.astype(jnp.int32), last_only=True)
+            out = forward(params, cfg, first, cache, lengths=1 + state.has_extra.astype(jnp.int32), logits="last")
+            return out.logits, out.cache
 
         # a 2-token step costs ~2x a 1-token one on CPU (small-M GEMMs), so take it only when some row needs it
         logits, cache = jax.lax.cond(jnp.any(state.has_extra), two, one, state.cache)
@@ -86,8 +86,8 @@ class ModelDrafter:
         else:
             def step(carry, k):
                 tok, cache = carry
-                logits, cache = forward(params, cfg, tok[:, None], cache)
-                nxt, q, sure = pick(logits[:, 0], k)
+                logits, cache = decode(params, cfg, tok, cache)
+                nxt, q, sure = pick(logits, k)
                 return (nxt, cache), (nxt, q, sure)
 
             (_, cache), (rest, rest_q, rest_sure) = jax.lax.scan(step, (tok, cache), keys[1:])

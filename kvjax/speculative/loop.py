@@ -31,7 +31,7 @@ passed into the compiled loop as an argument, so it must not hold Python state t
                                         A feature is the OUTPUT of that verifier layer (residual stream after the
                                         layer's attention and MLP, before the final norm; HF hidden_states[i + 1]),
                                         the listed layers concatenated on the last axis: F = len(layers) * D_verifier
-                                        (kvjax.models.decoder.forward_features).
+                                        (kvjax.models.decoder.forward's `features`).
     start(tokens [B, T] int32, lengths [B] int32, capacity: int, features [B, T, F] | None) -> state
         Host-level (may call jitted functions), once per batch, before the loop. tokens[:, :lengths] is each prompt
         WITHOUT its last token (that one is the first pending token); features are the verifier's at those positions
@@ -78,7 +78,7 @@ import jax.numpy as jnp
 
 from kvjax.cache import KVCache, cache_jit
 from kvjax.generation.sampling import Sampling, draw, row_sampling_probs, sampling_probs
-from kvjax.models.decoder import forward_features, verify_forward, write_block
+from kvjax.models.decoder import forward, stack_kv, write_block
 
 
 def accept_greedy(logits: jax.Array, drafts: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -201,16 +201,16 @@ def verify_block(verifier, cache: KVCache, last: jax.Array, drafts: jax.Array, q
 
     A server picks the width of each round from its drafts (the narrowest compiled width that holds the longest) and
     runs this at that static width: its decode cache is donated and updated in place, where a read-only verify pass
-    followed by a separate block write (verify_forward, write_block) made XLA:CPU copy the cache buffers (108 copies
-    in one program; 8 rows x 1,024 positions: 60 ms a round against 18 ms)."""
+    followed by a separate block write (forward(write=False), write_block) made XLA:CPU copy the cache buffers (108
+    copies in one program; 8 rows x 1,024 positions: 60 ms a round against 18 ms)."""
     vcfg, vparams = verifier
     width = drafts.shape[1] + 1 if width is None else int(width)
     drafts = drafts[:, :width - 1]
     drafted = jnp.cumprod((drafts >= 0).astype(jnp.int32), axis=-1)  # [B, width - 1]: leading real drafts
     q = None if q is None else q[:, :width - 1] * drafted[..., None]  # nothing drafted there: q = 0, p rules
     block = jnp.concatenate([last[:, None], jnp.where(drafts >= 0, drafts, 0)], axis=1)
-    logits, written, feats = forward_features(vparams, vcfg, block, cache, tuple(layers))
-    return drafts, q, logits, written.replace(lengths=cache.lengths), feats
+    out = forward(vparams, vcfg, block, cache, features=tuple(layers))
+    return drafts, q, out.logits, out.cache.replace(lengths=cache.lengths), out.features
 
 
 def verify_round(verifier, drafter, cache: KVCache, state, last: jax.Array, key: jax.Array, sampling: Sampling):
@@ -230,9 +230,12 @@ def verify_round(verifier, drafter, cache: KVCache, state, last: jax.Array, key:
         return drafts, q, logits, cache, feats, jnp.int32(g + 1), state
 
     def verify(t, block, cache):  # the verify forward over the first t tokens, padded back to g + 1 positions
-        # reads the cache without writing it (decoder.verify_forward says why); the k/v of positions past t are
+        # reads the cache without writing it: a branch that wrote into the cache would make XLA:CPU copy the whole
+        # cache into and out of the conditional (~0.3 ms a round on the toy source, a fifth of the verify pass);
+        # reading it is free, and one write after the switch stores the block. The k/v of positions past t are
         # zeros, written past what the round can accept: dead, and overwritten before any later round reads them
-        logits, k, v, feats = verify_forward(vparams, vcfg, block[:, :t], cache, layers)
+        out = forward(vparams, vcfg, block[:, :t], cache, write=False, features=layers, tap=stack_kv)
+        (k, v), logits, feats = out.tapped, out.logits, out.features
         pad = ((0, 0), (0, g + 1 - t), (0, 0))
         kv_pad = ((0, 0), (0, 0), (0, g + 1 - t), (0, 0), (0, 0))
         return (jnp.pad(logits, pad), jnp.pad(k, kv_pad), jnp.pad(v, kv_pad),

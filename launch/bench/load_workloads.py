@@ -137,8 +137,8 @@ class Offline:
     def __init__(self, a):
         sys.path.insert(0, REPO)
         from kvjax.config_flags import build
-        from kvjax.preflight import resolve_models
-        from kvjax.run_config import RunConfig
+        from kvjax.run.preflight import resolve_models
+        from kvjax.run.config import RunConfig
         from kvjax.serve.cli import locate
         self.cfg = resolve_models(build(a.config, [], RunConfig))
         self.map_dir, self.gate_path = locate(self.cfg, a.config, a.map, "")
@@ -263,8 +263,8 @@ def independent_plan(a, out_dir, offline=None) -> Plan:
 def code_plan(a, out_dir, offline=None) -> Plan:
     from kvjax.config_flags import build
     from kvjax.hf import load_tokenizer
-    from kvjax.preflight import resolve_models
-    from kvjax.run_config import RunConfig
+    from kvjax.run.preflight import resolve_models
+    from kvjax.run.config import RunConfig
     tokenizer = load_tokenizer(resolve_models(build(a.config, [], RunConfig)).target.path)
     prompts = code_prompts(heldout_windows(), tokenizer, a.prompts, a.file_tokens, a.lead_lines)
     answers, path = offline_reference(a, prompts, out_dir, offline, "offline_code.json")

@@ -105,7 +105,7 @@ def bench_apply(args) -> dict:
         maps = {"map": kvjax.fit_map(source, target, sample(tokens, 16, 256, seed=1), sample(tokens, 8, 256, seed=2),
                                      pairing=pairing_arg(args), residual_rank=args.residual_rank)[0]}
     prompt = jnp.asarray(tokens[None, : args.apply_tokens])
-    prefill = jax.jit(lambda p, t: prefill_forward(p, scfg, t, logits=False).cache)
+    prefill = jax.jit(lambda p, t: prefill_forward(p, scfg, t, logits=None).cache)
     apply = jax.jit(lambda m, c: kvjax.apply_map(m, c))
     cache = jax.block_until_ready(prefill(sparams, prompt))
     for kvmap in maps.values():

@@ -48,10 +48,10 @@ def repeated_passage_ce(params, cfg, windows: np.ndarray, n: int = 256) -> tuple
     it: a model with induction heads (what in-context retrieval needs) finds the repeat far easier."""
     import jax.numpy as jnp
 
-    from kvjax.models.decoder import forward_nocache
+    from kvjax.models.decoder import forward
     x = windows[:, :n].astype(np.int32)
     toks = jnp.asarray(np.concatenate([x, x], 1))
-    logits = forward_nocache(params, cfg, toks[:, :-1]).astype(jnp.float32)
+    logits = forward(params, cfg, toks[:, :-1]).logits.astype(jnp.float32)
     nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), toks[:, 1:, None], -1)[..., 0]
     return float(nll[:, : n - 1].mean()), float(nll[:, n:].mean())
 

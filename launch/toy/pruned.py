@@ -23,7 +23,7 @@ import sys
 
 from launch.toy.config import get_config
 from kvjax.hf import load_hf, save_hf
-from kvjax.models.config import Qwen3Config
+from kvjax.models.family import DecoderConfig
 from kvjax.models.params import Params
 from kvjax.pretrain import train
 from launch.toy.data import sha256
@@ -37,7 +37,7 @@ def file_sha256(path: str) -> str:
         return sha256(f.read())
 
 
-def prune_layers(cfg: Qwen3Config, params: Params, layers) -> tuple[Qwen3Config, Params]:
+def prune_layers(cfg: DecoderConfig, params: Params, layers) -> tuple[DecoderConfig, Params]:
     """The model made of `layers` (indices into cfg's layers, in the order given) with the same embedding, final norm
     and head."""
     layers = tuple(int(i) for i in layers)

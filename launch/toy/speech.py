@@ -151,7 +151,7 @@ def features(texts: list[str], voices: list[dict], workers: int, desc: str,
     from tqdm import tqdm
     from transformers import WhisperFeatureExtractor
 
-    from kvjax.models.audio import log_mel
+    from kvjax.models.audio_lm import log_mel
     fe = WhisperFeatureExtractor(feature_size=mel_bins)
     feats, frames = [], []
     with ProcessPoolExecutor(workers) as pool:

@@ -165,7 +165,7 @@ def main(argv=None) -> None:
     state = initial_state(ecfg, opt, args.seed)
     continues = None
     if args.init_from:  # a continued pre-training: the adapter's encoder, a fresh head and optimizer
-        from kvjax.models.audio import load_audio_encoder
+        from kvjax.hf.ultravox import load_audio_encoder
         enc = load_audio_encoder(args.init_from, jnp.float32)
         if enc.cfg != ecfg:
             raise SystemExit(f"speech_asr: the encoder in {args.init_from} has other shapes ({enc.cfg}) than this "
@@ -269,10 +269,11 @@ def runs_record(runs: list[list[dict]]) -> str:
 def transcribe(work: str | Path):
     """A function features [M, F] (one clip) -> its greedy CTC transcript (character classes), from the latest
     checkpoint in `work`. A clip longer than the encoder's window is heard chunk by chunk, as the evaluation and
-    Ultravox's processor split it (kvjax.models.audio.audio_chunks); every chunk is padded to the window (one compile)."""
+    Ultravox's processor split it (kvjax.models.audio_lm.audio_chunks); every chunk is padded to the window (one
+    compile)."""
     import jax.numpy as jnp
 
-    from kvjax.models.audio import audio_chunks
+    from kvjax.models.audio_lm import audio_chunks
     from kvjax.models.whisper import encode_jit, encoded_length
     state, ecfg = _restore(work)
     p = state["params"]

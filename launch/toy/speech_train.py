@@ -65,7 +65,7 @@ def tokenize_set(tok, items: list[dict]) -> tuple[list[list[int]], np.ndarray, n
 def batch(idx, ctx, cont, feats, offsets, stack: int, eos: int, newline: int, repeat=None) -> dict:
     """Host arrays of one batch: features padded to a bucket, the student's rows [EOS][audio][\\n][continuation]
     and the teacher's [EOS][transcript][\\n][continuation], each padded to a fixed width (one compile per bucket)."""
-    from kvjax.models.audio import audio_token_count
+    from kvjax.models.audio_lm import audio_token_count
     from launch.toy.speech import dequantize
     frames = np.asarray([offsets[i + 1] - offsets[i] for i in idx], np.int32)
     t = next(b for b in BUCKETS if b >= frames.max())
@@ -109,13 +109,12 @@ def make_fns(lm, ecfg, pcfg, frozen_encoder: bool = False):
     import jax
     import jax.numpy as jnp
 
-    from kvjax.models.audio import audio_token_count, merge_audio, project_forward
+    from kvjax.models.audio_lm import audio_token_count, merge_audio, project_forward
     from kvjax.models.decoder import prefill_forward
     from kvjax.models.whisper import encode_forward
 
-    def logits_at(embeds_or_tokens, lengths, pos, embeds: bool):
-        out = prefill_forward(lm.params, lm.cfg, None if embeds else embeds_or_tokens, lengths, last_only=False,
-                              embeds=embeds_or_tokens if embeds else None)
+    def logits_at(inputs, lengths, pos):  # inputs: token ids [B, T] or embeddings [B, T, D]
+        out = prefill_forward(lm.params, lm.cfg, inputs, lengths, logits="all")
         return jnp.take_along_axis(out.logits, pos[..., None], axis=1)  # [B, C, V]
 
     def kl(trainable, b):
@@ -124,9 +123,9 @@ def make_fns(lm, ecfg, pcfg, frozen_encoder: bool = False):
             enc = jax.lax.stop_gradient(enc)
         audio = project_forward(proj, pcfg, encode_forward(enc, ecfg, b["features"], b["frames"]))
         emb = merge_audio(lm.params, b["student"], b["audio_mask"], audio, audio_token_count(b["frames"], pcfg.stack_factor))
-        s = jax.nn.log_softmax(logits_at(emb, b["student_len"], b["student_pos"], True).astype(jnp.float32))
+        s = jax.nn.log_softmax(logits_at(emb, b["student_len"], b["student_pos"]).astype(jnp.float32))
         t = jax.nn.log_softmax(jax.lax.stop_gradient(
-            logits_at(b["teacher"], b["teacher_len"], b["teacher_pos"], False)).astype(jnp.float32))
+            logits_at(b["teacher"], b["teacher_len"], b["teacher_pos"])).astype(jnp.float32))
         return jnp.mean(jnp.sum(jnp.exp(t) * (t - s), -1))
 
     return kl
@@ -176,7 +175,8 @@ def main(argv=None) -> None:
 
     from kvjax import checkpointing
     from kvjax.hf import load_hf, load_tokenizer
-    from kvjax.models.audio import Projector, ProjectorConfig, init_projector, save_ultravox
+    from kvjax.models.audio_lm import Projector, ProjectorConfig, init_projector
+    from kvjax.hf.ultravox import save_ultravox
     from kvjax.models.whisper import AudioEncoder, WhisperEncoderConfig, init_encoder
     from launch.toy.config import EOS
     from launch.toy.speech import load_set
@@ -207,7 +207,7 @@ def main(argv=None) -> None:
     projector = init_projector(pcfg, k2).params
     continues, encoder_history = None, ""
     if args.init_from:  # a continued run: the adapter's encoder and projector, a new optimizer and schedule
-        from kvjax.models.audio import load_ultravox
+        from kvjax.hf.ultravox import load_ultravox
         alm = load_ultravox(args.init_from, jnp.float32, lm=lm)
         if (alm.encoder.cfg, alm.projector.cfg) != (ecfg, pcfg):
             raise SystemExit(f"speech_train: the adapter in {args.init_from} has other shapes "

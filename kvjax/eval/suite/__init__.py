@@ -21,7 +21,7 @@ Add an evaluation NAME
   2. Add `NAME.EVALUATION` to EVALUATIONS below (the position is the stage order).
   Then `python -m kvjax.launch` runs stage NAME (`--redo=NAME`, `--config.eval.NAME.enabled=false`), writes
   eval/NAME.json and metrics.json key NAME; document that key in docs/metrics.md. A gate threshold is a
-  `--config.gate.*` setting: a field of kvjax.gate.GateConfig that the evaluation's `gate` reads.
+  `--config.gate.*` setting: a field of kvjax.eval.gate.GateConfig that the evaluation's `gate` reads.
 
 Add an arm (a way to build the answering model's cache, e.g. a new kvjax.builders builder)
   1. Write the builder's module: calling it on (tokens int [B, T], lengths int [B]) gives the answering model's
@@ -74,7 +74,7 @@ def eval_config_type() -> type:
     fields = [(e.name, e.settings, dataclasses.field(default=e.settings())) for e in EVALUATIONS]
     fields.append(("bootstrap", int, dataclasses.field(default=BOOTSTRAP)))
     cls = dataclasses.make_dataclass("EvalConfig", fields, frozen=True)
-    cls.__module__ = "kvjax.run_config"  # where configs import it from
+    cls.__module__ = "kvjax.run.config"  # where configs import it from
     return cls
 
 
@@ -89,7 +89,7 @@ def settings_of(e: Evaluation, cfg, fitted: tuple[str, ...]):
 
 
 def stage_settings(e: Evaluation, cfg, fitted: tuple[str, ...]) -> dict:
-    """What the evaluation's stage depends on (kvjax.stages: a change reruns it): its settings, the final map, the
+    """What the evaluation's stage depends on (kvjax.job: a change reruns it): its settings, the final map, the
     arms it can build and whatever else it declares."""
     from kvjax.config_flags import to_dict
     ec = settings_of(e, cfg, fitted)
@@ -137,11 +137,11 @@ def build_metrics(records: dict, run_info: dict, n_boot: int, final: str) -> dic
 
 
 def evaluate_gate(metrics: dict, config, map_arm: str | None = None):
-    """The quality gate (kvjax.gate.GateResult) of the map `map_arm` (default: the residual) on held-out `metrics`
+    """The quality gate (kvjax.eval.gate.GateResult) of the map `map_arm` (default: the residual) on held-out `metrics`
     (the metrics.json layout): every evaluation's checks, in registry order; an evaluation that did not run gives
     unmeasured checks."""
     from kvjax.eval.arms import RESIDUAL
-    from kvjax.gate import judge
+    from kvjax.eval.gate import judge
     map_arm = map_arm or RESIDUAL
     checks = [c for e in EVALUATIONS for c in e.gate(metrics.get(e.name) or {}, config, map_arm)]
     return judge(checks, config, map_arm)

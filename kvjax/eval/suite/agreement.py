@@ -31,7 +31,7 @@ from kvjax.eval.report import pct
 from kvjax.eval.stats import bootstrap_ci, paired_bootstrap_ci, ratio_ci
 from kvjax.eval.suite.evaluation import Chart, Evaluation, unknown_arms
 from kvjax.eval.suite.kl import first_row, windows_of
-from kvjax.gate import check
+from kvjax.eval.gate import check
 
 log = logging.getLogger(__name__)
 BASELINE = "direct"  # every arm's ratio and paired difference is against direct injection
@@ -76,7 +76,7 @@ def _built_arms(ec: AgreementEval, ctx) -> tuple[dict, dict]:
 
 
 def run(ec: AgreementEval, ctx) -> dict:
-    from kvjax.eval.agreement import agreement_table
+    from kvjax.eval.token_agreement import agreement_table
     kl = ctx.cfg.eval.kl
     windows = windows_of(ctx.heldout, kl, first_row(ctx.cfg))
     builders, skipped = _built_arms(ec, ctx)

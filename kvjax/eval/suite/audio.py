@@ -4,11 +4,11 @@ and got smarter doing it"). Off by default; `--config=toy_audio` runs it.
 The source and the answerer each have an audio adapter (a Whisper encoder + Ultravox projector trained by distillation,
 launch/toy/speech_train.py). The stage first trains the AUDIO MAP: the run's final text map with its residual trained
 further on the source's audio-prompt caches (kvjax.fitting.audio_map; `map_train` clips, never the sealed ones), then
-scores the sealed spoken multiple-choice test (kvjax.eval.audio) through every arm on the same items, and times the
-mapped path against the answerer's own audio path side by side (time to first token with the encoder; decode tokens/s).
-metrics.json `audio`: accuracy per arm with 95% intervals, the paired differences that carry the method's speech claims
-(mapped vs the answerer's audio path: interval and sign-flip p-value; share of the gap to the source recovered; each
-model's spoken margin over chance kept from its transcript margin), map training KL, timings.
+scores the sealed spoken multiple-choice test (kvjax.eval.audio_transfer) through every arm on the same items, and times
+the mapped path against the answerer's own audio path side by side (time to first token with the encoder; decode
+tokens/s). metrics.json `audio`: accuracy per arm with 95% intervals, the paired differences that carry the method's
+speech claims (mapped vs the answerer's audio path: interval and sign-flip p-value; share of the gap to the source
+recovered; each model's spoken margin over chance kept from its transcript margin), map training KL, timings.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class AudioEval:
 def load_adapter(path: str, model, placeholder: int | None):
     """An AudioLM from an adapter directory (Ultravox layout) around the run's own loaded model; `placeholder`
     overrides its audio_token_index."""
-    from kvjax.models.audio import load_ultravox
+    from kvjax.hf.ultravox import load_ultravox
     from kvjax.models.model import Model
     alm = load_ultravox(path, lm=Model(*model))
     if placeholder is not None:
@@ -80,11 +80,11 @@ def audio_map_for(ec: AudioEval, ctx, src_alm, tgt_alm, prompts, tok):
     measures on those first clips: KL to the listening source and the NLL of the true text, beside the NLL of the
     source listening and of the answerer's own audio path (the two ends the map sits between). Returns (audio map,
     text map, record)."""
-    from kvjax.eval import audio as A
+    from kvjax.eval import audio_transfer as A
     from kvjax.fitting.audio_map import (audio_pool, pool_kl, pool_nll, prompt_rows, teacher_nll, train_audio_map,
                                          transcript_teacher)
     from kvjax.generation import pad_prompts
-    from kvjax.models.audio import audio_token_count
+    from kvjax.models.audio_lm import audio_token_count
     clips = [c for c in A.load_spoken(ec.map_train) if c.features.shape[1] <= src_alm.encoder.cfg.max_frames]
     texts = [tok.encode(c.endings[0].lstrip(), add_special_tokens=False).ids[:ec.map_cont] for c in clips]
     kept = [(c, t) for c, t in zip(clips, texts) if len(t) == ec.map_cont]  # whole continuations
@@ -148,8 +148,8 @@ def audio_map_for(ec: AudioEval, ctx, src_alm, tgt_alm, prompts, tok):
 
 def run(ec: AudioEval, ctx) -> dict:
     from kvjax.builders import Clock, Mapped, NativePrefill, SourcePrefill
-    from kvjax.builders.audio import AudioPrefill
-    from kvjax.eval import audio as A
+    from kvjax.builders.audio_prefill import AudioPrefill
+    from kvjax.eval import audio_transfer as A
     from kvjax.generation import alternating_decode_seconds, generate_from
     from kvjax.mapper.injection import injection_map
 
@@ -226,9 +226,9 @@ def run(ec: AudioEval, ctx) -> dict:
 
 
 def metrics(ev: dict, ctx) -> dict:
-    from kvjax.eval.audio import correct, sign_flip_p
+    from kvjax.eval.audio_transfer import correct, sign_flip_p
     from kvjax.eval.stats import bootstrap_ci, paired_bootstrap_ci
-    from kvjax.eval.audio import BY_NAME
+    from kvjax.eval.audio_transfer import BY_NAME
     labels = np.asarray(ev["labels"])
     null = {who: np.asarray(ev["arms"][f"null_{who}"]["logprobs"]) for who in ("source", "target")}
     acc = {a: correct(np.asarray(r["logprobs"]), null[BY_NAME[a].reads], labels) for a, r in ev["arms"].items()
@@ -278,7 +278,7 @@ def metrics(ev: dict, ctx) -> dict:
 
 
 def _label(arm: str) -> str:
-    from kvjax.eval.audio import BY_NAME
+    from kvjax.eval.audio_transfer import BY_NAME
     return BY_NAME[arm].label if arm in BY_NAME else arm
 
 
@@ -305,7 +305,8 @@ def report(au: dict, ctx) -> list[str]:
     out = ["## Audio transfer: a model that listened hands its cache to a text-only answerer", "",
            f"{au['items']} sealed spoken multiple-choice items (held-out documentation spoken by espeak-ng; four text "
            "endings, chance 25%; the chosen ending is the one the context raises most over no context under the "
-           "answering model, kvjax.eval.audio.correct). Every arm on the same items; 95% bootstrap intervals.", "",
+           "answering model, kvjax.eval.audio_transfer.correct). Every arm on the same items; 95% bootstrap "
+           "intervals.", "",
            "| arm | accuracy | 95% CI |", "|---|---|---|"]
     for a in acc:
         out.append(f"| {_label(a)} (`{a}`) | {pct(acc[a])} | [{pct(ci[a][0])}, {pct(ci[a][1])}] |")
@@ -365,7 +366,7 @@ def report(au: dict, ctx) -> list[str]:
 
 def chart(au: dict, path: str, ctx) -> str:
     from kvjax.eval import charts
-    from kvjax.eval.audio import BY_NAME
+    from kvjax.eval.audio_transfer import BY_NAME
     plt = charts.plt()
     arms = list(au["accuracy"])
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -404,7 +405,7 @@ def preflight(ec: AudioEval, cfg) -> list[str]:
                        f"set --config.eval.audio.map_valid={held} or less (or train the map here: map_from='')")
     if ec.map_teacher not in ("listening", "transcript"):
         out.append(f"eval.audio.map_teacher: {ec.map_teacher!r} is not one of 'listening', 'transcript'")
-    from kvjax.eval.audio import BY_NAME
+    from kvjax.eval.audio_transfer import BY_NAME
     unknown = [a for a in ec.arms if a not in BY_NAME]
     if unknown:
         out.append(f"eval.audio.arms: unknown {unknown}")
@@ -425,7 +426,7 @@ def depends(cfg) -> dict:
 
 def gate(au: dict, config, map_arm: str) -> list:
     """The method's speech claims on the audio map (not the run's text map: the gated map of this section)."""
-    from kvjax.gate import check
+    from kvjax.eval.gate import check
     lo = au.get("mapped_minus_target_audio_ci95", [None])[0]
     kept = [au[k] for k in ("source_margin_kept",) if k in au]
     return (check("audio_gain_ci_lo", lo, config.min_audio_gain_ci_lo, "min", "mapped_audio - target_audio")

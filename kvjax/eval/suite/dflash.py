@@ -1,5 +1,5 @@
 """Evaluation `dflash`: lossless block drafting (kvjax.drafter) for one model of the pair, timed side by side with its
-own greedy decoding (kvjax.eval.dflash): per block size, acceptance length tau, tokens/s, speed-up (median of
+own greedy decoding (kvjax.eval.block_drafting): per block size, acceptance length tau, tokens/s, speed-up (median of
 same-moment ratios) and whether every output equals greedy's. Off by default; on when a drafter is configured:
 `--config.eval.dflash.enabled=true --config.eval.dflash.drafter=checkpoints/toy/drafter` (a drafter trained for the
 verifier, `eval.dflash.verifier`: the source by default). metrics.json `dflash`."""
@@ -28,7 +28,7 @@ class DflashEval:
 
 def run(ec: DflashEval, ctx) -> dict:
     from kvjax.drafter import load_block_drafter
-    from kvjax.eval.dflash import measure, methods_for, pad_group, record
+    from kvjax.eval.block_drafting import measure, methods_for, pad_group, record
 
     model = ctx.source if ec.verifier == "source" else ctx.target
     drafters = {f"dflash-{b}": load_block_drafter(ec.drafter, model, draft_len=b) for b in ec.blocks}
@@ -41,7 +41,7 @@ def run(ec: DflashEval, ctx) -> dict:
 
 
 def metrics(ev: dict, ctx) -> dict:
-    from kvjax.eval.dflash import summarize
+    from kvjax.eval.block_drafting import summarize
     return {"methods": summarize(ev), **{k: ev[k] for k in ("verifier", "drafter", "new_tokens", "prompt_len",
                                                            "batch_size")}}
 

@@ -10,7 +10,7 @@ import logging
 import numpy as np
 
 from kvjax.eval.suite.evaluation import Chart, Evaluation, at_least_one
-from kvjax.gate import check
+from kvjax.eval.gate import check
 
 log = logging.getLogger(__name__)
 # attn_*: the target's attention outputs from the mapped vs its native cache, same queries
@@ -34,7 +34,7 @@ def windows_of(heldout: np.ndarray, ec: DistancesEval) -> np.ndarray:
 
 def run(ec: DistancesEval, ctx) -> dict:
     from kvjax.mapper.injection import injection_kind
-    from kvjax.eval.distances import map_distances
+    from kvjax.eval.cache_distances import map_distances
     windows = windows_of(ctx.heldout, ec)
     maps = {RAW: ctx.map(RAW), **{m: ctx.map(m) for m in ctx.fitted}}
     result = map_distances(maps, ctx.source, ctx.target, windows, ec.batch_size)

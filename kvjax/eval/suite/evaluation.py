@@ -2,7 +2,7 @@
 job hands it.
 
 No JAX at import time, here or at the top of an evaluation module: an evaluation's settings dataclass is a field of
-RunConfig (kvjax.run_config), which reads without an accelerator stack. An evaluation imports the models, maps and
+RunConfig (kvjax.run.config), which reads without an accelerator stack. An evaluation imports the models, maps and
 arms it runs inside its functions.
 """
 
@@ -29,8 +29,8 @@ class EvalContext:
     """What the job hands an evaluation's `run`: models, maps, held-out data, tokenizer and the run's settings."""
 
     cfg: Any  # the whole RunConfig: settings outside the evaluation's own (seed, another evaluation's windows)
-    source: tuple  # (Qwen3Config, Params) of the model that reads
-    target: tuple  # (Qwen3Config, Params) of the model that answers
+    source: tuple  # (DecoderConfig, Params) of the model that reads
+    target: tuple  # (DecoderConfig, Params) of the model that answers
     map: Callable[[str], Any]  # a KVMap by name, loaded on first use: "raw" (injection), "direct", a fitted map
     fitted: tuple[str, ...]  # the maps this run fits, in order; the last is the final map (gated, timed)
     heldout: Any  # int [N, T] held-out token windows (data/heldout.npy)
@@ -90,7 +90,8 @@ class Evaluation:
     # (rows, length) of the held-out windows it reads: rows [0, rows) of at least `length` tokens (0, 0: none)
     heldout: Callable[[Any, Any], tuple[int, int]] = _no_windows
     preflight: Callable[[Any, Any], list[str]] = _nothing  # (settings, RunConfig) -> problems, before any work
-    # (its metrics section or {} when it did not run, GateConfig, gated map) -> kvjax.gate.Check list (kvjax.gate.check)
+    # (its metrics section or {} when it did not run, GateConfig, gated map) -> kvjax.eval.gate.Check list
+    # (kvjax.eval.gate.check)
     gate: Callable[[dict, Any, str], list] = _nothing
 
 

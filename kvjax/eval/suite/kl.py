@@ -12,7 +12,7 @@ import numpy as np
 from kvjax.eval.report import pct
 from kvjax.eval.stats import paired_bootstrap_ci
 from kvjax.eval.suite.evaluation import Chart, Evaluation, at_least_one
-from kvjax.gate import check
+from kvjax.eval.gate import check
 
 log = logging.getLogger(__name__)
 WORSE = "#C44E52"  # slope chart: a window the residual makes worse
@@ -40,7 +40,7 @@ def windows_of(heldout: np.ndarray, ec: KLEval, skip: int) -> np.ndarray:
 def run(ec: KLEval, ctx) -> dict:
     """Each fitted map's KL; the native target's KL to the source on the same windows (the target having read the
     prefix itself) and the final map's next-token agreement come from one pass of the final map."""
-    from kvjax.eval.agreement import next_token_agreement
+    from kvjax.eval.token_agreement import next_token_agreement
     from kvjax.eval.arms import TARGET
     from kvjax.fitting.residual import evaluate_kl
     windows = windows_of(ctx.heldout, ec, first_row(ctx.cfg))

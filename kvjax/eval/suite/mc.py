@@ -16,7 +16,7 @@ import numpy as np
 from kvjax.eval.report import pct, pts
 from kvjax.eval.stats import bootstrap_ci, paired_bootstrap_ci, ratio_ci
 from kvjax.eval.suite.evaluation import Chart, Evaluation, at_least_one, unknown_arms
-from kvjax.gate import check, retention
+from kvjax.eval.gate import check, retention
 
 log = logging.getLogger(__name__)
 SETS = ("hellaswag", "piqa")  # the schemas kvjax.eval.load_mc reads; each has its own settings field

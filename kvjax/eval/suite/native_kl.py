@@ -39,7 +39,7 @@ def windows_of(heldout: np.ndarray, ec: NativeKLEval, skip: int) -> np.ndarray:
 
 
 def run(ec: NativeKLEval, ctx) -> dict:
-    from kvjax.eval.agreement import agreement_table
+    from kvjax.eval.token_agreement import agreement_table
     from kvjax.eval.arms import make_arms
     windows = windows_of(ctx.heldout, ec, first_row(ctx.cfg))
     arms = make_arms(ec.arms, ctx.source, ctx.target, ctx.map, ctx.final, ctx.cfg.arms)

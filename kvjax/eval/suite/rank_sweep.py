@@ -75,7 +75,7 @@ def time_maps(maps: list, source, tokens: np.ndarray, repeats: int) -> list[list
     from kvjax.builders import map_jit
     from kvjax.models.decoder import prefill_forward
     (scfg, sparams), t = source, tokens.shape[1]
-    cache = jax.block_until_ready(prefill_forward(sparams, scfg, jnp.asarray(tokens, jnp.int32), logits=False).cache)
+    cache = jax.block_until_ready(prefill_forward(sparams, scfg, jnp.asarray(tokens, jnp.int32), logits=None).cache)
     apply = lambda m: map_jit(m, cache, capacity=t, length=t, impl="xla")  # noqa: E731
     for m in maps:
         jax.block_until_ready(apply(m))
@@ -90,7 +90,7 @@ def time_maps(maps: list, source, tokens: np.ndarray, repeats: int) -> list[list
 
 
 def run(ec: RankSweepEval, ctx) -> dict:
-    from kvjax.eval.distances import map_distances
+    from kvjax.eval.cache_distances import map_distances
     from kvjax.fitting import rank_sweep as rs
     from kvjax.fitting.residual import evaluate_kl
     cfg, (scfg, tcfg) = ctx.cfg, (ctx.source[0], ctx.target[0])

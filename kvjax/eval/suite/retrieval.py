@@ -12,7 +12,7 @@ import numpy as np
 
 from kvjax.eval.report import length_label, pct
 from kvjax.eval.suite.evaluation import Chart, Evaluation, at_least_one, unknown_arms
-from kvjax.gate import check, retention
+from kvjax.eval.gate import check, retention
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def retrieval_file(ec: RetrievalEval, length: int) -> str:
 def run(ec: RetrievalEval, ctx) -> dict:
     from kvjax.eval.arms import make_arms, score_retrieval_arms
     from kvjax.eval.needles import make_needle_items
-    from kvjax.eval.retrieval import load_retrieval
+    from kvjax.eval.needle_retrieval import load_retrieval
     arms = make_arms(ec.arms, ctx.source, ctx.target, ctx.map, ctx.final, ctx.cfg.arms)
     tokenizer = ctx.tokenizer()
     out = {}
@@ -94,7 +94,7 @@ def chart(rt: dict, path: str, ctx) -> str:
 
 
 def preflight(ec: RetrievalEval, cfg) -> list[str]:
-    from kvjax.eval.retrieval import load_retrieval
+    from kvjax.eval.needle_retrieval import load_retrieval
     from kvjax.hf import CheckpointError, load_tokenizer
     problems = at_least_one("eval.retrieval", ec, "batch_size", "limit") + unknown_arms("eval.retrieval", ec.arms)
     if not ec.enabled:

@@ -1,7 +1,7 @@
 """Evaluation `rollout` (off by default): the method's 32-step KV-transfer divergence. On frozen held-out windows (the
 KL evaluation's rows, their first `prefix_len` tokens) the target greedily generates `steps` tokens from each fitted
 map's cache and from its own prefill, and the source teacher scores every step: KL(source || target) per step
-(kvjax.eval.rollout). Whether the residual was trained on KL or on its own rollouts is `--config.residual.rollout`.
+(kvjax.eval.divergence). Whether the residual was trained on KL or on its own rollouts is `--config.residual.rollout`.
 metrics.json `rollout`."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class RolloutEval:
 def run(ec: RolloutEval, ctx) -> dict:
     from kvjax.builders import NativePrefill
     from kvjax.eval.arms import TARGET
-    from kvjax.eval.rollout import rollout_table
+    from kvjax.eval.divergence import rollout_table
     windows = np.asarray(ctx.heldout[first_row(ctx.cfg) : first_row(ctx.cfg) + ec.windows, : ec.prefix_len])
     builders = {**{m: ctx.map(m) for m in ctx.fitted}, TARGET: NativePrefill(ctx.target, name=TARGET)}
     table = rollout_table(builders, ctx.source, ctx.target, windows, ec.steps, ec.batch_size)

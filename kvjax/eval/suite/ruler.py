@@ -13,7 +13,7 @@ import numpy as np
 from kvjax.eval.report import length_label, pct
 from kvjax.eval.ruler_tasks import TASK_NAMES, TASKS, Sizes
 from kvjax.eval.suite.evaluation import Chart, Evaluation, at_least_one, unknown_arms
-from kvjax.gate import check
+from kvjax.eval.gate import check
 
 log = logging.getLogger(__name__)
 MEANS = ("mean", "unseen")  # per length, beside the tasks: each arm's mean over the tasks / the unseen-format tasks

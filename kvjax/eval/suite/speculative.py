@@ -1,14 +1,14 @@
 """Evaluation `speculative`: speculative decoding with the reader as drafter and the answerer as verifier, timed side by
-side with the answerer's native decoding (kvjax.eval.speculative): plain drafting (the verifier prefills natively) and
-speculative KV transfer (the reader prefills once, its cache is mapped with the final map, optionally repaired, and the
-verifier checks drafts from the mapped cache; kvjax.speculative.speculative_split_generate). Per prompt length and
-draft length: acceptance length, decode tokens/s, end-to-end latency (cache + `new_tokens` tokens) and the transfer's
-agreement with the answerer's native greedy output; with `tail`, also the transfer (repaired, when the repaired arm
-runs) with the answerer reading each prompt's last RunConfig.arms.tail_tokens tokens itself on top
+side with the answerer's native decoding (kvjax.eval.speculative_timing): plain drafting (the verifier prefills
+natively) and speculative KV transfer (the reader prefills once, its cache is mapped with the final map, optionally
+repaired, and the verifier checks drafts from the mapped cache; kvjax.speculative.speculative_split_generate). Per
+prompt length and draft length: acceptance length, decode tokens/s, end-to-end latency (cache + `new_tokens` tokens) and
+the transfer's agreement with the answerer's native greedy output; with `tail`, also the transfer (repaired, when the
+repaired arm runs) with the answerer reading each prompt's last RunConfig.arms.tail_tokens tokens itself on top
 (kvjax.builders.NativeTail); with `lookup`, also the answerer drafting for itself by prompt lookup (no reader:
-kvjax.speculative.LookupDrafter). For small reads, large answers; off by default. metrics.json
-`speculative`. The summary's best arm is the fastest whose output equals native greedy (plain, lookup); a transfer
-answers from another cache, so its latency is only ever quoted beside its agreement and its cache's quality."""
+kvjax.speculative.LookupDrafter). For small reads, large answers; off by default. metrics.json `speculative`. The
+summary's best arm is the fastest whose output equals native greedy (plain, lookup); a transfer answers from another
+cache, so its latency is only ever quoted beside its agreement and its cache's quality."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 NATIVE = "native"
 # arm kinds whose verifier reads the answerer's own native prefill: lossless, so their output is native greedy's and
 # their latency is a speed-up of the same answer. transfer / repaired verify from the mapped cache: their latency buys
-# a different answer, so they are never ranked against native (kvjax.eval.speculative)
+# a different answer, so they are never ranked against native (kvjax.eval.speculative_timing)
 SAME_CACHE = ("plain", "lookup")
 # the kvjax.eval.arms cache each reads (None: the final map; the tail's: "partial_tail" with a repair, else "tail")
 CACHE_ARM = {"transfer": None, "repaired": "partial", "tail": "tail"}
@@ -48,7 +48,7 @@ class SpeculativeEval:
 
 
 def run(ec: SpeculativeEval, ctx) -> dict:
-    from kvjax.eval.speculative import measure_speculative
+    from kvjax.eval.speculative_timing import measure_speculative
     repair = (ctx.cfg.arms.partial_k, ctx.cfg.arms.partial_mode) if ec.repair else None
     tail = ctx.cfg.arms.tail_tokens if ec.tail else 0
     rows = measure_speculative(ctx.source, ctx.target, ctx.map(ctx.final), ctx.heldout.reshape(-1), ec.lengths,

@@ -1,6 +1,6 @@
 """Evaluation `throughput`: decode tokens/s, time to first token and active compute vs prefix length for the native
 target, the native source and the split path with the final map ("mapped"), timed the way the method's report does
-(kvjax.eval.throughput). metrics.json `throughput`."""
+(kvjax.eval.decode_throughput). metrics.json `throughput`."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ class ThroughputEval:
 
 
 def run(ec: ThroughputEval, ctx) -> dict:
-    from kvjax.eval.throughput import measure_throughput
+    from kvjax.eval.decode_throughput import measure_throughput
     rows = measure_throughput(ctx.source, ctx.target, ctx.map(ctx.final), ctx.heldout.reshape(-1), ec.lengths,
                               new_tokens=ec.new_tokens, repeats=ec.repeats, batch_size=ec.batch_size,
                               decode_repeats=ec.decode_repeats, paired_decode=ec.paired_decode)
@@ -192,7 +192,7 @@ def preflight(ec: ThroughputEval, cfg) -> list[str]:
 def gate(tp: dict, config, map_arm: str) -> list:
     """End-to-end latency of the split path / the native source's, worst prefix length (the split path is timed with
     the run's final map; the maps of one run differ in cost by their map phase alone)."""
-    from kvjax.gate import check
+    from kvjax.eval.gate import check
     ratios = [r["mapped_latency_over_source"] for r in (tp or {}).values() if "mapped_latency_over_source" in r]
     return check("latency_vs_source", max(ratios) if ratios else None, config.max_latency_vs_source, "max")
 

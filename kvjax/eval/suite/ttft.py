@@ -1,9 +1,9 @@
 """Evaluation `ttft`: time to first token of the answering model from a cache built out of the reader's prefill
 (reader prefill + final map, + the repair: kvjax.builders.PartialRecompute, and + the answerer reading the prompt's
 last tokens: kvjax.builders.NativeTail, both with RunConfig.arms) against the
-answerer's own prefill, at several prompt lengths, timed side by side in one run (kvjax.eval.ttft: rotating order,
-medians of the timed rounds, per-round ratios). The speed-up this direction is for: small reads, large answers. Off by
-default (the forward job's `throughput` times its split path); metrics.json `ttft`."""
+answerer's own prefill, at several prompt lengths, timed side by side in one run (kvjax.eval.first_token: rotating
+order, medians of the timed rounds, per-round ratios). The speed-up this direction is for: small reads, large answers.
+Off by default (the forward job's `throughput` times its split path); metrics.json `ttft`."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ class TTFTEval:
 
 def run(ec: TTFTEval, ctx) -> dict:
     from kvjax.builders import Mapped, NativePrefill, NativeTail, PartialRecompute, repaired
-    from kvjax.eval.ttft import measure_ttft
+    from kvjax.eval.first_token import measure_ttft
     kvmap = ctx.map(ctx.final)
     builders = {NATIVE: NativePrefill(ctx.target), MAPPED: Mapped(ctx.source, ctx.target, kvmap)}
     if ec.repair:

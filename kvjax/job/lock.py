@@ -21,8 +21,8 @@ import socket
 import sys
 import time
 
-from kvjax.preflight import LaunchError
-from kvjax.stages import disk
+from kvjax.run.preflight import LaunchError
+from kvjax.job import disk
 
 LOCK = ".lock"
 # the lock's descriptor number, handed across the command's one restart under the allocator settings (os.execve keeps

@@ -1,10 +1,10 @@
-"""Caches of prompts that hold audio: an audio-language model (kvjax.models.audio.AudioLM) reads the spoken prompt.
+"""Caches of prompts that hold audio: an audio-language model (kvjax.models.audio_lm.AudioLM) reads the spoken prompt.
 
 A prompt with audio is ordinary token ids in which each clip's audio positions hold the model's placeholder id
-(`audio_token_index`, expanded to the clip's audio_token_count; kvjax.models.audio.audio_prompt), plus the clips' log-mel
-features. The builders keep the CacheBuilder contract (tokens + lengths -> the answering model's cache), so generation,
-evaluation arms and the server take them unchanged: the clips of the next call are given first with `set_audio`
-(in the order their placeholders appear, row by row), as a SourcePrefill is given its batch.
+(`audio_token_index`, expanded to the clip's audio_token_count; kvjax.models.audio_lm.audio_prompt), plus the clips'
+log-mel features. The builders keep the CacheBuilder contract (tokens + lengths -> the answering model's cache), so
+generation, evaluation arms and the server take them unchanged: the clips of the next call are given first with
+`set_audio` (in the order their placeholders appear, row by row), as a SourcePrefill is given its batch.
 
   AudioPrefill(alm)                           the audio-LM reads the prompt itself: the source's audio path, or the
                                               answerer's own ("native") audio path
@@ -22,7 +22,7 @@ import numpy as np
 
 from kvjax.builders.base import CacheBuilder, Clock
 from kvjax.cache import KVCache
-from kvjax.models.audio import AudioLM, prefill_audio
+from kvjax.models.audio_lm import AudioLM, prefill_audio
 
 
 class AudioPrefill(CacheBuilder):

@@ -1,7 +1,7 @@
 """The stages that fit maps: ridge -> map_ridge/ (both models over the calibration windows, a ridge per target layer
 for K and V), residual -> map/ (the residual on source-teacher KL, resumable from its orbax checkpoints in
 residual/), perhead -> map_perhead/ (the per-head ridge peer), bridge -> map_bridge/ (the head-matched,
-attention-weighted bridge map on the ridge's pairing). Directories: kvjax.stages.plan.MAP_DIRS."""
+attention-weighted bridge map on the ridge's pairing). Directories: kvjax.run.layout.MAP_DIRS."""
 
 from __future__ import annotations
 
@@ -16,14 +16,14 @@ from kvjax.fitting.perhead import fit_perhead
 from kvjax.fitting.residual import train_residual
 from kvjax.hf import tokenizer_fingerprint
 from kvjax.mapper.artifact import read_manifest, save_map
-from kvjax.stages.markers import Stage, read_json
-from kvjax.stages.plan import MAP_DIRS
+from kvjax.job.markers import Stage, read_json
+from kvjax.run.layout import MAP_DIRS
 
 log = logging.getLogger("kvjax.launch")
 
 
 def ridge(job, stage: Stage) -> None:
-    """`job`: the run's kvjax.stages.context.Context (for this and the other stages here)."""
+    """`job`: the run's kvjax.job.context.Context (for this and the other stages here)."""
     cfg = job.cfg
     source, target = job.models()
     pairing = "depth" if cfg.map.pairing == "depth" else int(cfg.map.pairing[3:])

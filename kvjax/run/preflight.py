@@ -18,8 +18,8 @@ import functools
 import json
 import os
 
-from kvjax.gate import GateConfig
-from kvjax.run_config import RunConfig
+from kvjax.eval.gate import GateConfig
+from kvjax.run.config import RunConfig
 
 ROLES = ("source", "target")
 CONFIG, SINGLE, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"  # as kvjax.hf reads them
@@ -54,7 +54,7 @@ def known_model_types() -> tuple[str, ...]:
     """The config.json model_types kvjax reads: those of the families kvjax/models/__init__.py imports, taken from
     their source (`register(Family(..., model_types=(...)))`), since importing a family imports JAX. Empty when the
     source does not read that way; the loader then judges the model_type once JAX is up."""
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models")
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
     found: list[str] = []
     try:
         with open(os.path.join(here, "__init__.py"), encoding="utf-8") as f:

@@ -30,8 +30,8 @@ import json
 import os
 import re
 
-from kvjax.preflight import LaunchError
-from kvjax.stages.names import stage_names
+from kvjax.run.preflight import LaunchError
+from kvjax.run.layout import stage_names
 
 MB = 1 << 20
 EVAL_RECORD = MB // 2  # an evaluation's eval/NAME.json: per-window and per-item numbers (kB on the shipped configs)
@@ -44,7 +44,7 @@ KEPT_CHECKPOINTS = 2 + 1  # kvjax.checkpointing.manager keeps 2; a third is writ
 
 class WriteFailed(LaunchError):
     """A write into the run directory that the disk refused (full, read-only, not permitted); the message is one
-    line naming the device, the path and the stage. kvjax.stages.job reports it as bad input (no traceback)."""
+    line naming the device, the path and the stage. kvjax.job.execute reports it as bad input (no traceback)."""
 
 
 # ---- the estimate --------------------------------------------------------------------------------------------------

@@ -99,8 +99,8 @@ def text_prompt_ids(p: Prompts, transcript_ids: list[int]) -> list[int]:
 def clip_inputs(feats: list[np.ndarray], stack_factor: int, window: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Clips [M, F_i] -> (encoder inputs [N', M, <= window], their frames [N'], audio tokens per clip [N]): a clip
     longer than the encoder's window is split into window-long chunks, each encoded alone, their tokens consecutive
-    (Ultravox's processor; kvjax.models.audio.audio_chunks)."""
-    from kvjax.models.audio import audio_chunks, audio_token_count
+    (Ultravox's processor; kvjax.models.audio_lm.audio_chunks)."""
+    from kvjax.models.audio_lm import audio_chunks, audio_token_count
     f, frames = pad_features(feats)
     counts = audio_token_count(frames.astype(np.int64), stack_factor, window)
     if f.shape[2] > window:

@@ -16,11 +16,11 @@ from kvjax.hf import load_hf, load_hf_config, load_tokenizer
 from kvjax.mapper.artifact import load_map
 from kvjax.mapper.injection import injection_map
 from kvjax.models.params import abstract_params, param_axes
-from kvjax.preflight import make_mesh
-from kvjax.run_config import RunConfig
+from kvjax.run.preflight import make_mesh
+from kvjax.run.config import RunConfig
 from kvjax.sharding import tree_shardings
-from kvjax.stages.markers import RunDir
-from kvjax.stages.plan import MAP_DIRS
+from kvjax.job.markers import RunDir
+from kvjax.run.layout import MAP_DIRS
 
 log = logging.getLogger("kvjax.launch")
 

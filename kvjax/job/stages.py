@@ -1,39 +1,19 @@
-"""The main job's plan: which stages a config runs, what each depends on (its hash, known before any work) and
-where each writes. No JAX here: the command line and the server read it before JAX starts.
-
-MAP_DIRS is the one table of the fitted maps' directories in a run directory, by arm name (kvjax.eval.arms): the
-plan's outputs, the job's loading and sizing of maps and the server's final map all read it.
-"""
+"""The job's plan: every stage a config runs with the settings it depends on, so that its hash is known before any
+work and a rerun reuses what a finished stage wrote (kvjax.job.markers). No JAX here."""
 
 from __future__ import annotations
 
 from kvjax import corpus
 from kvjax.config_flags import to_dict
 from kvjax.eval import suite
-from kvjax.run_config import RunConfig
-from kvjax.stages.markers import Stage, model_identity
-
-MAP_DIRS = {"ridge": "map_ridge", "residual": "map", "perhead": "map_perhead", "bridge": "map_bridge"}
-EVALS = suite.NAMES  # the evaluation registry (kvjax.eval.suite), one stage each
-STAGES = ("calibrate", "ridge", "residual", "perhead", "bridge", *EVALS, "report")  # every stage there is, in order
-COLLECTIVE = ("ridge", "residual")  # the data-parallel stages: every process of a multi-process run takes part
-
-
-def fitted_maps(cfg: RunConfig) -> tuple[str, ...]:
-    """The maps this run fits, each named after the stage that fits it (and its arm in kvjax.eval.arms), the final
-    map last: the one the gate judges and throughput times."""
-    peers = (("perhead",) if cfg.peers.perhead_topk > 0 else ()) + (("bridge",) if cfg.peers.bridge_topk > 0 else ())
-    # the peers before the run's own maps: the final one is last
-    return (*peers, "ridge", "residual") if cfg.residual.steps > 0 else (*peers, "ridge")
-
-
-def final_arm(cfg: RunConfig) -> str:
-    return fitted_maps(cfg)[-1]
+from kvjax.job.markers import Stage, model_identity
+from kvjax.run.config import RunConfig
+from kvjax.run.layout import MAP_DIRS, fitted_maps
 
 
 def plan(cfg: RunConfig) -> dict[str, Stage]:
     """Every stage with the settings it depends on (hashes are known before any work). A stage's hash is that of
-    its settings and its upstream stages' hashes (kvjax.stages.markers.Stage): what is written here decides whether
+    its settings and its upstream stages' hashes (kvjax.job.markers.Stage): what is written here decides whether
     a rerun reuses a finished stage, so a change to it makes every earlier run directory recompute."""
     models = {role: {"path": getattr(cfg, role).path, "dtype": getattr(cfg, role).dtype,
                      "identity": model_identity(getattr(cfg, role).path)} for role in ("source", "target")}

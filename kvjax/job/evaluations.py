@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 
 from kvjax.eval import suite
-from kvjax.stages.markers import Stage, write_json
-from kvjax.stages.plan import fitted_maps
+from kvjax.job.markers import Stage, write_json
+from kvjax.run.layout import fitted_maps
 
 
 def run(job, stage: Stage) -> None:
-    """One evaluation of the registry: its record to eval/NAME.json. `job`: the run's kvjax.stages.context.Context."""
+    """One evaluation of the registry: its record to eval/NAME.json. `job`: the run's kvjax.job.context.Context."""
     source, target = job.models()
     ctx = suite.EvalContext(cfg=job.cfg, source=source, target=target, map=job.map,
                             fitted=fitted_maps(job.cfg), heldout=np.asarray(job.data("heldout")),

@@ -18,12 +18,15 @@ from kvjax.eval.suite.speculative import SpeculativeEval
 from kvjax.eval.suite.throughput import ThroughputEval
 from kvjax.eval.suite.ttft import TTFTEval
 from kvjax.eval.arm_settings import ArmSettings
-from kvjax.gate import GateConfig
+from kvjax.eval.gate import GateConfig
 from kvjax.fitting.residual_config import ResidualConfig
 
 __all__ = ["ModelConfig", "DataConfig", "MapConfig", "PeerConfig", "EvalConfig", "MeshConfig", "RunConfig",
            "DistancesEval", "KLEval", "MCEval", "RetrievalEval", "ThroughputEval", "NativeKLEval", "TTFTEval",
            "SpeculativeEval"]
+
+
+DEFAULT_CONFIG = "toy_pruned_quick"  # the run the commands take without --config: the shipped pair, minutes on 2 cores
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
-"""The Job: one run's stages in order, each skipped when its marker matches (kvjax.stages.markers), and `start`,
+"""The Job: one run's stages in order, each skipped when its marker matches (kvjax.job.markers), and `start`,
 what `python -m kvjax.launch` hands a checked config to. Imports JAX: the command line imports this module only once
-its own checks (kvjax.preflight.check_fast) have passed."""
+its own checks (kvjax.run.preflight.check_fast) have passed."""
 
 from __future__ import annotations
 
@@ -16,13 +16,14 @@ from kvjax.config_flags import ConfigFlagError, LaunchFlags, to_dict
 from kvjax.corpus import CorpusError
 from kvjax.hf import CheckpointError
 from kvjax.models.config import ConfigError
-from kvjax.preflight import LaunchError, check_processes, validate
-from kvjax.run_config import RunConfig
-from kvjax.stages import calibrate, disk, evaluate, fit, report
-from kvjax.stages import lock as run_lock
-from kvjax.stages.context import Context
-from kvjax.stages.markers import StageConflict, read_json, write_json
-from kvjax.stages.plan import COLLECTIVE, plan
+from kvjax.run.preflight import LaunchError, check_processes, validate
+from kvjax.run.config import RunConfig
+from kvjax.job import calibration, disk, evaluations, maps, reporting
+from kvjax.job import lock as run_lock
+from kvjax.job.context import Context
+from kvjax.job.markers import StageConflict, read_json, write_json
+from kvjax.run.layout import COLLECTIVE
+from kvjax.job.stages import plan
 from kvjax.tensorfile import SafetensorsError
 
 log = logging.getLogger("kvjax.launch")
@@ -42,15 +43,15 @@ class Job(Context):
 
     COLLECTIVE = COLLECTIVE
 
-    # each stage is a function (job, stage) of its module; an evaluation's is evaluate.run. As methods, a stage can
+    # each stage is a function (job, stage) of its module; an evaluation's is evaluations.run. As methods, a stage can
     # also be run by hand: job.stage_calibrate(job.stages["calibrate"])
-    stage_calibrate = calibrate.run
-    stage_ridge = fit.ridge
-    stage_residual = fit.residual
-    stage_perhead = fit.perhead
-    stage_bridge = fit.bridge
-    stage_eval = evaluate.run
-    stage_report = report.run
+    stage_calibrate = calibration.run
+    stage_ridge = maps.ridge
+    stage_residual = maps.residual
+    stage_perhead = maps.perhead
+    stage_bridge = maps.bridge
+    stage_eval = evaluations.run
+    stage_report = reporting.run
 
     def __init__(self, cfg: RunConfig, redo: tuple[str, ...] = (), step_timeout: float = 0.0):
         super().__init__(cfg)
@@ -70,7 +71,7 @@ class Job(Context):
 
     def check(self) -> None:
         """Apply --redo, then make sure no finished stage conflicts with these settings and that what the stages
-        still to run will write fits the disk (kvjax.stages.disk.check_space; before any work)."""
+        still to run will write fits the disk (kvjax.job.disk.check_space; before any work)."""
         if self._checked:
             return
         self._checked = True
@@ -140,10 +141,10 @@ class Job(Context):
 
 def start(cfg: RunConfig, redo: tuple[str, ...], flags: LaunchFlags, lock: bool = False) -> Job:
     """A Job for a config that passed the command line's checks, ready to execute: the checks that read the models'
-    configs and the registries (kvjax.preflight.validate), jax.distributed started when asked (flags or
+    configs and the registries (kvjax.run.preflight.validate), jax.distributed started when asked (flags or
     JAX_COORDINATOR_ADDRESS), and no finished stage in conflict (process 0 applies --redo first) nor too little
     space for the rest. `lock`: process 0 locks the run directory once jax.distributed says it is process 0 (the
-    command locks it before JAX starts whenever it knows earlier; kvjax.stages.lock), released with job.lock.
+    command locks it before JAX starts whenever it knows earlier; kvjax.job.lock), released with job.lock.
     Raises one of BAD_INPUT, having written nothing."""
     validate(cfg)
     try:  # before anything touches a device; a no-op unless asked for

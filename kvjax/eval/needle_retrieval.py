@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
@@ -20,10 +19,9 @@ from tqdm import tqdm
 from kvjax.cache import KVCache, cache_jit, check_compatible
 from kvjax.eval.likelihood import bucket, continuation_logprobs, fit_capacity, native_prefix_cache
 from kvjax.eval.multiple_choice import PrefixFn, encode
-from kvjax.generation import Sampling, decode_loop
-from kvjax.models.config import Qwen3Config
+from kvjax.generation import greedy_continuation
+from kvjax.models.family import DecoderConfig
 from kvjax.models.params import Params
-from kvjax.models.decoder import forward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,12 +67,10 @@ def load_retrieval(path: str, tokenizer, limit: int | None = None) -> list[Retri
 @functools.partial(cache_jit, static_argnames=("cfg", "n_new"))
 def _greedy(params, cfg, cache, last_tokens, n_new):
     """Run last_tokens [B] after the cache, then greedy-decode: int32 [B, n_new] (no EOS stop)."""
-    logits, cache = forward(params, cfg, last_tokens[:, None], cache)
-    out, _, _ = decode_loop(params, cfg, cache, logits[:, 0], n_new, jax.random.key(0), Sampling(), (), 0)
-    return out
+    return greedy_continuation(params, cfg, cache, last_tokens, n_new)
 
 
-def greedy_from_prefix(params: Params, cfg: Qwen3Config, prefix_cache: KVCache, last_tokens, n_new: int):
+def greedy_from_prefix(params: Params, cfg: DecoderConfig, prefix_cache: KVCache, last_tokens, n_new: int):
     """Greedy continuation int32 [B, n_new] of a cache holding prompt[:-1] and the prompts' last tokens [B]."""
     check_compatible(cfg, prefix_cache)
     capacity = bucket(int(jnp.max(prefix_cache.lengths)) + 1 + n_new)
@@ -82,7 +78,7 @@ def greedy_from_prefix(params: Params, cfg: Qwen3Config, prefix_cache: KVCache, 
     return np.asarray(_greedy(params, cfg, cache, jnp.asarray(last_tokens, jnp.int32), n_new))
 
 
-def score_item(item: RetrievalItem, params: Params, cfg: Qwen3Config, prefix_fn: PrefixFn):
+def score_item(item: RetrievalItem, params: Params, cfg: DecoderConfig, prefix_fn: PrefixFn):
     """(generated ids [A], exact match, answer sum log-prob) of one item."""
     cache = prefix_fn(item.prompt_ids, 1)
     last = np.asarray(item.prompt_ids[-1:], np.int32)
@@ -92,7 +88,7 @@ def score_item(item: RetrievalItem, params: Params, cfg: Qwen3Config, prefix_fn:
     return out.tolist(), out.tolist() == list(item.answer_ids), float(logprob[0])
 
 
-def score_retrieval(items: list[RetrievalItem], params: Params, cfg: Qwen3Config, prefix_fn: PrefixFn | None = None,
+def score_retrieval(items: list[RetrievalItem], params: Params, cfg: DecoderConfig, prefix_fn: PrefixFn | None = None,
                     progress: bool = True) -> RetrievalResult:
     """Exact match of greedy generation for every item. prefix_fn(prompt_ids, 1) -> a cache (1 row) holding
     prompt_ids[:-1]; default: the model's own prefill."""

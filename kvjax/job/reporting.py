@@ -12,17 +12,17 @@ import jax
 import kvjax
 from kvjax.config_flags import to_dict
 from kvjax.eval import suite
-from kvjax.gate import save_gate
+from kvjax.eval.gate import save_gate
 from kvjax.hf import load_hf_config
 from kvjax.mapper.artifact import read_manifest
-from kvjax.stages.markers import Stage, read_json, write_json
-from kvjax.stages.plan import EVALS, MAP_DIRS, final_arm, fitted_maps
+from kvjax.job.markers import Stage, read_json, write_json
+from kvjax.run.layout import EVALS, MAP_DIRS, final_arm, fitted_maps
 
 log = logging.getLogger("kvjax.launch")
 
 
 def run(job, stage: Stage) -> None:
-    """`job`: the run's kvjax.stages.job.Job (its plan and the seconds of the stages it ran)."""
+    """`job`: the run's kvjax.job.execute.Job (its plan and the seconds of the stages it ran)."""
     cfg = job.cfg
     records = {name: read_json(job.run.path("eval", f"{name}.json")) for name in EVALS if name in job.stages}
     final = final_arm(cfg)

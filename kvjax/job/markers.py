@@ -11,7 +11,7 @@ What is under a final name is whole: every writer of the stages writes a tempora
 the data directory, kvjax.save_map, the report's files and charts; orbax commits a checkpoint by renaming its
 temporary directory), and a stage's marker is written last. A stage killed at any moment, or whose write the disk
 refuses, is therefore redone by the rerun, from its start or (the residual) from its last checkpoint. The stages
-run inside `RunDir.writing`, which turns a refused write into one line (kvjax.stages.disk) and removes what the
+run inside `RunDir.writing`, which turns a refused write into one line (kvjax.job.disk) and removes what the
 stage left under temporary names.
 """
 
@@ -26,7 +26,7 @@ import shutil
 import time
 
 from kvjax.config_flags import flatten
-from kvjax.stages import disk
+from kvjax.job import disk
 
 
 class StageConflict(ValueError):
@@ -140,7 +140,7 @@ class RunDir:
     @contextlib.contextmanager
     def writing(self, stage: Stage | None, what: str = ""):
         """Run a stage's work and its marker's write (or, stage None, the writing of `what`) inside: a write the
-        disk refuses (full, read-only, not permitted: kvjax.stages.disk.failed_write) raises disk.WriteFailed, one
+        disk refuses (full, read-only, not permitted: kvjax.job.disk.failed_write) raises disk.WriteFailed, one
         line naming the device, the path and the stage, once the writer has removed what the stage left under
         temporary names (its outputs' and its marker's `.tmp`, the report's `.tmp.png` charts, orbax's
         `.orbax-checkpoint-tmp` directories), which hold the space a rerun needs."""

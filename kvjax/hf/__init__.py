@@ -1,4 +1,4 @@
-"""HF checkpoint directory <-> (Qwen3Config, Params), and the tokenizer.
+"""HF checkpoint directory <-> (a family's config, Params), and the tokenizer.
 
 A checkpoint is a directory with config.json and either model.safetensors or a sharded
 model.safetensors.index.json. Files are read by the `safetensors` package (kvjax.tensorfile): every header is
@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.models.config import ConfigError, Qwen3Config, load_config
+from kvjax.models.config import ConfigError, load_config
+from kvjax.models.family import DecoderConfig
 from kvjax.models.model import Model
 from kvjax.models.params import (Params, from_flat, from_hf_tensors, hf_names, hf_shape, param_specs, to_flat,
                                  to_hf_tensors)
@@ -51,7 +52,7 @@ def resolve(path: str) -> str:
                           f"{SINGLE} (or {INDEX})")
 
 
-def load_hf_config(path: str) -> Qwen3Config:
+def load_hf_config(path: str) -> DecoderConfig:
     path = resolve(path)
     cfg_path = os.path.join(path, CONFIG)
     if not os.path.isfile(cfg_path):
@@ -95,7 +96,7 @@ def _open_weights(path: str) -> dict[str, SafetensorsFile]:
 
 def open_weights(path: str) -> dict[str, SafetensorsFile]:
     """tensor name -> the open file holding it, for a checkpoint directory (model.safetensors or a sharded index);
-    a CheckpointError naming the fix otherwise. For readers of other layouts (kvjax.models.audio: Whisper, Ultravox)."""
+    a CheckpointError naming the fix otherwise. For readers of other layouts (kvjax.hf.ultravox: Whisper, Ultravox)."""
     return _open_weights(resolve(path))
 
 
@@ -137,7 +138,7 @@ def load_hf(path: str, dtype=jnp.float32, shardings=None) -> Model:
     return Model(cfg, from_flat(cfg, flat))
 
 
-def save_hf(path: str, cfg: Qwen3Config, params: Params, tokenizer_dir: str | None = None,
+def save_hf(path: str, cfg: DecoderConfig, params: Params, tokenizer_dir: str | None = None,
             dtype=None) -> None:
     """Write an HF checkpoint directory loadable by transformers and by load_hf."""
     os.makedirs(path, exist_ok=True)

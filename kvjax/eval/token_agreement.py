@@ -16,21 +16,21 @@ from kvjax.builders import CacheBuilder, Mapped
 from kvjax.cache import cache_jit
 from kvjax.mapper.kl import kl
 from kvjax.mapper.kvmap import KVMap
-from kvjax.models.decoder import forward, forward_nocache
+from kvjax.models.decoder import forward
 
 
 @functools.partial(aot.jit, static_argnames=("source_cfg", "target_cfg", "prefix"))
 def _references(source_params, target_params, source_cfg, target_cfg, tokens, prefix: int):
     """The source's (teacher) and the native target's logits at the continuation positions."""
-    teacher = forward_nocache(source_params, source_cfg, tokens[:, :-1])[:, prefix - 1 :]
-    native = forward_nocache(target_params, target_cfg, tokens[:, :-1])[:, prefix - 1 :]
+    teacher = forward(source_params, source_cfg, tokens[:, :-1]).logits[:, prefix - 1 :]
+    native = forward(target_params, target_cfg, tokens[:, :-1]).logits[:, prefix - 1 :]
     return teacher, native
 
 
 @functools.partial(cache_jit, static_argnames=("cfg",))
 def _student(params, cfg, cache, continuation):
     """The target's logits for the last prefix token and the continuation, read from the built cache."""
-    return forward(params, cfg, continuation, cache)[0]
+    return forward(params, cfg, continuation, cache).logits
 
 
 @aot.jit

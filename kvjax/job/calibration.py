@@ -13,15 +13,15 @@ import numpy as np
 
 from kvjax import corpus
 from kvjax.hf import load_hf_config
-from kvjax.preflight import LaunchError
-from kvjax.stages.markers import Stage, write_json
+from kvjax.run.preflight import LaunchError
+from kvjax.job.markers import Stage, write_json
 from kvjax.windows import consecutive, sample
 
 log = logging.getLogger("kvjax.launch")
 
 
 def run(job, stage: Stage) -> None:
-    """`job`: the run's kvjax.stages.context.Context."""
+    """`job`: the run's kvjax.job.context.Context."""
     cfg, d = job.cfg, job.cfg.data
     tcfg = load_hf_config(cfg.target.path)
     eos = tcfg.eos_token_ids[0] if tcfg.eos_token_ids else (tcfg.pad_token_id or 0)

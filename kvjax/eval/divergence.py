@@ -18,6 +18,7 @@ import numpy as np
 from kvjax import aot
 from kvjax.builders import CacheBuilder, Mapped, SourcePrefill
 from kvjax.cache import KVCache
+from kvjax.generation import greedy_continuation
 from kvjax.mapper.kl import kl
 from kvjax.mapper.kvmap import KVMap
 from kvjax.models.decoder import forward
@@ -27,23 +28,16 @@ from kvjax.models.decoder import forward
 def rollout_kl(target_params, source_params, target_cfg, source_cfg, cache: KVCache, source_cache: KVCache,
                last: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
     """(KL [B, n] per step, the greedy tokens [B, n]): the target reads `last` [B] (each prefix's last token) after
-    `cache` (its cache of the prefix before it, room for n more positions) and greedily continues; the source reads
-    the same tokens after `source_cache` (its own cache of that prefix) and is the teacher at every step."""
-    first, cache = forward(target_params, target_cfg, last[:, None], cache)
-
-    def step(carry, _):
-        cache, logits = carry
-        tok = logits.argmax(-1).astype(jnp.int32)
-        nxt, cache = forward(target_params, target_cfg, tok[:, None], cache)
-        return (cache, nxt[:, 0]), (tok, logits)
-
-    (_, final), (toks, student) = jax.lax.scan(step, (cache, first[:, 0]), None, length=n - 1)
-    toks = jnp.concatenate([toks.T, final.argmax(-1).astype(jnp.int32)[:, None]], axis=1)  # [B, n]
-    student = jnp.concatenate([student.transpose(1, 0, 2), final[:, None]], axis=1)  # [B, n, V]
-    # the teacher reads the prefix's last token and the first n - 1 generated ones: its cache needs n more slots
+    `cache` (its cache of the prefix before it, room for n more positions) and greedily continues
+    (kvjax.generation.greedy_continuation); then both models read `last` and the first n - 1 generated tokens in one
+    pass, the target after `cache` (its logits are the ones it picked its tokens from), the source after
+    `source_cache` (its own cache of that prefix): the teacher at every step."""
+    toks = greedy_continuation(target_params, target_cfg, cache, last, n)
+    read = jnp.concatenate([last[:, None], toks[:, :-1]], axis=1)  # [B, n]
+    student = forward(target_params, target_cfg, read, cache).logits
+    # the teacher reads the same n tokens: its cache needs n more slots
     source_cache = source_cache.map_layers(lambda a: jnp.pad(a, ((0, 0),) * 2 + ((0, n),) + ((0, 0),)))
-    teacher, _ = forward(source_params, source_cfg, jnp.concatenate([last[:, None], toks[:, :-1]], axis=1),
-                         source_cache)
+    teacher = forward(source_params, source_cfg, read, source_cache).logits
     return kl(teacher, student), toks
 
 
