@@ -63,16 +63,21 @@ def load_manifest(path: str) -> dict:
     return manifest
 
 
-def load_drafter(path: str, target_cfg=None, dtype=jnp.float32) -> tuple[DrafterConfig, DrafterParams]:
-    """(config, params) of the drafter in `path`. With `target_cfg`, raise DrafterError unless the drafter was
-    trained for that verifier (config fingerprint in the manifest)."""
-    manifest = load_manifest(path)
-    dcfg = DrafterConfig.from_dict(manifest["config"])
+def _config(path: str, target_cfg) -> DrafterConfig:
+    """The drafter's config from its manifest; with `target_cfg`, DrafterError unless it was trained for it."""
+    dcfg = DrafterConfig.from_dict(load_manifest(path)["config"])
     if target_cfg is not None:
         try:
             dcfg.check_target(target_cfg)
         except ValueError as e:
             raise DrafterError(f"{path}: {e}") from None
+    return dcfg
+
+
+def load_drafter(path: str, target_cfg=None, dtype=jnp.float32) -> tuple[DrafterConfig, DrafterParams]:
+    """(config, params) of the drafter in `path`. With `target_cfg`, raise DrafterError unless the drafter was
+    trained for that verifier (config fingerprint in the manifest)."""
+    dcfg = _config(path, target_cfg)
     weights = SafetensorsFile(os.path.join(path, WEIGHTS))
     flat = {}
     for name, s in param_specs(dcfg).items():
@@ -94,13 +99,7 @@ def load_drafter(path: str, target_cfg=None, dtype=jnp.float32) -> tuple[Drafter
 def drafter_shapes(path: str, target_cfg=None, dtype=jnp.float32) -> tuple[DrafterConfig, DrafterParams]:
     """`load_drafter`'s (config, params) with jax.ShapeDtypeStructs for the params, from the manifest and the weights
     file's header alone (no tensor is read): what a plan compiles the drafter's programs with."""
-    manifest = load_manifest(path)
-    dcfg = DrafterConfig.from_dict(manifest["config"])
-    if target_cfg is not None:
-        try:
-            dcfg.check_target(target_cfg)
-        except ValueError as e:
-            raise DrafterError(f"{path}: {e}") from None
+    dcfg = _config(path, target_cfg)
     weights = SafetensorsFile(os.path.join(path, WEIGHTS))
     flat = {name: jax.ShapeDtypeStruct(s.shape, jnp.dtype(dtype)) for name, s in param_specs(dcfg).items()}
     params = from_flat(dcfg, flat)
